@@ -1,0 +1,30 @@
+# Two entry points, both self-contained on a fresh machine:
+#   make run   -> venv + install + `batchgen run` on examples/requests.jsonl with the default model
+#   make test  -> venv + install + the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch (an unpinned torch would pull a multi-GB CUDA build).
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install run test clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/batchgen run -i examples/requests.jsonl -o results.jsonl
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) results.jsonl
