@@ -1,0 +1,21 @@
+"""BatchGen: throughput-first batch inference for Mixture-of-Experts language models.
+
+The user API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``.
+"""
+
+from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it lazily so that `import batchgen`
+    # (e.g. for SamplingParams in a client process) stays light.
+    if name == "LLM":
+        from batchgen.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

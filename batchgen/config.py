@@ -1,0 +1,80 @@
+"""Engine configuration: one validated dataclass, every "auto" resolved in `resolve()`.
+
+Field names follow vLLM's engine arguments (`max_model_len`, `max_num_seqs`,
+`max_num_batched_tokens`, `block_size`, `gpu_memory_utilization`), so a vLLM user can carry
+their settings over. The CLI builds one flag per field from `dataclasses.fields(EngineConfig)`
+using each field's ``metadata["help"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Validation raises `ValueError` naming the field and its allowed values."""
+
+    model: str | None = field(
+        default=None, metadata=_help("HF model directory or hub id (default: embedded model)")
+    )
+    tokenizer: str | None = field(default=None, metadata=_help("tokenizer path (default: model)"))
+    dtype: str = field(default="auto", metadata=_help(f"weights/activations dtype, one of {DTYPES}"))
+    device: str = field(default="auto", metadata=_help(f"one of {DEVICES}"))
+    seed: int = field(default=0, metadata=_help("seed of the global RNG (unseeded requests)"))
+    max_model_len: int | None = field(
+        default=None, metadata=_help("max prompt+output tokens per sequence (default: model's)")
+    )
+    max_num_seqs: int = field(default=256, metadata=_help("max sequences running at once"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_help("max tokens per engine step (chunked prefill budget)")
+    )
+    block_size: int = field(default=16, metadata=_help("KV cache block size in tokens"))
+    kv_cache_memory_gb: float | None = field(
+        default=None,
+        metadata=_help("KV cache budget in GiB (default: 1 on CPU, gpu_memory_utilization on CUDA)"),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_help("fraction of CUDA memory for weights+activations+KV cache")
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_help("force the number of KV blocks (testing preemption)")
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

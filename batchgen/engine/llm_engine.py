@@ -1,0 +1,328 @@
+"""`LLMEngine`: requests in, finished `RequestOutput`s out, one `step()` at a time.
+
+    engine.add_request("r0", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+A step is: schedule -> run the model -> sample -> append tokens, detokenize, check stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.block_manager import KVCacheManager
+from batchgen.engine.detokenizer import IncrementalDetokenizer
+from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Request, Sequence
+from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
+from batchgen.models.model_config import ModelConfig
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without CUDA."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available; use 'cpu'")
+    return torch.device(device)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters (tokens, seconds)."""
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    num_preemptions: int = 0
+
+
+class LLMEngine:
+    """The engine: owns the model, KV cache, scheduler, sampler and the request table.
+
+    Raises ValueError on construction for invalid settings (unknown architecture, missing
+    model, ``max_model_len`` above the model's limit).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        if config.model is None:
+            from batchgen.models.default_model import default_model_path
+
+            config.model = default_model_path()
+        self.model_name = config.model
+        path = resolve_model_path(config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        self.model_config = cfg = ModelConfig.from_hf(hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, cfg)
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        model = load_model(path, cfg, self.device, self.dtype)
+        logger.info("loaded %s (%s) on %s in %.1f s", path, cfg.architecture, self.device,
+                    time.perf_counter() - t0)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.eos_token_ids = self._eos_ids(path, cfg)
+
+        num_blocks = self._num_kv_blocks(cfg)
+        capacity = num_blocks * config.block_size
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+        if max_len > capacity:
+            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens",
+                           max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._next_seq_id = 0
+        self._arrivals = 0
+
+    # ---- set-up helpers ---------------------------------------------------------------
+    def _num_kv_blocks(self, cfg: ModelConfig) -> int:
+        c = self.config
+        per_block = kv_cache_bytes_per_token(cfg, self.dtype) * c.block_size
+        if c.num_gpu_blocks_override is not None:
+            num_blocks = c.num_gpu_blocks_override
+        else:
+            if c.kv_cache_memory_gb is not None:
+                budget = c.kv_cache_memory_gb * _GiB
+            elif self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                # Keep room for activations: a step's tokens times a generous per-token size.
+                reserve = 64 * c.max_num_batched_tokens * max(cfg.hidden_size, cfg.vocab_size) * 4
+                budget = total * c.gpu_memory_utilization - used - reserve
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_GB * _GiB
+            num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block of {c.block_size} tokens "
+                f"({per_block} bytes); raise kv_cache_memory_gb or gpu_memory_utilization"
+            )
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)",
+                    num_blocks, c.block_size, num_blocks * c.block_size,
+                    num_blocks * per_block / (1 << 20), per_block // c.block_size)
+        return num_blocks
+
+    @staticmethod
+    def _eos_ids(path, cfg: ModelConfig) -> frozenset[int]:
+        """EOS ids from config.json and generation_config.json (which may list several)."""
+        ids = set(cfg.eos_token_ids)
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(path)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        except OSError:
+            pass
+        return frozenset(int(i) for i in ids)
+
+    # ---- requests ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("prompt dict must have 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _check_ids(self, ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return list(ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation with the generation prompt appended.
+
+        Raises ValueError when messages are malformed or the tokenizer has no chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+                    m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be an object with string 'role' and "
+                                 "'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat_template; use completions")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate ``request_id``, empty prompt, prompt of ``max_model_len``
+                tokens or more, token ids outside the vocabulary. Nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
+            )
+        request = Request(request_id, text, ids, params, self._arrivals)
+        self._arrivals += 1
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, request, i)
+            self._next_seq_id += 1
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed, i, self.device)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (no output is returned for it). Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self.scheduler.remove_finished()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of requests that finished in it."""
+        if not self.requests:
+            return []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            raise RuntimeError("scheduler produced an empty step with unfinished requests")
+        sampling, logits = self.runner.execute(sched.scheduled)
+        for entry in sched.scheduled:
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+            if entry.seq.num_output_tokens == 0:
+                self.stats.num_prompt_tokens += entry.num_new_tokens
+        finished: list[Request] = []
+        if sampling:
+            seqs = [e.seq for e in sampling]
+            rows = [self._sampling_row(s) for s in seqs]
+            out = self.sampler(logits, rows)
+            for i, seq in enumerate(seqs):
+                self._append_token(seq, out, i)
+                if seq.is_finished and seq.request.is_finished:
+                    finished.append(seq.request)
+        self.scheduler.remove_finished()
+        self.stats.num_steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        results = []
+        for request in finished:
+            del self.requests[request.request_id]
+            results.append(self._make_output(request))
+        return results
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        block = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, block)
+
+    def _append_token(self, seq: Sequence, out: SamplerOutput, row: int) -> None:
+        token = out.sampled_token_ids[row]
+        p = seq.params
+        seq.output_token_ids.append(token)
+        self.stats.num_generated_tokens += 1
+        seq.cumulative_logprob += out.sampled_logprobs[row]
+        top = out.top_logprobs[row]
+        if seq.logprobs is not None and top is not None:
+            seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                 for t, lp, rank in top})
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= p.min_tokens
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop", None)
+            return
+        if can_stop and token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        matched = seq.detokenizer.add_tokens([token])
+        if matched is not None and can_stop:
+            self._finish(seq, "stop", matched)
+            return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or (
+                seq.num_tokens >= self.max_model_len):
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq in request.seqs:
+            want_lp = request.params.logprobs is not None
+            outputs.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.finalize(),
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             outputs, finished=True)

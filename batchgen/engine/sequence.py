@@ -1,0 +1,114 @@
+"""Per-request and per-sample state: plain data, derived values as properties.
+
+A `Request` is what the user submitted (one prompt, one `SamplingParams`); it owns ``n``
+`Sequence` objects, one per sample. The scheduler works on sequences. Following vLLM v1 there
+is no separate prefill/decode bookkeeping: each sequence has ``num_computed_tokens`` catching up
+with ``num_tokens``; a sequence is in prefill while the gap exceeds one token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchgen.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted (its KV blocks were freed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated.
+
+    Attributes:
+        seq_id: engine-unique integer id.
+        request: the owning request.
+        index: sample index in ``[0, n)``.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose K/V are in the cache (reset to 0 on preemption: the
+            sequence is recomputed, prompt and outputs alike).
+        block_table: KV cache block ids, in position order.
+        generator: per-sample RNG when the request is seeded.
+        detokenizer: incremental detokenizer (`batchgen.engine.detokenizer`).
+        logprobs: per generated token ``{token_id: Logprob}`` when requested.
+        cumulative_logprob: sum of sampled-token logprobs.
+        finish_reason / stop_reason: as in `CompletionOutput`.
+        num_preemptions: how often this sequence was preempted (metric).
+    """
+
+    seq_id: int
+    request: Request
+    index: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def token_id_at(self, position: int) -> int:
+        n = self.num_prompt_tokens
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[
+            position - n]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, one `SamplingParams`, ``params.n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,127 @@
+"""`LLM`: the offline API, with vLLM's names (`vllm.LLM.generate` / `chat`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Load a model and generate for many prompts at once.
+
+    Args:
+        model: local HF checkpoint directory or hub id; None uses the embedded default model.
+        **kwargs: any `EngineConfig` field (``dtype``, ``device``, ``max_model_len``,
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_gb``, ...).
+
+    Raises:
+        ValueError: invalid settings (the message names the field), unsupported architecture,
+            unresolvable model.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {sorted(unknown)}; allowed: "
+                             f"{EngineConfig.field_names()}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a
+                list of these.
+            sampling_params: one for all prompts, or one per prompt; default `SamplingParams()`.
+        Returns:
+            One `RequestOutput` per prompt. A prompt that cannot run on its own (empty, longer
+            than ``max_model_len``...) gets ``error`` set and no outputs; the others still run.
+        Raises:
+            ValueError: a list of sampling params whose length differs from the prompts'.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
+                                 "pass one, or one per prompt")
+        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations, applying the
+        tokenizer's chat template with the generation prompt."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        engine = self.llm_engine
+        prompts: list[PromptType] = []
+        errors: dict[int, str] = {}
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append({"prompt_token_ids": engine.apply_chat_template(conv)})
+            except ValueError as exc:
+                errors[i] = str(exc)
+                prompts.append({"prompt_token_ids": []})
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for i, msg in errors.items():
+            outs[i].error = msg
+        return outs
+
+    def _run(self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool
+             ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, sp in items:
+            request_id = f"{self._counter}"
+            self._counter += 1
+            order.append(request_id)
+            try:
+                engine.add_request(request_id, prompt, sp)
+            except ValueError as exc:
+                logger.warning("request %s failed: %s", request_id, exc)
+                ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else (
+                    prompt if isinstance(prompt, list) else [])
+                results[request_id] = RequestOutput(
+                    request_id, prompt if isinstance(prompt, str) else None, list(ids),
+                    [], finished=True, error=str(exc))
+        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        bar.update(len(results))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[out.request_id] = out
+                bar.update(1)
+        bar.close()
+        return [results[r] for r in order]

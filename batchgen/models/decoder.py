@@ -1,0 +1,110 @@
+"""Decoder-only transformer exposed as stage functions.
+
+One class covers Llama, Mistral, Qwen2 (dense) and Mixtral (sparse MoE); the FFN of each layer
+is a `GatedMLP` or a `SparseMoeBlock`. The executor drives the model stage by stage:
+
+    h = model.embed(input_ids)                              # [T, H]
+    for layer in range(model.num_layers):
+        h = model.attention_stage(layer, h, meta, kv_caches[layer])
+        h = model.ffn_stage(layer, h)
+    logits = model.compute_logits(h[sample_indices])        # [B, V] float32
+
+Between stages the only state is the residual stream ``h [T, H]`` plus `AttentionMetadata`, so a
+coroutine can yield at any stage boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.models.layers.attention import Attention, AttentionMetadata
+from batchgen.models.layers.mlp import GatedMLP
+from batchgen.models.layers.moe import SparseMoeBlock
+from batchgen.models.layers.norm import RMSNorm
+from batchgen.models.model_config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h))`` (attention stage), ``h += ffn(norm(h))`` (FFN)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rope_parameters,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            sliding_window=cfg.layer_sliding_windows[layer_idx],
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if cfg.is_moe:
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.num_local_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.hidden_act,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                                cfg.mlp_bias)
+
+    def attention_stage(self, h: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return h + self.self_attn(self.input_layernorm(h), meta, kv_cache)
+
+    def ffn_stage(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head, as stage functions.
+
+    Parameter names are this module's own; `batchgen.models.loader` maps checkpoint names onto
+    them. With ``tie_word_embeddings`` the LM head shares ``embed_tokens.weight``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` int64 -> ``[T, H]``."""
+        return self.embed_tokens(input_ids)
+
+    def attention_stage(self, layer: int, h: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.layers[layer].attention_stage(h, meta, kv_cache)
+
+    def ffn_stage(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].ffn_stage(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [B, H]`` (the rows to sample from) -> logits ``[B, V]`` float32."""
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """All stages in order (the lockstep path): ``input_ids [T]`` -> hidden ``[T, H]``."""
+        h = self.embed(input_ids)
+        for layer in range(self.num_layers):
+            h = self.attention_stage(layer, h, meta, kv_caches[layer])
+            h = self.ffn_stage(layer, h)
+        return h

@@ -1,0 +1,186 @@
+"""Grouped-query attention over a paged KV cache.
+
+Tokens are flat: a step's ``num_tokens`` query tokens from many sequences are concatenated,
+decode tokens first (one per decoding sequence), then the prefill chunks. Batch structure lives
+in `AttentionMetadata`, never in a padded batch dimension of the activations.
+
+The KV cache of one layer is a pair of tensors ``[num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_blocks * block_size``; slot ``block_table[p // block_size] * block_size +
+p % block_size`` holds position ``p`` of a sequence (vLLM's `slot_mapping` convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.models.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk inside the flat token batch.
+
+    Attributes:
+        token_start: index of the chunk's first token in the flat batch.
+        num_tokens: chunk length (query tokens).
+        kv_len: context length after this chunk (``num_computed_tokens + num_tokens``).
+        kv_slots: ``[kv_len]`` int64 cache slots of positions ``0 .. kv_len-1``.
+    """
+
+    token_start: int
+    num_tokens: int
+    kv_len: int
+    kv_slots: torch.Tensor
+
+    @property
+    def is_first_chunk(self) -> bool:
+        return self.kv_len == self.num_tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout shared by every attention layer.
+
+    Attributes:
+        positions: ``[num_tokens]`` int64 absolute positions.
+        slot_mapping: ``[num_tokens]`` int64 cache slot where each token's K/V is written.
+        num_decode_tokens: the first ``num_decode_tokens`` tokens are single-token decodes.
+        decode_kv_slots: ``[num_decode_tokens, max_kv_len]`` int64 slots, padded with 0.
+        decode_kv_lens: ``[num_decode_tokens]`` int64 context lengths (incl. the new token).
+        prefills: the prefill chunks that follow the decode tokens.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_kv_slots: torch.Tensor | None = None
+    decode_kv_lens: torch.Tensor | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def _window_mask(
+    q_pos: torch.Tensor, kv_pos: torch.Tensor, kv_len: torch.Tensor | int, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean mask ``[..., q, kv]``: key j visible to query i iff ``j <= pos_i`` and
+    ``j < kv_len`` (and ``pos_i - j < sliding_window`` when set, HF's sliding-window rule)."""
+    mask = kv_pos[..., None, :] <= q_pos[..., :, None]
+    if isinstance(kv_len, torch.Tensor):
+        mask = mask & (kv_pos[..., None, :] < kv_len[..., None, None])
+    if sliding_window is not None:
+        mask = mask & (q_pos[..., :, None] - kv_pos[..., None, :] < sliding_window)
+    return mask
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write ``k, v`` to the cache, then attend.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (Hq a multiple of Hkv: grouped-query attention).
+        kv_cache: (key cache, value cache), each ``[num_slots, Hkv, D]``, same dtype as k.
+        meta: the step's layout (decode tokens first, then prefill chunks).
+        scale: softmax scale, usually ``D ** -0.5``.
+    Returns:
+        ``[T, Hq, D]`` attention output.
+    """
+    k_cache, v_cache = kv_cache
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        slots = meta.decode_kv_slots  # [B, L]
+        kd = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[slots].transpose(1, 2)
+        kv_pos = torch.arange(slots.shape[1], device=q.device)
+        mask = _window_mask(
+            meta.positions[:nd, None], kv_pos, meta.decode_kv_lens, sliding_window
+        )  # [B, 1, L]
+        od = F.scaled_dot_product_attention(
+            q[:nd, :, None, :],  # [B, Hq, 1, D]
+            kd,
+            vd,
+            attn_mask=mask[:, None],  # [B, 1, 1, L]
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[:nd] = od[:, :, 0, :]
+    for span in meta.prefills:
+        sl = slice(span.token_start, span.token_start + span.num_tokens)
+        qs = q[sl].transpose(0, 1)  # [Hq, n, D]
+        if span.is_first_chunk:
+            ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [Hkv, n, D]
+        else:
+            ks = k_cache[span.kv_slots].transpose(0, 1)  # [Hkv, L, D]
+            vs = v_cache[span.kv_slots].transpose(0, 1)
+        if span.is_first_chunk and sliding_window is None:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            kv_pos = torch.arange(span.kv_len, device=q.device)
+            mask = _window_mask(meta.positions[sl], kv_pos, span.kv_len, sliding_window)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+        out[sl] = os_.transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query KV heads, a fused QKV projection and RoPE.
+
+    Covers Llama / Mistral / Qwen2 / Mixtral: ``qkv_bias`` (Qwen2), ``o_bias`` (Llama's
+    ``attention_bias``), ``num_kv_heads`` from 1 (multi-query) to ``num_heads``.
+    Weights: ``qkv_proj.weight [(Hq + 2*Hkv) * D, hidden]``, ``o_proj.weight [hidden, Hq * D]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_parameters: dict,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(meta.positions, q, k)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.q_size))

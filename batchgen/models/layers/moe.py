@@ -1,0 +1,115 @@
+"""Sparse Mixture-of-Experts feed-forward, as named steps:
+
+route (``router_logits``) -> select (``topk_weights``, ``topk_ids``) -> sort token activations
+by expert -> one GEMM chain per non-empty expert (gate_up, activation, down) -> weighted combine.
+
+Shape legend: T = num_tokens, H = hidden_size, E = num_experts, A = num_experts_per_tok (top-k),
+I = moe intermediate size.
+
+Expert weights use vLLM's `FusedMoE` layout: ``w13_weight [E, 2I, H]`` (gate rows, then up
+rows) and ``w2_weight [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.models.layers.mlp import get_activation
+
+
+def select_experts_softmax(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing (Mixtral, Qwen-MoE): probabilities over all experts in float32, keep the
+    top-k, optionally renormalise them to sum to 1 (HF `MixtralTopKRouter`).
+
+    Args:
+        router_logits: ``[T, E]``.
+    Returns:
+        ``topk_weights [T, A]`` float32 and ``topk_ids [T, A]`` int64.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, A]
+    if norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Order token activations by expert.
+
+    Returns ``order [T*A]`` (indices into the flattened ``topk_ids``, grouped by expert, stable)
+    and ``counts`` (a Python list of E rows-per-expert). Example: topk_ids = [[2, 0], [0, 1]]
+    flattens to [2, 0, 0, 1]; order = [1, 2, 3, 0]; counts = [2, 1, 1].
+    """
+    flat = topk_ids.reshape(-1)  # [T*A]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def fused_experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act=F.silu,
+) -> torch.Tensor:
+    """Plain torch expert computation: one GEMM chain per non-empty expert over its sorted rows.
+
+    Args:
+        x: ``[T, H]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]``; topk_weights: ``[T, A]`` (float32);
+        topk_ids: ``[T, A]`` int64.
+    Returns:
+        ``[T, H]`` in x's dtype: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``.
+        The weight multiply happens in float32 before the cast, as HF `MixtralExperts` does.
+    """
+    num_tokens, top_k = topk_ids.shape
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    token_idx = order // top_k  # [T*A] source token of each sorted activation
+    weights = topk_weights.reshape(-1)[order]  # [T*A]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, m in enumerate(counts):
+        if m == 0:
+            continue
+        rows = token_idx[start : start + m]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)  # [m, I]
+        y = F.linear(act(gate) * up, w2[expert])  # [m, H]
+        y = y * weights[start : start + m, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += m
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts with softmax top-k routing (Mixtral; Qwen-MoE reuses it).
+
+    Parameters: ``gate.weight [E, H]`` (the router), ``w13_weight [E, 2I, H]``,
+    ``w2_weight [E, H, I]``. Input/output ``[T, H]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
+                 top_k: int, norm_topk_prob: bool = True, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}"
+            )
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(x)  # [T, E]
+        topk_weights, topk_ids = select_experts_softmax(
+            router_logits, self.top_k, self.norm_topk_prob
+        )
+        return fused_experts_reference(
+            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act
+        )

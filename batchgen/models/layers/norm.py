@@ -1,0 +1,25 @@
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as in Hugging Face `LlamaRMSNorm`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight``.
+
+    Input ``[..., hidden]`` of any float dtype; the normalisation runs in float32 and the result
+    is cast back to the input dtype before the weight multiply (HF's order, so bf16 matches).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

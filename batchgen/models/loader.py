@@ -1,0 +1,260 @@
+"""Model loading: resolve a local directory or hub id, read the HF config, build the model on
+the meta device, and fill it from safetensors lazily (one tensor at a time, memory-mapped).
+
+Loading is declarative: `checkpoint_rules` maps each checkpoint tensor name to (parameter,
+piece); afterwards every parameter must have all of its pieces filled and every checkpoint
+tensor must have been used, otherwise `WeightLoadError` names the odd ones out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from batchgen.models.decoder import CausalLM
+from batchgen.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint tensors that carry no learned state and are ignored on purpose.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.cos_cached|\.rotary_emb\.sin_cached)$")
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory, or a hub id resolved through `huggingface_hub.snapshot_download`
+    (which honours ``HF_HUB_OFFLINE`` and the local cache).
+
+    Raises:
+        ValueError: when ``model`` is neither a directory nor a resolvable hub id.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        return path
+    if path.exists():
+        raise ValueError(f"model {model!r} is a file; pass the checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id=model,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+        )
+    except Exception as exc:  # the hub raises many types (offline, 404, auth, bad id)
+        raise ValueError(
+            f"model {model!r} is not a local directory and could not be resolved from the "
+            f"Hugging Face hub (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return Path(local)
+
+
+def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    """"auto": the checkpoint's dtype on CUDA; float32 on CPU (where bf16 matmuls are slow)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (single file or sharded with an index).
+
+    Raises:
+        ValueError: when the directory holds no safetensors weights.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors weights in {str(path)!r} (only safetensors checkpoints are "
+            "supported; convert .bin/.pt files with `transformers` save_pretrained)"
+        )
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` lazily, one tensor at a time (memory-mapped reads)."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: a parameter, an optional expert index (dim 0) and an
+    optional row range ``[row_start, row_start + rows)`` along the next dim."""
+
+    param: str
+    piece: object
+    expert: int | None = None
+    row_start: int | None = None
+
+
+def expected_pieces(name: str, param: torch.Tensor, cfg: ModelConfig) -> set:
+    """The pieces that must all be filled for parameter ``name``."""
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        return {"q", "k", "v"}
+    if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+        return {"gate", "up"}
+    if name.endswith("w13_weight"):
+        return {(e, s) for e in range(param.shape[0]) for s in ("gate", "up")}
+    if name.endswith("w2_weight"):
+        return set(range(param.shape[0]))
+    return {"all"}
+
+
+_LAYER = r"model\.layers\.(\d+)\."
+
+
+def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
+    """Regex rules from HF checkpoint names to `Target`s (or None for ignored tensors).
+
+    Both Mixtral layouts are accepted: the hub's per-expert ``block_sparse_moe.experts.{e}.w1``
+    and transformers 5's fused ``mlp.experts.gate_up_proj [E, 2I, H]``.
+    """
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    qkv_offset = {"q": 0, "k": q, "v": q + kv}
+
+    def qkv(m):
+        return Target(f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}", m[2], row_start=qkv_offset[m[2]])
+
+    def gate_up(m):
+        return Target(f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}", m[2],
+                      row_start=0 if m[2] == "gate" else inter)
+
+    def expert(m):
+        e, w = int(m[2]), m[3]
+        if w == "2":
+            return Target(f"layers.{m[1]}.mlp.w2_weight", e, expert=e)
+        shard = "gate" if w == "1" else "up"
+        return Target(f"layers.{m[1]}.mlp.w13_weight", (e, shard), expert=e,
+                      row_start=0 if shard == "gate" else inter)
+
+    def plain(template):
+        return lambda m: Target(template.format(*m.groups()), "all")
+
+    rules = [
+        (r"model\.embed_tokens\.weight", plain("embed_tokens.weight")),
+        (r"model\.norm\.weight", plain("norm.weight")),
+        (r"lm_head\.weight", (lambda m: None) if cfg.tie_word_embeddings
+         else plain("lm_head.weight")),
+        (_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight", plain("layers.{}.{}.weight")),
+        (_LAYER + r"self_attn\.(q|k|v)_proj\.(weight|bias)", qkv),
+        (_LAYER + r"self_attn\.o_proj\.(weight|bias)", plain("layers.{}.self_attn.o_proj.{}")),
+        (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", gate_up),
+        (_LAYER + r"mlp\.down_proj\.(weight|bias)", plain("layers.{}.mlp.down_proj.{}")),
+        (_LAYER + r"(?:block_sparse_moe|mlp)\.gate\.weight", plain("layers.{}.mlp.gate.weight")),
+        (_LAYER + r"block_sparse_moe\.experts\.(\d+)\.w(1|2|3)\.weight", expert),
+        (_LAYER + r"mlp\.experts\.gate_up_proj", plain("layers.{}.mlp.w13_weight")),
+        (_LAYER + r"mlp\.experts\.down_proj", plain("layers.{}.mlp.w2_weight")),
+    ]
+    return [(re.compile(pattern + "$"), fn) for pattern, fn in rules]
+
+
+def load_weights(model: CausalLM, files: list[Path]) -> None:
+    """Fill ``model``'s parameters from safetensors ``files``.
+
+    Raises:
+        WeightLoadError: naming tensors that are unexpected or mis-shaped, and parameters that
+            were not (fully) filled.
+    """
+    cfg = model.config
+    params = dict(model.named_parameters())
+    remaining = {n: expected_pieces(n, p, cfg) for n, p in params.items()}
+    rules = checkpoint_rules(cfg)
+    unexpected: list[str] = []
+    for name, tensor in iter_checkpoint(files):
+        if _IGNORED.search(name):
+            continue
+        for pattern, fn in rules:
+            match = pattern.match(name)
+            if match:
+                target = fn(match)
+                break
+        else:
+            unexpected.append(name)
+            continue
+        if target is None:
+            continue
+        if target.param not in params:
+            unexpected.append(name)
+            continue
+        param = params[target.param]
+        dest = param.data
+        if target.expert is not None:
+            dest = dest[target.expert]
+        if target.row_start is not None:
+            dest = dest.narrow(0, target.row_start, tensor.shape[0])
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise WeightLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(dest.shape)} for parameter {target.param!r}"
+            )
+        dest.copy_(tensor)
+        pieces = remaining[target.param]
+        if target.piece == "all":
+            pieces.clear()
+        else:
+            pieces.discard(target.piece)
+    missing = sorted(n for n, pieces in remaining.items() if pieces)
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint (parameters not filled): {missing[:20]}"
+                         + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+        if unexpected:
+            parts.append(f"unexpected checkpoint tensors: {unexpected[:20]}"
+                         + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else ""))
+        raise WeightLoadError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(parts))
+
+
+def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build `CausalLM` on the meta device, materialise it on ``device`` in ``dtype`` and load
+    the safetensors weights of ``path``."""
+    files = checkpoint_files(path)
+    _refuse_quantized(path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty replaces each module's tensors separately
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        load_weights(model, files)
+    return model.eval().requires_grad_(False)
+
+
+def _refuse_quantized(path: Path) -> None:
+    config = json.loads((path / "config.json").read_text())
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+        raise WeightLoadError(
+            f"quantized checkpoints are not supported yet (quantization_config.quant_method="
+            f"{method!r}); use a bf16/fp16/fp32 checkpoint"
+        )

@@ -1,0 +1,85 @@
+"""Write complete tiny random-weight checkpoints offline (`batchgen make-model`).
+
+Each checkpoint is what a hub download would give: ``config.json``, ``model.safetensors``,
+``generation_config.json`` (EOS ids ``</s>`` and ``<|im_end|>``), and a byte-level BPE tokenizer
+with a chat template (`batchgen.models.tokenizer_factory`). The weights come from the
+`transformers` model class itself, so `transformers.AutoModelForCausalLM` loads the directory
+and serves as the numerical oracle in tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from batchgen.models.tokenizer_factory import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, write_tokenizer
+
+SUPPORTED_MAKE_ARCHS: tuple[str, ...] = ("mixtral", "llama", "mistral", "qwen2")
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    tie_word_embeddings=False,
+    # A wider spread than HF's 0.02 default, so that greedy top-2 logits are rarely near-ties.
+    initializer_range=0.08,
+)
+
+
+def _hf_config(arch: str, overrides: dict):
+    import transformers as tf
+
+    kwargs = dict(_COMMON)
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=192,
+                      rope_theta=1e6)
+        cls = tf.MixtralConfig
+    elif arch == "llama":
+        cls = tf.LlamaConfig
+    elif arch == "mistral":
+        kwargs.update(sliding_window=None)
+        cls = tf.MistralConfig
+    elif arch == "qwen2":
+        kwargs.update(tie_word_embeddings=True)
+        cls = tf.Qwen2Config
+    else:
+        raise ValueError(f"arch must be one of {SUPPORTED_MAKE_ARCHS}, got {arch!r}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-weight checkpoint of ``arch`` to ``out_dir`` and return its path.
+
+    Args:
+        arch: one of `SUPPORTED_MAKE_ARCHS`.
+        out_dir: created if missing; existing files are overwritten.
+        seed: torch seed for the weights (same seed, same bytes).
+        overrides: HF config fields (e.g. ``num_hidden_layers=2``, ``rope_scaling={...}``).
+
+    Raises:
+        ValueError: unknown ``arch``.
+    """
+    import transformers as tf
+
+    config = _hf_config(arch, overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    gen = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_tokenizer(out, vocab_size=min(config.vocab_size, 512))
+    return out
