@@ -58,6 +58,17 @@ def _hf_config(arch: str, overrides: dict):
     return cls(**kwargs)
 
 
+def _perturb_norms_and_biases(model: torch.nn.Module, std: float = 0.1) -> None:
+    """HF initialises norm weights to 1 and biases to 0, which would leave those code paths
+    untested by an oracle comparison: give them random values, as a trained model has."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * std)
+            elif name.endswith("bias"):
+                param.copy_(torch.randn_like(param) * std)
+
+
 def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a random-weight checkpoint of ``arch`` to ``out_dir`` and return its path.
 
@@ -77,6 +88,7 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_norms_and_biases(model)
     model.save_pretrained(out, safe_serialization=True)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
            "do_sample": False}

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random checkpoints written offline with `transformers` classes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tiny shapes shared by the oracle tests: 2 layers, hidden 64, vocab 512 (the tokenizer's).
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+)
+
+# name -> (make_model arch, config overrides): one entry per code path worth proving.
+CHECKPOINTS: dict[str, tuple[str, dict]] = {
+    "mixtral": ("mixtral", dict(TINY, num_local_experts=4, num_experts_per_tok=2)),
+    "llama": ("llama", dict(TINY)),
+    "llama_mqa_bias_llama3": (
+        "llama",
+        dict(
+            TINY,
+            num_key_value_heads=1,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=10000.0,
+            max_position_embeddings=1024,
+        ),
+    ),
+    "llama_linear_tied": (
+        "llama",
+        dict(TINY, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    ),
+    "mistral_sliding": ("mistral", dict(TINY, sliding_window=8)),
+    "qwen2": ("qwen2", dict(TINY, num_key_value_heads=1)),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Returns ``make(name) -> Path`` building (once per session) the named tiny checkpoint."""
+    from batchgen.models.make_model import make_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            arch, overrides = CHECKPOINTS[name]
+            cache[name] = make_model(arch, root / name, seed=1234, **overrides)
+        return cache[name]
+
+    return make
