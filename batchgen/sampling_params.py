@@ -1,0 +1,199 @@
+"""Per-request sampling settings, with vLLM's names and semantics (`vllm.SamplingParams`).
+
+Pure Python (no torch), so that a client process can build requests without the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from numbers import Integral, Real
+
+# Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`, OpenAI's cap).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    """How the sampler picks a request's tokens (vLLM's `SamplingType`)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one request. Validated on construction.
+
+    Attributes:
+        n: number of samples (completions) to generate for the prompt, >= 1.
+        temperature: softmax temperature, >= 0; below 1e-5 the request is greedy (argmax).
+        top_p: nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose
+            cumulative probability reaches ``top_p`` (the most likely token is always kept).
+            1 disables it.
+        top_k: keep only the ``top_k`` most likely tokens (ties with the k-th are kept too).
+            0 or -1 disables it (-1 is accepted like vLLM and stored as 0); a value larger than
+            the vocabulary also disables it.
+        min_p: in [0, 1]: drop tokens whose probability is below ``min_p`` times the
+            probability of the most likely token. 0 disables it.
+        seed: seed of this request's own random generator, so that its samples are reproducible
+            and independent of the other requests in the batch; None uses the engine's global
+            generator.
+        max_tokens: maximum number of tokens to generate per sample, >= 1; None generates until
+            ``max_model_len``.
+        min_tokens: minimum number of tokens to generate before EOS or a ``stop_token_ids`` token
+            may be sampled (those ids are masked out until then), >= 0 and <= ``max_tokens``.
+        stop: string(s) that end a sample when they appear in its text; a single string is
+            normalised to a one-element list, None to ``[]``. Empty strings are rejected.
+        stop_token_ids: token ids that end a sample when sampled (kept in the output token ids);
+            None is normalised to ``[]``.
+        ignore_eos: keep generating after the EOS token.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        logprobs: number of log-probabilities to return per generated token, in [0, 20], or
+            None for none. N returns the N most likely tokens (with rank 1 = most likely) plus
+            the sampled token with its rank if it is not among them; 0 returns only the sampled
+            token. As in vLLM v1, log-probabilities are ``log_softmax`` of the raw model logits,
+            before penalties, temperature and top-k/top-p/min-p, so they do not depend on the
+            sampling settings.
+        presence_penalty: in [-2, 2], subtracted once from the logit of every token that already
+            appears in the generated output (OpenAI's definition; the prompt does not count).
+        frequency_penalty: in [-2, 2], subtracted from a token's logit once per occurrence of it
+            in the generated output (OpenAI's definition; the prompt does not count).
+        repetition_penalty: > 0, the CTRL / Hugging Face penalty over tokens seen in the prompt
+            *or* the output: positive logits are divided by it, negative ones multiplied. 1
+            disables it; > 1 discourages repetition.
+        skip_special_tokens: drop special tokens from the detokenized text.
+
+    Raises:
+        ValueError: on a wrong type or an out-of-range value; the message names the field and
+            its allowed range, e.g. ``"top_p must be in (0, 1], got 1.5"``.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate_and_normalise()
+
+    def _validate_and_normalise(self) -> None:
+        self.n = _int(self.n, "n", minimum=1)
+        self.temperature = _float(self.temperature, "temperature", ">= 0", lambda x: x >= 0)
+        self.top_p = _float(self.top_p, "top_p", "(0, 1]", lambda x: 0 < x <= 1)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
+            )
+        self.top_k = max(int(self.top_k), 0)
+        self.min_p = _float(self.min_p, "min_p", "[0, 1]", lambda x: 0 <= x <= 1)
+        if self.seed is not None:
+            self.seed = _int(self.seed, "seed")
+        if self.max_tokens is not None:
+            self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1, or_none=True)
+        self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                # ValueError for every invalid field, wrong types included (as vLLM does).
+                value = getattr(self, name)
+                raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                    f"got {self.logprobs!r}"
+                )
+            self.logprobs = int(self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(
+                self, name, _float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)
+            )
+        self.repetition_penalty = _float(
+            self.repetition_penalty, "repetition_penalty", "> 0", lambda x: x > 0
+        )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the presence, frequency or repetition penalties is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _int(value: object, name: str, minimum: int | None = None, or_none: bool = False) -> int:
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        bound = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {bound}{' or None' if or_none else ''}, got {value!r}")
+    return int(value)
+
+
+def _float(value: object, name: str, allowed: str, ok: Callable[[float], bool]) -> float:
+    if (
+        not isinstance(value, Real)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
+        # "in [0, 1]" for a bounded range, "a finite number >= 0" for a one-sided one.
+        words = f"a finite number {allowed}" if allowed[0] in "<>" else f"in {allowed}"
+        raise ValueError(f"{name} must be {words}, got {value!r}")
+    return float(value)
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError(f"stop must not contain empty strings, got {stop!r}")
+    return list(stop)
+
+
+def _stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0 or None, got {ids!r}")
+    return [int(i) for i in ids]
