@@ -156,6 +156,8 @@ class LLMEngine:
                 return self._tokenize(prompt["prompt"])
             raise ValueError("prompt dict must have 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
@@ -218,7 +220,8 @@ class LLMEngine:
                 seq.generator = make_generator(params.seed, i, self.device)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
             if params.logprobs is not None:
                 seq.logprobs = []
             request.seqs.append(seq)
@@ -298,8 +301,8 @@ class LLMEngine:
         if can_stop and token in p.stop_token_ids:
             self._finish(seq, "stop", token)
             return
-        matched = seq.detokenizer.add_tokens([token])
-        if matched is not None and can_stop:
+        matched = seq.detokenizer.add_tokens([token])  # no stop-string match below min_tokens
+        if matched is not None:
             self._finish(seq, "stop", matched)
             return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or (

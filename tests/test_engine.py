@@ -1,0 +1,114 @@
+"""Engine behaviour end to end on a tiny Mixtral: per-request failures, seeds, n, stops,
+logprobs, chat, length limits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint_dir):
+    return LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05,
+               max_model_len=256)
+
+
+def test_bad_prompts_fail_alone(llm):
+    good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(["hello", "", "x" * 400, [1, 99999], "world"], good, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert "empty" in outs[1].error
+    assert "max_model_len=256" in outs[2].error
+    assert "[0, 512)" in outs[3].error
+    assert len(outs[0].outputs[0].token_ids) == 5 and len(outs[4].outputs[0].token_ids) == 5
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_seeded_request_is_independent_of_batch_mates(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mates = [
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True),
+        seeded,
+        SamplingParams(temperature=1.3, top_k=5, seed=7, max_tokens=3, ignore_eos=True,
+                       repetition_penalty=1.3),
+    ]
+    outs = llm.generate(["abc", "def ghi", "Once upon a time", "zzz"], mates, use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+
+
+def test_n_samples_differ_and_reproduce(llm):
+    sp = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate("Tell me", sp, use_tqdm=False)[0].outputs]
+    second = [o.token_ids for o in llm.generate("Tell me", sp, use_tqdm=False)[0].outputs]
+    assert first == second
+    assert len({tuple(t) for t in first}) == 4
+    out = llm.generate("Tell me", sp, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref = llm.generate("The", greedy, use_tqdm=False)[0].outputs[0]
+    stop_id = ref.token_ids[3]
+    first = ref.token_ids.index(stop_id)
+    out = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                             stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert o.token_ids == ref.token_ids[: first + 1]
+    assert (o.finish_reason, o.stop_reason) == ("stop", stop_id)
+    # A stop string taken from the reference text: the output is cut before it.
+    text = ref.text
+    stop = text[5:8]
+    cut = text.index(stop)
+    o = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                           stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (o.text, o.finish_reason, o.stop_reason) == (text[:cut], "stop", stop)
+    o = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                           stop=[stop], include_stop_str_in_output=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.text == text[: cut + len(stop)]
+
+
+def test_logprobs_include_sampled_token_and_sum(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    o = llm.generate("Logprobs", sp, use_tqdm=False)[0].outputs[0]
+    assert len(o.logprobs) == 6
+    total = 0.0
+    for tok, lp in zip(o.token_ids, o.logprobs):
+        assert tok in lp and lp[tok].rank == 1  # greedy picks the most likely token
+        assert len(lp) == 3
+        assert all(math.isfinite(v.logprob) and v.logprob <= 0 for v in lp.values())
+        total += lp[tok].logprob
+    assert o.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[
+        0].logprobs is None
+
+
+def test_max_model_len_ends_with_length(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("y" * 250)[:250]
+    o = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None,
+                     temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) == 256 - 250 and o.finish_reason == "length"
+
+
+def test_chat_applies_template(llm):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                   use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    text = tok.decode(out.prompt_token_ids)
+    assert text.endswith("<|im_start|>assistant\n") and "Hi!" in text
+    assert len(out.outputs[0].token_ids) == 4
+    bad = llm.chat([[{"role": "user"}], conv], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "messages[0]" in bad[0].error and bad[1].error is None
+
+
+def test_sampling_params_list_length_mismatch(llm):
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()])
