@@ -1,0 +1,390 @@
+"""Run an OpenAI Batch API input file through an `LLMEngine`, streaming results to a JSONL file.
+
+The input is read line by line (never held whole); at most ``max_in_flight`` requests are in
+the engine at once; each result line is written and flushed as soon as its request finishes,
+so a killed run loses at most the requests in flight and the tail of one line, which
+``resume=True`` repairs. Memory is proportional to ``max_in_flight`` plus the set of custom_ids
+(for duplicate detection), not to the file.
+
+Per-line failures (invalid JSON, missing or duplicate custom_id, unknown url, bad fields, a
+prompt the engine rejects with ValueError, a request that fails inside the engine) become error
+lines; every other line still runs. Any other exception from the engine propagates: it is a bug,
+not a bad request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from batchgen.entrypoints.openai_protocol import (
+    DUPLICATE_CUSTOM_ID,
+    INVALID_PROMPT,
+    REQUEST_FAILED,
+    BatchLineError,
+    BatchRequest,
+    dumps_line,
+    error_line,
+    error_line_from,
+    parse_batch_line,
+    response_body,
+    success_line,
+)
+from batchgen.outputs import RequestOutput
+
+# Results are flushed to the OS after every engine step; fsync'ed at most this often and at the
+# end (flush alone survives a killed process; fsync also survives a machine crash).
+FSYNC_INTERVAL_S = 30.0
+
+
+class BatchFileError(ValueError):
+    """The input or output file cannot be used (message for the user)."""
+
+
+@dataclass
+class BatchRunSummary:
+    """What `run_batch_file` did.
+
+    Attributes:
+        total: non-blank input lines seen.
+        succeeded / failed: result lines written by this run (success / error).
+        skipped: lines skipped because the output already held their result (``resume``).
+        prompt_tokens / generated_tokens: over the requests that succeeded in this run
+            (generated tokens summed over all ``n`` samples).
+        elapsed_s: wall-clock seconds of the run (after counting lines and reading the old
+            output).
+    """
+
+    total: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def describe(self) -> str:
+        """One human-readable line."""
+        skipped = f", {self.skipped} skipped (already done)" if self.skipped else ""
+        return (
+            f"{self.succeeded} ok, {self.failed} failed{skipped} of {self.total} requests; "
+            f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
+            f"{self.elapsed_s:.1f} s ({self.generated_tokens_per_s:.1f} generated tokens/s)"
+        )
+
+
+@dataclass
+class ResumeState:
+    """Which input lines already have a result in an existing output file.
+
+    Attributes:
+        done_ids: custom_ids with a success line or an error line of their own.
+        done_lines: 1-based input line numbers of error lines that a custom_id cannot stand for:
+            lines without a usable custom_id, and duplicate-custom_id errors (whose custom_id
+            belongs to an earlier line, which may itself not be done yet).
+    """
+
+    done_ids: set[str] = field(default_factory=set)
+    done_lines: set[int] = field(default_factory=set)
+
+    def add(self, result: dict[str, Any]) -> None:
+        custom_id, error = result.get("custom_id"), result.get("error")
+        if isinstance(error, dict) and (
+            custom_id is None or error.get("code") == DUPLICATE_CUSTOM_ID
+        ):
+            if isinstance(error.get("line"), int):
+                self.done_lines.add(error["line"])
+        elif isinstance(custom_id, str):
+            self.done_ids.add(custom_id)
+
+
+def truncate_partial_last_line(path: str | os.PathLike) -> int:
+    """Cut a file back to its last newline (a line half-written by a killed process).
+
+    Returns the number of bytes removed (0 when the file ends with a newline or is empty).
+    """
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep, end = 0, size
+        while end > 0:
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        if keep < size:
+            f.truncate(keep)
+        return size - keep
+
+
+def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
+    """Read the results already in ``output_path`` (after truncating a partial last line).
+
+    Raises:
+        BatchFileError: a complete line is not a JSON result line, i.e. the file is not an
+            output of ``batchgen run``.
+    """
+    truncate_partial_last_line(output_path)
+    state = ResumeState()
+    with open(output_path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                result = json.loads(raw)
+            except ValueError:
+                result = None
+            if not isinstance(result, dict) or "custom_id" not in result:
+                raise BatchFileError(
+                    f"{output_path}:{number} is not a batch result line; cannot resume "
+                    "(move the file away to start over)"
+                )
+            state.add(result)
+    return state
+
+
+def count_request_lines(path: str | os.PathLike) -> int:
+    """Number of non-blank lines of a file, read in a streaming pass."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+class _ResultWriter:
+    """Appends JSONL result lines; `flush` pushes them to the OS, fsync'ing now and then."""
+
+    def __init__(self, sink: IO[bytes]):
+        self._sink = sink
+        self._last_fsync = time.monotonic()
+
+    def write(self, result: dict[str, Any]) -> None:
+        self._sink.write((dumps_line(result) + "\n").encode("utf-8"))
+
+    def flush(self, *, fsync: bool = False) -> None:
+        self._sink.flush()
+        if fsync or time.monotonic() - self._last_fsync > FSYNC_INTERVAL_S:
+            os.fsync(self._sink.fileno())
+            self._last_fsync = time.monotonic()
+
+
+class _BatchRun:
+    """The state of one `run_batch_file` call: requests in flight, ids seen, counters."""
+
+    def __init__(
+        self,
+        engine: Any,
+        writer: _ResultWriter,
+        resume: ResumeState,
+        max_in_flight: int,
+        bar: tqdm,
+    ):
+        self.engine = engine
+        self.writer = writer
+        self.resume = resume
+        self.max_in_flight = max_in_flight
+        self.bar = bar
+        self.summary = BatchRunSummary()
+        self.in_flight: dict[str, BatchRequest] = {}  # engine request id -> request
+        self.seen_ids: set[str] = set()
+        self._start = time.perf_counter()
+
+    def run(self, lines: Iterator[tuple[int, bytes]]) -> BatchRunSummary:
+        try:
+            self._loop(lines)
+        except BaseException:
+            self._abort_in_flight()
+            raise
+        finally:
+            self.summary.elapsed_s = time.perf_counter() - self._start
+        return self.summary
+
+    def _loop(self, lines: Iterator[tuple[int, bytes]]) -> None:
+        exhausted = False
+        while True:
+            while not exhausted and len(self.in_flight) < self.max_in_flight:
+                item = next(lines, None)
+                if item is None:
+                    exhausted = True
+                else:
+                    self._admit(*item)
+            self.writer.flush()
+            if not self.in_flight:
+                return
+            self._step()
+
+    def _admit(self, line: int, raw: bytes) -> None:
+        """Parse one input line and add it to the engine, or record why not."""
+        if not raw.strip():
+            return
+        self.summary.total += 1
+        if line in self.resume.done_lines:
+            return self._skip()
+        try:
+            request = parse_batch_line(raw, line)
+        except BatchLineError as err:
+            if err.custom_id is not None:
+                if err.custom_id in self.resume.done_ids:
+                    self.seen_ids.add(err.custom_id)
+                    return self._skip()
+                if self._is_duplicate(err.custom_id, line):
+                    return
+            return self._fail(error_line_from(err))
+        if self._is_duplicate(request.custom_id, line):
+            return
+        if request.custom_id in self.resume.done_ids:
+            return self._skip()
+        self._submit(request)
+
+    def _is_duplicate(self, custom_id: str, line: int) -> bool:
+        """Record ``custom_id``; on its second occurrence write the duplicate error line."""
+        if custom_id not in self.seen_ids:
+            self.seen_ids.add(custom_id)
+            return False
+        message = f"line {line}: duplicate custom_id {custom_id!r} (it appeared on an earlier line)"
+        self._fail(
+            error_line(custom_id, DUPLICATE_CUSTOM_ID, message, param="custom_id", line=line)
+        )
+        return True
+
+    def _submit(self, request: BatchRequest) -> None:
+        request_id = f"req_{uuid.uuid4().hex}"
+        api = request.request
+        try:
+            prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
+            self.engine.add_request(request_id, prompt, api.sampling_params)
+        except ValueError as err:
+            message = f"line {request.line}: {err}"
+            self._fail(error_line(request.custom_id, INVALID_PROMPT, message, line=request.line))
+            return
+        self.in_flight[request_id] = request
+
+    def _step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError(
+                f"the engine has no unfinished requests but {len(self.in_flight)} batch "
+                "requests are in flight"
+            )
+        for output in self.engine.step():
+            if output.finished:
+                self._finish(output)
+        self.writer.flush()
+        self.bar.set_postfix(
+            {"gen tok/s": f"{self._tokens_per_s():.1f}", "failed": self.summary.failed},
+            refresh=False,
+        )
+
+    def _finish(self, output: RequestOutput) -> None:
+        request = self.in_flight.pop(output.request_id, None)
+        if request is None:
+            raise RuntimeError(f"the engine returned an unknown request id {output.request_id!r}")
+        if output.error is not None:
+            message = f"line {request.line}: {output.error}"
+            self._fail(error_line(request.custom_id, REQUEST_FAILED, message, line=request.line))
+            return
+        body = response_body(
+            request.request,
+            output,
+            model=self.engine.model_name,
+            tokenizer=self.engine.tokenizer,
+        )
+        self.writer.write(success_line(request.custom_id, output.request_id, body))
+        self.summary.succeeded += 1
+        self.summary.prompt_tokens += len(output.prompt_token_ids)
+        self.summary.generated_tokens += output.num_generated_tokens
+        self.bar.update(1)
+
+    def _fail(self, result: dict[str, Any]) -> None:
+        self.writer.write(result)
+        self.summary.failed += 1
+        self.bar.update(1)
+
+    def _skip(self) -> None:
+        self.summary.skipped += 1
+        self.bar.update(1)
+
+    def _tokens_per_s(self) -> float:
+        elapsed = time.perf_counter() - self._start
+        return self.summary.generated_tokens / elapsed if elapsed > 0 else 0.0
+
+    def _abort_in_flight(self) -> None:
+        """Leave the engine clean for its next user when the run stops early."""
+        for request_id in list(self.in_flight):
+            # The exception that stopped the run is the one to report, not a failed abort.
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(request_id)
+        self.in_flight.clear()
+
+
+def run_batch_file(
+    engine: Any,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    resume: bool = False,
+    max_in_flight: int = 1024,
+    progress: bool = True,
+) -> BatchRunSummary:
+    """Run every request of an OpenAI Batch input file and write one result line per input line.
+
+    Args:
+        engine: an `LLMEngine` (``add_request``, ``apply_chat_template``, ``step``,
+            ``has_unfinished_requests``, ``abort_request``, ``tokenizer``, ``model_name``).
+        input_path: JSONL input, one request per line (see `parse_batch_line`); blank lines are
+            ignored.
+        output_path: JSONL output, written in completion order (not input order); match lines
+            by ``custom_id``. Overwritten unless ``resume``.
+        resume: keep the results already in ``output_path`` (cutting a half-written last line),
+            skip their input lines and append the rest. Assumes the same input file.
+        max_in_flight: most requests in the engine at once (each with its ``n`` samples).
+        progress: show a tqdm bar on stderr (requests done / total, generated tokens/s).
+
+    Returns:
+        The counts of this run.
+
+    Raises:
+        FileNotFoundError: the input file does not exist.
+        BatchFileError: input and output are the same file, or ``resume`` found an output that
+            is not a batch result file.
+        ValueError: ``max_in_flight`` < 1.
+        Exception: anything the engine raises other than a per-request ValueError; requests
+            still in flight are aborted first and the results written so far stay on disk.
+    """
+    input_path, output_path = Path(input_path), Path(output_path)
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if not input_path.is_file():
+        raise FileNotFoundError(f"input file {str(input_path)!r} does not exist")
+    if output_path.exists() and output_path.samefile(input_path):
+        raise BatchFileError(f"the output file {str(output_path)!r} is the input file")
+    state = ResumeState()
+    if resume and output_path.exists():
+        state = load_resume_state(output_path)
+    total = count_request_lines(input_path) if progress else None
+    with (
+        open(input_path, "rb") as source,
+        open(output_path, "ab" if resume else "wb") as sink,
+        tqdm(total=total, unit="req", disable=not progress, file=sys.stderr) as bar,
+    ):
+        writer = _ResultWriter(sink)
+        try:
+            summary = _BatchRun(engine, writer, state, max_in_flight, bar).run(
+                enumerate(source, start=1)
+            )
+        finally:
+            writer.flush(fsync=True)
+    return summary

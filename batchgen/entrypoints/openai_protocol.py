@@ -1,0 +1,796 @@
+"""OpenAI API requests and responses <-> BatchGen requests and outputs. Pure functions, no I/O.
+
+Shared by ``batchgen run`` (OpenAI Batch API files) and the HTTP service. Two layers:
+
+* **Bodies** (`parse_request_body`): the JSON body of a ``/v1/completions`` or
+  ``/v1/chat/completions`` request -> `ApiRequest` (prompt or messages + `SamplingParams`).
+  `completion_response_body` / `chat_response_body` turn a finished `RequestOutput` back into
+  the OpenAI ``text_completion`` / ``chat.completion`` object.
+* **Batch lines** (`parse_batch_line`): one line of an OpenAI Batch input file, either the
+  envelope ``{"custom_id", "method": "POST", "url", "body"}`` or a plain body such as
+  ``{"prompt": "..."}`` (a completion; with ``"messages"`` a chat completion) whose
+  ``custom_id`` defaults to ``line-<N>``. `success_line` / `error_line` build output lines.
+
+Field policy (what a body may contain):
+
+* OpenAI sampling fields map to `SamplingParams`: ``max_tokens`` (chat: also
+  ``max_completion_tokens``, which wins), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+  ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (completions: int top-N; chat: bool,
+  with int ``top_logprobs``). Defaults are OpenAI's: completions ``max_tokens`` 16, chat
+  ``max_tokens`` None (until ``max_model_len``), ``temperature`` 1. An explicit JSON ``null``
+  means "default", except ``max_tokens: null`` which means "until ``max_model_len``".
+* vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
+  ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+  ``include_stop_str_in_output``, ``skip_special_tokens``.
+* ``model`` is informational (one engine serves one model); responses name the engine's model.
+* Fields that do not change the generated text are ignored: ``user``, ``metadata``, ``store``,
+  ``service_tier``, ``stream_options``, ``parallel_tool_calls``, ``prompt_cache_key``,
+  ``safety_identifier``.
+* Fields BatchGen cannot honour are accepted only at their no-op value and rejected otherwise
+  (code ``unsupported_parameter``): ``stream`` (false), ``echo`` (false), ``suffix``
+  (null/""), ``best_of`` (null or == n), ``logit_bias`` (null/{}), ``response_format``
+  (null or ``{"type": "text"}``), ``tools``/``functions`` (null/[]), ``tool_choice``/
+  ``function_call`` (null/"none"), ``modalities`` (null/["text"]).
+* Any other field is rejected, like the OpenAI API does, so that a typo (``max_token``) does
+  not silently run with defaults; the message suggests the closest known field.
+
+Errors are `ProtocolError` (a ValueError) carrying an OpenAI-style ``code`` and the offending
+``param``; batch-line errors are `BatchLineError`, which adds the ``custom_id`` (None when the
+line has none) and the 1-based line number.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_COMPLETIONS_URL)
+
+# Error codes (OpenAI's where one exists).
+INVALID_JSON_LINE = "invalid_json_line"
+MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+INVALID_REQUEST = "invalid_request"
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+INVALID_URL = "invalid_url"
+INVALID_METHOD = "invalid_method"
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+INVALID_PROMPT = "invalid_prompt"
+REQUEST_FAILED = "request_failed"
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI clamps -inf log-probabilities the same way (vLLM does too): JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+# OpenAI name -> (JSON kind, SamplingParams name). Kinds are checked here; ranges by
+# SamplingParams, whose messages name the field.
+_SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
+    "temperature": ("number", "temperature"),
+    "top_p": ("number", "top_p"),
+    "n": ("integer", "n"),
+    "seed": ("integer", "seed"),
+    "stop": ("stop", "stop"),
+    "presence_penalty": ("number", "presence_penalty"),
+    "frequency_penalty": ("number", "frequency_penalty"),
+    "top_k": ("integer", "top_k"),
+    "min_p": ("number", "min_p"),
+    "min_tokens": ("integer", "min_tokens"),
+    "repetition_penalty": ("number", "repetition_penalty"),
+    "ignore_eos": ("boolean", "ignore_eos"),
+    "stop_token_ids": ("integer_list", "stop_token_ids"),
+    "include_stop_str_in_output": ("boolean", "include_stop_str_in_output"),
+    "skip_special_tokens": ("boolean", "skip_special_tokens"),
+}
+_IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "stream_options",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
+# Field -> (allowed no-op values, description of them for the error message).
+_NOOP_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "stream": ((None, False), "false (results are written to the output, not streamed)"),
+    "logit_bias": ((None, {}), "null or {}"),
+    "response_format": ((None, {"type": "text"}), 'null or {"type": "text"}'),
+    "tools": ((None, []), "null or []"),
+    "functions": ((None, []), "null or []"),
+    "tool_choice": ((None, "none"), 'null or "none"'),
+    "function_call": ((None, "none"), 'null or "none"'),
+    "modalities": ((None, ["text"]), 'null or ["text"]'),
+}
+_COMPLETION_NOOP_ONLY = {
+    "echo": ((None, False), "false"),
+    "suffix": ((None, ""), 'null or ""'),
+}
+_COMPLETION_FIELDS = frozenset(
+    {"model", "prompt", "max_tokens", "logprobs", "best_of"}
+    | _SAMPLING_FIELDS.keys()
+    | _IGNORED_FIELDS
+    | _NOOP_ONLY_FIELDS.keys()
+    | _COMPLETION_NOOP_ONLY.keys()
+)
+_CHAT_FIELDS = frozenset(
+    {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
+    | _SAMPLING_FIELDS.keys()
+    | _IGNORED_FIELDS
+    | _NOOP_ONLY_FIELDS.keys()
+)
+_ENVELOPE_KEYS = ("url", "method", "body")
+
+
+class ProtocolError(ValueError):
+    """An invalid request; ``str(err)`` is a message for the user.
+
+    Attributes:
+        code: OpenAI-style error code, e.g. ``"invalid_request"``.
+        param: the offending field (dotted for nested ones, e.g. ``"messages[1].role"``) or
+            None.
+    """
+
+    def __init__(self, message: str, *, code: str = INVALID_REQUEST, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class BatchLineError(ProtocolError):
+    """An invalid batch input line. The message starts with ``line <N>:``.
+
+    Attributes:
+        custom_id: the line's custom_id when it has a valid one (plain lines: ``line-<N>``),
+            else None.
+        line: 1-based line number in the input file.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        line: int,
+        custom_id: str | None,
+        code: str = INVALID_REQUEST,
+        param: str | None = None,
+    ):
+        super().__init__(f"line {line}: {message}", code=code, param=param)
+        self.line = line
+        self.custom_id = custom_id
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A validated completions or chat-completions request.
+
+    Attributes:
+        url: ``COMPLETIONS_URL`` or ``CHAT_COMPLETIONS_URL``.
+        prompt: completions: the prompt text or token ids; None for chat.
+        messages: chat: the messages, content flattened to strings and role ``developer``
+            mapped to ``system`` (chat templates know ``system``); None for completions.
+        sampling_params: the generation settings. For chat, ``logprobs`` holds ``top_logprobs``
+            (0 when only ``logprobs: true``) and None when log-probabilities were not asked.
+        model: the body's ``model``, informational only.
+    """
+
+    url: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    sampling_params: SamplingParams
+    model: str | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT_COMPLETIONS_URL
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One valid batch input line: its ``custom_id``, 1-based ``line`` number and request."""
+
+    custom_id: str
+    line: int
+    request: ApiRequest
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON type checks
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{text} ({_json_type(value)})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _type_error(name: str, expected: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"'{name}' must be {expected}, got {_describe(value)}", param=name)
+
+
+_KIND_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "number": ("a number", _is_number),
+    "integer": ("an integer", _is_int),
+    "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "stop": (
+        "a string or a list of strings",
+        lambda v: (
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        ),
+    ),
+    "integer_list": (
+        "a list of integers",
+        lambda v: isinstance(v, list) and all(_is_int(i) for i in v),
+    ),
+}
+
+
+def _checked(body: dict[str, Any], name: str, kind: str) -> Any:
+    """``body[name]`` checked against a JSON ``kind``; None when absent or null."""
+    value = body.get(name)
+    expected, ok = _KIND_CHECKS[kind]
+    if value is not None and not ok(value):
+        raise _type_error(name, expected, value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+def parse_request_body(url: str, body: Any) -> ApiRequest:
+    """Validate the JSON body of a request to ``url`` and map it to an `ApiRequest`.
+
+    Args:
+        url: ``"/v1/completions"`` or ``"/v1/chat/completions"``.
+        body: the decoded JSON body.
+
+    Raises:
+        ProtocolError: unknown url (code ``invalid_url``), body not an object, missing prompt
+            or messages, a field of the wrong type or out of range, ``stream: true`` or another
+            unsupported / unknown field. The message names the field and what it allows.
+    """
+    if url not in SUPPORTED_URLS:
+        raise ProtocolError(
+            f"'url' must be one of {list(SUPPORTED_URLS)}, got {_describe(url)}",
+            code=INVALID_URL,
+            param="url",
+        )
+    if not isinstance(body, dict):
+        raise _type_error("body", "an object", body)
+    is_chat = url == CHAT_COMPLETIONS_URL
+    _check_fields(body, url, _CHAT_FIELDS if is_chat else _COMPLETION_FIELDS)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    kwargs = _sampling_kwargs(body)
+    if is_chat:
+        messages = _parse_messages(body.get("messages"))
+        kwargs.update(_chat_length_and_logprobs(body))
+        return ApiRequest(url, None, messages, _sampling_params(kwargs, is_chat), model)
+    prompt = _parse_prompt(body.get("prompt"))
+    kwargs.update(_completion_length_and_logprobs(body, n=kwargs.get("n", 1)))
+    return ApiRequest(url, prompt, None, _sampling_params(kwargs, is_chat), model)
+
+
+def _check_fields(body: dict[str, Any], url: str, known: frozenset[str]) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ProtocolError(
+            f"unknown field '{name}' for {url}{hint}", code=UNSUPPORTED_PARAMETER, param=name
+        )
+    noop_only = dict(_NOOP_ONLY_FIELDS)
+    if url == COMPLETIONS_URL:
+        noop_only.update(_COMPLETION_NOOP_ONLY)
+    for name, (allowed, words) in noop_only.items():
+        if name in body and not any(
+            body[name] == a and type(body[name]) is type(a) for a in allowed
+        ):
+            raise ProtocolError(
+                f"'{name}' is not supported by BatchGen; it must be {words}, "
+                f"got {_describe(body[name])}",
+                code=UNSUPPORTED_PARAMETER,
+                param=name,
+            )
+
+
+def _sampling_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for name, (kind, sp_name) in _SAMPLING_FIELDS.items():
+        value = _checked(body, name, kind)
+        if value is not None:
+            kwargs[sp_name] = value
+    return kwargs
+
+
+def _completion_length_and_logprobs(body: dict[str, Any], n: int) -> dict[str, Any]:
+    max_tokens = _checked(body, "max_tokens", "integer") if "max_tokens" in body else 16
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not _is_int(logprobs):
+        hint = " (booleans are for chat; here it is the number of top tokens)"
+        raise _type_error("logprobs", "an integer" + hint, logprobs)
+    best_of = _checked(body, "best_of", "integer")
+    if best_of is not None and best_of != n:
+        raise ProtocolError(
+            f"'best_of' is not supported by BatchGen; it must be null or equal to n ({n}), "
+            f"got {best_of}",
+            code=UNSUPPORTED_PARAMETER,
+            param="best_of",
+        )
+    return {"max_tokens": max_tokens, "logprobs": logprobs}
+
+
+def _chat_length_and_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    max_tokens = _checked(body, "max_tokens", "integer")
+    max_completion_tokens = _checked(body, "max_completion_tokens", "integer")
+    want_logprobs = _checked(body, "logprobs", "boolean")
+    top_logprobs = _checked(body, "top_logprobs", "integer")
+    if top_logprobs is not None and not want_logprobs:
+        raise ProtocolError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    return {
+        "max_tokens": max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        "logprobs": (top_logprobs or 0) if want_logprobs else None,
+    }
+
+
+def _sampling_params(kwargs: dict[str, Any], is_chat: bool) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as err:
+        # SamplingParams' messages start with its field name; name the OpenAI one instead.
+        message = str(err)
+        field = message.split(" ", 1)[0]
+        if is_chat and field == "logprobs":
+            message, field = "top_logprobs" + message[len("logprobs") :], "top_logprobs"
+        raise ProtocolError(message, param=field) from None
+
+
+def _parse_prompt(prompt: Any) -> str | list[int]:
+    """A completions prompt: a string or a list of token ids (one prompt per request)."""
+    if prompt is None:
+        raise ProtocolError(
+            "missing 'prompt' (a string or a list of token ids)",
+            code=MISSING_REQUIRED_PARAMETER,
+            param="prompt",
+        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise ProtocolError(
+                f"'prompt' holds {len(prompt)} prompts; a request carries one prompt "
+                "(write one batch line per prompt)",
+                code=UNSUPPORTED_PARAMETER,
+                param="prompt",
+            )
+        prompt = prompt[0]  # ["text"] or [[1, 2, 3]]: one prompt in OpenAI's array form
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ProtocolError("'prompt' must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if min(prompt) < 0:
+            raise ProtocolError("'prompt' token ids must be >= 0", param="prompt")
+        return prompt
+    raise _type_error("prompt", "a non-empty string or a non-empty list of token ids", prompt)
+
+
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+    if messages is None:
+        raise ProtocolError(
+            "missing 'messages' (a list of {role, content} objects)",
+            code=MISSING_REQUIRED_PARAMETER,
+            param="messages",
+        )
+    if not isinstance(messages, list) or not messages:
+        raise _type_error("messages", "a non-empty list of {role, content} objects", messages)
+    return [_parse_message(m, i) for i, m in enumerate(messages)]
+
+
+def _parse_message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _type_error(where, "an object with 'role' and 'content'", message)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ProtocolError(
+            f"'{where}.role' must be one of {list(CHAT_ROLES)}, got {_describe(role)}",
+            param=f"{where}.role",
+        )
+    content = message.get("content")
+    if content is None and role != "assistant":  # assistant turns may carry only tool calls
+        raise ProtocolError(
+            f"'{where}.content' is required for role '{role}'",
+            code=MISSING_REQUIRED_PARAMETER,
+            param=f"{where}.content",
+        )
+    parsed = dict(message)
+    parsed["role"] = "system" if role == "developer" else role
+    parsed["content"] = _flatten_content(content, f"{where}.content")
+    return parsed
+
+
+def _flatten_content(content: Any, where: str) -> str:
+    """Message content as one string: text parts are joined with newlines (as vLLM does)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _type_error(where, "a string or a list of text parts", content)
+    texts = []
+    for i, part in enumerate(content):
+        is_text = isinstance(part, dict) and part.get("type") == "text"
+        if not is_text or not isinstance(part.get("text"), str):
+            raise ProtocolError(
+                f'\'{where}[{i}]\' must be a text part {{"type": "text", "text": ...}}; '
+                f"BatchGen serves text-only models, got {_describe(part)}",
+                code=UNSUPPORTED_PARAMETER,
+                param=f"{where}[{i}]",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch input lines
+
+
+def _strict_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
+    """Parse one line of an OpenAI Batch input file.
+
+    Accepted forms: the envelope ``{"custom_id", "method": "POST", "url", "body"}`` (``method``
+    may be omitted), or a plain body (no ``url``/``method``/``body`` key) such as
+    ``{"prompt": "...", "max_tokens": 32}``, which is a completion, or a chat completion when it
+    has ``"messages"``; its ``custom_id`` key is optional and defaults to ``line-<line>``.
+
+    Args:
+        raw: the line, as text or UTF-8 bytes, with or without its newline.
+        line: its 1-based line number (used in messages and for default custom_ids).
+
+    Raises:
+        BatchLineError: invalid UTF-8 or JSON (including NaN/Infinity), not an object, missing
+            or non-string custom_id, method other than POST, unknown url, or an invalid body
+            (see `parse_request_body`).
+    """
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        obj = json.loads(text.lstrip("\ufeff"), parse_constant=_strict_constant)
+    except UnicodeDecodeError:
+        raise BatchLineError(
+            "not valid UTF-8", line=line, custom_id=None, code=INVALID_JSON_LINE
+        ) from None
+    except ValueError as err:
+        raise BatchLineError(
+            f"not valid JSON ({err})", line=line, custom_id=None, code=INVALID_JSON_LINE
+        ) from None
+    if not isinstance(obj, dict):
+        raise BatchLineError(
+            f"a batch line must be a JSON object, got {_json_type(obj)}",
+            line=line,
+            custom_id=None,
+            code=INVALID_JSON_LINE,
+        )
+    if any(key in obj for key in _ENVELOPE_KEYS):
+        custom_id, url, body = _parse_envelope(obj, line)
+    else:
+        body = dict(obj)
+        custom_id = _custom_id(body.pop("custom_id", f"line-{line}"), line)
+        url = CHAT_COMPLETIONS_URL if "messages" in body else COMPLETIONS_URL
+    try:
+        return BatchRequest(custom_id, line, parse_request_body(url, body))
+    except ProtocolError as err:
+        raise BatchLineError(
+            str(err), line=line, custom_id=custom_id, code=err.code, param=err.param
+        ) from None
+
+
+def _custom_id(value: Any, line: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise BatchLineError(
+            f"'custom_id' must be a non-empty string, got {_describe(value)}",
+            line=line,
+            custom_id=None,
+            code=MISSING_REQUIRED_PARAMETER if value is None else INVALID_REQUEST,
+            param="custom_id",
+        )
+    return value
+
+
+def _parse_envelope(obj: dict[str, Any], line: int) -> tuple[str, str, Any]:
+    custom_id = _custom_id(obj.get("custom_id"), line)
+    unknown = sorted(set(obj) - {"custom_id", *_ENVELOPE_KEYS})
+    if unknown:
+        raise BatchLineError(
+            f"unknown key '{unknown[0]}' in a batch line (keys: custom_id, method, url, body)",
+            line=line,
+            custom_id=custom_id,
+            param=unknown[0],
+        )
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise BatchLineError(
+            f"'method' must be \"POST\", got {_describe(method)}",
+            line=line,
+            custom_id=custom_id,
+            code=INVALID_METHOD,
+            param="method",
+        )
+    if "url" not in obj or "body" not in obj:
+        missing = "url" if "url" not in obj else "body"
+        raise BatchLineError(
+            f"missing '{missing}'",
+            line=line,
+            custom_id=custom_id,
+            code=MISSING_REQUIRED_PARAMETER,
+            param=missing,
+        )
+    return custom_id, obj["url"], obj["body"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _token_text(token_id: int, logprob: Logprob | None, tokenizer: Any) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _by_rank(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    # Unranked entries (should not happen) sort last.
+    return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+
+
+def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, Any] | None:
+    """OpenAI completions ``logprobs``: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+    ``top_logprobs[i]`` maps token text -> logprob for the top-N tokens plus the sampled one
+    (so up to N+1 entries, as OpenAI documents). ``text_offset[i]`` is the character offset of
+    token i in the generated text (0 = start of the completion). Log-probabilities are natural
+    logs, -inf clamped to ``MIN_LOGPROB``. None when the request did not ask for logprobs.
+    """
+    if sample.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, step in zip(sample.token_ids, sample.logprobs, strict=True):
+        chosen = step.get(token_id)
+        text = _token_text(token_id, chosen, tokenizer)
+        tokens.append(text)
+        token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
+        top_logprobs.append(
+            {_token_text(t, lp, tokenizer): _finite(lp.logprob) for t, lp in _by_rank(step)}
+        )
+        text_offset.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+    return {
+        "token": text,
+        "logprob": _finite(logprob),
+        "bytes": list(text.encode("utf-8", errors="replace")),
+    }
+
+
+def chat_logprobs(
+    sample: CompletionOutput, tokenizer: Any, top_logprobs: int
+) -> dict[str, Any] | None:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+
+    ``top_logprobs`` of each token lists exactly the ``top_logprobs`` most likely tokens (by
+    rank), each ``{token, logprob, bytes}`` with ``bytes`` the UTF-8 bytes of the token text.
+    None when the request did not ask for logprobs.
+    """
+    if sample.logprobs is None:
+        return None
+    content = []
+    for token_id, step in zip(sample.token_ids, sample.logprobs, strict=True):
+        chosen = step.get(token_id)
+        entry = _chat_token(
+            _token_text(token_id, chosen, tokenizer),
+            MIN_LOGPROB if chosen is None else chosen.logprob,
+        )
+        entry["top_logprobs"] = [
+            _chat_token(_token_text(t, lp, tokenizer), lp.logprob)
+            for t, lp in _by_rank(step)[:top_logprobs]
+        ]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    """OpenAI ``usage``: prompt tokens (once per request), generated tokens over all samples."""
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = output.num_generated_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response_body(
+    output: RequestOutput, *, model: str, tokenizer: Any, created: int | None = None
+) -> dict[str, Any]:
+    """The OpenAI ``text_completion`` object of a finished request (one choice per sample).
+
+    ``created`` is a Unix time in seconds (default: now). Choices carry vLLM's extra
+    ``stop_reason`` (the stop string or token id that ended the sample, else null).
+    """
+    choices = [
+        {
+            "index": sample.index,
+            "text": sample.text,
+            "logprobs": completion_logprobs(sample, tokenizer),
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+        for sample in output.outputs
+    ]
+    return _response_body("cmpl", "text_completion", output, model, choices, created)
+
+
+def chat_response_body(
+    output: RequestOutput,
+    *,
+    model: str,
+    tokenizer: Any,
+    top_logprobs: int | None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` object of a finished request (one choice per sample).
+
+    ``top_logprobs``: the number of alternatives per token in ``logprobs`` (the request's
+    ``SamplingParams.logprobs``); None when not asked. ``created``: Unix seconds (default now).
+    """
+    choices = [
+        {
+            "index": sample.index,
+            "message": {"role": "assistant", "content": sample.text},
+            "logprobs": None
+            if top_logprobs is None
+            else chat_logprobs(sample, tokenizer, top_logprobs),
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+        for sample in output.outputs
+    ]
+    return _response_body("chatcmpl", "chat.completion", output, model, choices, created)
+
+
+def _response_body(
+    id_prefix: str,
+    obj: str,
+    output: RequestOutput,
+    model: str,
+    choices: list[dict[str, Any]],
+    created: int | None,
+) -> dict[str, Any]:
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": usage(output),
+    }
+
+
+def response_body(
+    request: ApiRequest, output: RequestOutput, *, model: str, tokenizer: Any
+) -> dict[str, Any]:
+    """`completion_response_body` or `chat_response_body`, as ``request.url`` asks."""
+    if request.is_chat:
+        return chat_response_body(
+            output,
+            model=model,
+            tokenizer=tokenizer,
+            top_logprobs=request.sampling_params.logprobs,
+        )
+    return completion_response_body(output, model=model, tokenizer=tokenizer)
+
+
+def success_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A batch output line for a request that completed (HTTP status 200)."""
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_line(
+    custom_id: str | None,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    line: int | None = None,
+) -> dict[str, Any]:
+    """A batch output line for a request that failed: ``response`` null, ``error`` set.
+
+    ``error`` is ``{code, message, param, line}`` (the keys of OpenAI's batch errors);
+    ``line`` is the 1-based input line number, which lets ``--resume`` recognise lines that
+    had no usable custom_id.
+    """
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message, "param": param, "line": line},
+    }
+
+
+def error_line_from(err: BatchLineError) -> dict[str, Any]:
+    """The output line of a batch line that failed to parse."""
+    return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)
+
+
+def dumps_line(obj: dict[str, Any]) -> str:
+    """Compact JSON text of one output line (no newline), safe to encode as UTF-8.
+
+    Non-ASCII text is kept as is; should text contain a lone surrogate (not encodable), the
+    line falls back to ``\\u`` escapes.
+    """
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, separators=(",", ":"))
+    return text
