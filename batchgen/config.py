@@ -26,7 +26,9 @@ class EngineConfig:
         default=None, metadata=_help("HF model directory or hub id (default: embedded model)")
     )
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer path (default: model)"))
-    dtype: str = field(default="auto", metadata=_help(f"weights/activations dtype, one of {DTYPES}"))
+    dtype: str = field(
+        default="auto", metadata=_help(f"weights/activations dtype, one of {DTYPES}")
+    )
     device: str = field(default="auto", metadata=_help(f"one of {DEVICES}"))
     seed: int = field(default=0, metadata=_help("seed of the global RNG (unseeded requests)"))
     max_model_len: int | None = field(
@@ -39,7 +41,9 @@ class EngineConfig:
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens"))
     kv_cache_memory_gb: float | None = field(
         default=None,
-        metadata=_help("KV cache budget in GiB (default: 1 on CPU, gpu_memory_utilization on CUDA)"),
+        metadata=_help(
+            "KV cache budget in GiB (default: 1 on CPU, gpu_memory_utilization on CUDA)"
+        ),
     )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_help("fraction of CUDA memory for weights+activations+KV cache")

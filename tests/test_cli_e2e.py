@@ -28,20 +28,39 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _completion(cid: str, prompt: str, **body) -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                       "body": {"prompt": prompt, **body}})
+    return json.dumps(
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": prompt, **body},
+        }
+    )
 
 
 def test_run_examples_with_default_model(tmp_path):
     out = tmp_path / "results.jsonl"
-    proc = subprocess.run([*BATCHGEN, "run", "-i", str(REPO / "examples/requests.jsonl"),
-                           "-o", str(out), "--no-progress"], env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            *BATCHGEN,
+            "run",
+            "-i",
+            str(REPO / "examples/requests.jsonl"),
+            "-o",
+            str(out),
+            "--no-progress",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     inputs = _lines(REPO / "examples/requests.jsonl")
     results = _lines(out)
     assert sorted(r["custom_id"] for r in results) == sorted(
-        i.get("custom_id", f"line-{n}") for n, i in enumerate(inputs, 1))
+        i.get("custom_id", f"line-{n}") for n, i in enumerate(inputs, 1)
+    )
     assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results)
     by_id = {r["custom_id"]: r for r in results}
     for n, line in enumerate(inputs, 1):
@@ -60,8 +79,16 @@ def test_run_examples_with_default_model(tmp_path):
 def tiny_model(tmp_path_factory) -> str:
     from batchgen.models.make_model import make_model
 
-    return str(make_model("mixtral", tmp_path_factory.mktemp("m") / "mixtral", seed=5,
-                          hidden_size=64, intermediate_size=96, num_hidden_layers=2))
+    return str(
+        make_model(
+            "mixtral",
+            tmp_path_factory.mktemp("m") / "mixtral",
+            seed=5,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+        )
+    )
 
 
 def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
@@ -72,30 +99,70 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
         json.dumps(["an", "array"]),
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
         _completion("ok-1", "duplicate id", max_tokens=3),
-        json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings",
-                    "body": {"input": "x"}}),
+        json.dumps(
+            {
+                "custom_id": "bad-url",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"input": "x"},
+            }
+        ),
         _completion("bad-temp", "x", temperature="hot"),
         _completion("bad-range", "x", top_p=7),
         _completion("too-long", "word " * 5000, max_tokens=2),
-        json.dumps({"custom_id": "chat-ok", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                             "n": 2, "seed": 1}}),
+        json.dumps(
+            {
+                "custom_id": "chat-ok",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "n": 2,
+                    "seed": 1,
+                },
+            }
+        ),
         "",
         _completion("ok-2", "world", max_tokens=4, logprobs=2, temperature=0),
     ]
     inp.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([*BATCHGEN, "run", "-i", str(inp), "-o", str(out), "--model",
-                           tiny_model, "--no-progress", "--max-model-len", "512"],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *BATCHGEN,
+            "run",
+            "-i",
+            str(inp),
+            "-o",
+            str(out),
+            "--model",
+            tiny_model,
+            "--no-progress",
+            "--max-model-len",
+            "512",
+        ],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     results = _lines(out)
     ok = {r["custom_id"] for r in results if r["error"] is None}
     assert ok == {"ok-1", "chat-ok", "ok-2"}
     errors = [r for r in results if r["error"] is not None]
     messages = " | ".join(r["error"]["message"] for r in errors)
-    for needle in ["line 2", "line 3", "custom_id", "duplicate", "/v1/embeddings",
-                   "temperature", "top_p", "max_model_len"]:
+    for needle in [
+        "line 2",
+        "line 3",
+        "custom_id",
+        "duplicate",
+        "/v1/embeddings",
+        "temperature",
+        "top_p",
+        "max_model_len",
+    ]:
         assert needle in messages, needle
     assert len(errors) == 8
     chat = next(r for r in results if r["custom_id"] == "chat-ok")["response"]["body"]
@@ -107,17 +174,35 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
 def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):
     inp = tmp_path / "in.jsonl"
     ids = [f"req-{i:03d}" for i in range(40)]
-    inp.write_text("".join(_completion(c, f"prompt number {i} " * (1 + i % 7), max_tokens=48,
-                                       temperature=0, ignore_eos=True) + "\n"
-                           for i, c in enumerate(ids)))
+    inp.write_text(
+        "".join(
+            _completion(
+                c,
+                f"prompt number {i} " * (1 + i % 7),
+                max_tokens=48,
+                temperature=0,
+                ignore_eos=True,
+            )
+            + "\n"
+            for i, c in enumerate(ids)
+        )
+    )
     ref_out = tmp_path / "ref.jsonl"
     args = ["--model", tiny_model, "--no-progress", "--max-in-flight", "4"]
-    subprocess.run([*BATCHGEN, "run", "-i", str(inp), "-o", str(ref_out), *args],
-                   env=_env(tmp_path), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*BATCHGEN, "run", "-i", str(inp), "-o", str(ref_out), *args],
+        env=_env(tmp_path),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([*BATCHGEN, "run", "-i", str(inp), "-o", str(out), *args],
-                            env=_env(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*BATCHGEN, "run", "-i", str(inp), "-o", str(out), *args],
+        env=_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         if out.exists() and out.read_text().count("\n") >= 6:
@@ -127,8 +212,13 @@ def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):
     proc.wait()
     done_before = out.read_text().count("\n")
     assert 6 <= done_before < 40, "the kill should land mid-run"
-    subprocess.run([*BATCHGEN, "run", "-i", str(inp), "-o", str(out), "--resume", *args],
-                   env=_env(tmp_path), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*BATCHGEN, "run", "-i", str(inp), "-o", str(out), "--resume", *args],
+        env=_env(tmp_path),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     results = _lines(out)
     assert sorted(r["custom_id"] for r in results) == ids
     text = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results}
@@ -138,17 +228,29 @@ def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):
 
 def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):
     out = tmp_path / "llama"
-    proc = subprocess.run([*BATCHGEN, "make-model", "--arch", "llama", "--out", str(out)],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*BATCHGEN, "make-model", "--arch", "llama", "--out", str(out)],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
-    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"]:
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ]:
         assert (out / name).is_file(), name
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and tok.decode(tok.encode("héllo 🚀"), skip_special_tokens=True) \
-        == "héllo 🚀"
+    assert (
+        tok.chat_template
+        and tok.decode(tok.encode("héllo 🚀"), skip_special_tokens=True) == "héllo 🚀"
+    )
     model = tf.AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"
     gen = json.loads((out / "generation_config.json").read_text())
@@ -156,8 +258,12 @@ def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    proc = subprocess.run([*BATCHGEN, "run", "-i", str(tmp_path / "missing.jsonl"), "-o",
-                           str(tmp_path / "o.jsonl")], env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [*BATCHGEN, "run", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr

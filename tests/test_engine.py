@@ -12,8 +12,9 @@ from batchgen import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_dir):
-    return LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05,
-               max_model_len=256)
+    return LLM(
+        str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05, max_model_len=256
+    )
 
 
 def test_bad_prompts_fail_alone(llm):
@@ -34,8 +35,9 @@ def test_seeded_request_is_independent_of_batch_mates(llm):
         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
         SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True),
         seeded,
-        SamplingParams(temperature=1.3, top_k=5, seed=7, max_tokens=3, ignore_eos=True,
-                       repetition_penalty=1.3),
+        SamplingParams(
+            temperature=1.3, top_k=5, seed=7, max_tokens=3, ignore_eos=True, repetition_penalty=1.3
+        ),
     ]
     outs = llm.generate(["abc", "def ghi", "Once upon a time", "zzz"], mates, use_tqdm=False)
     assert outs[2].outputs[0].token_ids == alone
@@ -56,8 +58,11 @@ def test_stop_token_ids_and_stop_strings(llm):
     ref = llm.generate("The", greedy, use_tqdm=False)[0].outputs[0]
     stop_id = ref.token_ids[3]
     first = ref.token_ids.index(stop_id)
-    out = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                             stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    out = llm.generate(
+        "The",
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
     o = out.outputs[0]
     assert o.token_ids == ref.token_ids[: first + 1]
     assert (o.finish_reason, o.stop_reason) == ("stop", stop_id)
@@ -65,12 +70,23 @@ def test_stop_token_ids_and_stop_strings(llm):
     text = ref.text
     stop = text[5:8]
     cut = text.index(stop)
-    o = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                           stop=[stop]), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        "The",
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert (o.text, o.finish_reason, o.stop_reason) == (text[:cut], "stop", stop)
-    o = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                           stop=[stop], include_stop_str_in_output=True),
-                     use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        "The",
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=20,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert o.text == text[: cut + len(stop)]
 
 
@@ -85,22 +101,28 @@ def test_logprobs_include_sampled_token_and_sum(llm):
         assert all(math.isfinite(v.logprob) and v.logprob <= 0 for v in lp.values())
         total += lp[tok].logprob
     assert o.cumulative_logprob == pytest.approx(total, abs=1e-4)
-    assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[
-        0].logprobs is None
+    assert (
+        llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].logprobs
+        is None
+    )
 
 
 def test_max_model_len_ends_with_length(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("y" * 250)[:250]
-    o = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None,
-                     temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(o.token_ids) == 256 - 250 and o.finish_reason == "length"
 
 
 def test_chat_applies_template(llm):
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    out = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                   use_tqdm=False)[0]
+    out = llm.chat(
+        conv, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )[0]
     tok = llm.get_tokenizer()
     text = tok.decode(out.prompt_token_ids)
     assert text.endswith("<|im_start|>assistant\n") and "Hi!" in text

@@ -40,10 +40,12 @@ def test_sharded_checkpoint_with_index_gives_same_tokens(checkpoint_dir, tmp_pat
         save_file({n: tensors[n] for n in part}, dst / fname, metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    a = LLM(str(src), device="cpu", kv_cache_memory_gb=0.01).generate("hello", GREEDY,
-                                                                      use_tqdm=False)
-    b = LLM(str(dst), device="cpu", kv_cache_memory_gb=0.01).generate("hello", GREEDY,
-                                                                      use_tqdm=False)
+    a = LLM(str(src), device="cpu", kv_cache_memory_gb=0.01).generate(
+        "hello", GREEDY, use_tqdm=False
+    )
+    b = LLM(str(dst), device="cpu", kv_cache_memory_gb=0.01).generate(
+        "hello", GREEDY, use_tqdm=False
+    )
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
 
 
@@ -59,8 +61,7 @@ def test_transformers5_fused_expert_layout_loads(checkpoint_dir, tmp_path):
             w3 = [t.pop(f"{p}experts.{e}.w3.weight") for e in range(4)]
             w2 = [t.pop(f"{p}experts.{e}.w2.weight") for e in range(4)]
             q = f"model.layers.{layer}.mlp."
-            t[q + "experts.gate_up_proj"] = torch.stack(
-                [torch.cat([g, u]) for g, u in zip(w1, w3)])
+            t[q + "experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(w1, w3)])
             t[q + "experts.down_proj"] = torch.stack(w2)
             t[q + "gate.weight"] = t.pop(p + "gate.weight")
 

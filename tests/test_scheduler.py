@@ -110,8 +110,7 @@ def test_lone_sequence_preempting_itself_is_retried_not_lost():
 
 
 def test_no_starvation_every_sequence_progresses():
-    sched, _ = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4,
-                              max_num_batched_tokens=8)
+    sched, _ = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     seqs = make_seqs([9, 3, 5, 2, 11])
     for s in seqs:
         sched.add(s)

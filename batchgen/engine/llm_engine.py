@@ -34,7 +34,7 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without CUDA."""
+    """ "auto" -> cuda when available, else cpu. Raises ValueError for cuda without CUDA."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -65,10 +65,12 @@ class LLMEngine:
 
         self.config = config
         if config.model is None:
-            from batchgen.models.default_model import default_model_path
+            from batchgen.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 
             config.model = default_model_path()
-        self.model_name = config.model
+            self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
+        else:
+            self.model_name = config.model
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
@@ -77,8 +79,13 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         model = load_model(path, cfg, self.device, self.dtype)
-        logger.info("loaded %s (%s) on %s in %.1f s", path, cfg.architecture, self.device,
-                    time.perf_counter() - t0)
+        logger.info(
+            "loaded %s (%s) on %s in %.1f s",
+            path,
+            cfg.architecture,
+            self.device,
+            time.perf_counter() - t0,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
         self.eos_token_ids = self._eos_ids(path, cfg)
 
@@ -91,14 +98,16 @@ class LLMEngine:
                 f"max_position_embeddings={cfg.max_position_embeddings}"
             )
         if max_len > capacity:
-            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens",
-                           max_len, capacity)
+            logger.warning(
+                "max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity
+            )
             max_len = capacity
         self.max_model_len = max_len
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
+        )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -116,10 +125,11 @@ class LLMEngine:
                 budget = c.kv_cache_memory_gb * _GiB
             elif self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                # Keep room for activations: a step's tokens times a generous per-token size.
-                reserve = 64 * c.max_num_batched_tokens * max(cfg.hidden_size, cfg.vocab_size) * 4
-                budget = total * c.gpu_memory_utilization - used - reserve
+                budget = (
+                    total * c.gpu_memory_utilization
+                    - (total - free)
+                    - (self._activation_reserve_bytes(cfg))
+                )
             else:
                 budget = DEFAULT_CPU_KV_CACHE_GB * _GiB
             num_blocks = int(budget // per_block)
@@ -128,10 +138,28 @@ class LLMEngine:
                 f"the KV cache budget holds no block of {c.block_size} tokens "
                 f"({per_block} bytes); raise kv_cache_memory_gb or gpu_memory_utilization"
             )
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)",
-                    num_blocks, c.block_size, num_blocks * c.block_size,
-                    num_blocks * per_block / (1 << 20), per_block // c.block_size)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)",
+            num_blocks,
+            c.block_size,
+            num_blocks * c.block_size,
+            num_blocks * per_block / (1 << 20),
+            per_block // c.block_size,
+        )
         return num_blocks
+
+    def _activation_reserve_bytes(self, cfg: ModelConfig) -> int:
+        """Device memory kept free for one step's activations (bytes): a float32 upper estimate
+        per batched token (residual, QKV, attention output, MLP/expert intermediates for every
+        selected expert) plus the sampler's copies of ``max_num_seqs`` rows of logits, plus
+        1 GiB of slack for the allocator and kernels' workspaces. An estimate, not a profile."""
+        c = self.config
+        experts = max(cfg.num_experts_per_tok, 1)
+        per_token = 4 * (
+            16 * cfg.hidden_size + experts * (4 * cfg.intermediate_size + 2 * cfg.hidden_size)
+        )
+        logits = 4 * 4 * min(c.max_num_seqs, c.max_num_batched_tokens) * cfg.vocab_size
+        return c.max_num_batched_tokens * per_token + logits + _GiB
 
     @staticmethod
     def _eos_ids(path, cfg: ModelConfig) -> frozenset[int]:
@@ -142,7 +170,9 @@ class LLMEngine:
 
             gen = GenerationConfig.from_pretrained(path)
             eos = gen.eos_token_id
-            ids.update(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+            ids.update(
+                eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+            )
         except OSError:
             pass
         return frozenset(int(i) for i in ids)
@@ -182,18 +212,24 @@ class LLMEngine:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-                    m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be an object with string 'role' and "
-                                 "'content'")
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ValueError(
+                    f"messages[{i}] must be an object with string 'role' and 'content'"
+                )
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat_template; use completions")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None
+    ) -> None:
         """Queue a request.
 
         Raises:
@@ -219,9 +255,13 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, i, self.device)
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                min_tokens=params.min_tokens)
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
             if params.logprobs is not None:
                 seq.logprobs = []
             request.seqs.append(seq)
@@ -291,8 +331,9 @@ class LLMEngine:
         seq.cumulative_logprob += out.sampled_logprobs[row]
         top = out.top_logprobs[row]
         if seq.logprobs is not None and top is not None:
-            seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                 for t, lp, rank in top})
+            seq.logprobs.append(
+                {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in top}
+            )
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
@@ -306,7 +347,8 @@ class LLMEngine:
             self._finish(seq, "stop", matched)
             return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or (
-                seq.num_tokens >= self.max_model_len):
+            seq.num_tokens >= self.max_model_len
+        ):
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -318,14 +360,17 @@ class LLMEngine:
         outputs = []
         for seq in request.seqs:
             want_lp = request.params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.finalize(),
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                logprobs=seq.logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             outputs, finished=True)
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.finalize(),
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished=True
+        )

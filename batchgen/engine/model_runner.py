@@ -27,8 +27,14 @@ class ModelRunner:
         num_blocks: KV cache blocks; block_size: tokens per block.
     """
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -36,8 +42,10 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
 
@@ -45,8 +53,9 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[
-            torch.Tensor, AttentionMetadata, list[ScheduledSeq], torch.Tensor]:
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[ScheduledSeq], torch.Tensor]:
         """Flatten a step: decode tokens first, then prefill chunks.
 
         Returns ``input_ids [T]``, the metadata, the scheduled entries in flat order, and
@@ -71,10 +80,19 @@ class ModelRunner:
             if entry.samples_next_token:
                 sample_indices.append(len(input_ids) - 1)
             if entry.num_new_tokens > 1:
-                kv_slots = slot_mapping[-entry.num_new_tokens:] if start == 0 else self._slots(
-                    seq.block_table, 0, end)
-                spans.append(PrefillSpan(token_start, entry.num_new_tokens, end,
-                                         torch.tensor(kv_slots, device=self.device)))
+                kv_slots = (
+                    slot_mapping[-entry.num_new_tokens :]
+                    if start == 0
+                    else self._slots(seq.block_table, 0, end)
+                )
+                spans.append(
+                    PrefillSpan(
+                        token_start,
+                        entry.num_new_tokens,
+                        end,
+                        torch.tensor(kv_slots, device=self.device),
+                    )
+                )
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -87,11 +105,14 @@ class ModelRunner:
             max_blocks = max(len(s.seq.block_table) for s in decodes)
             tables = torch.tensor(
                 [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes],
-                dtype=torch.long, device=dev)  # [B, max_blocks]
+                dtype=torch.long,
+                device=dev,
+            )  # [B, max_blocks]
             max_len = max(kv_lens)
             pos = torch.arange(max_len, device=dev)
             meta.decode_kv_slots = tables[:, pos // self.block_size] * self.block_size + (
-                pos % self.block_size)  # [B, max_len]
+                pos % self.block_size
+            )  # [B, max_len]
             meta.decode_kv_lens = torch.tensor(kv_lens, dtype=torch.long, device=dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, meta, ordered, torch.tensor(sample_indices, dtype=torch.long, device=dev)

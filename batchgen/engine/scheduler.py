@@ -56,8 +56,9 @@ class Scheduler:
         max_num_batched_tokens: max new tokens scheduled per step.
     """
 
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -81,8 +81,9 @@ class Sequence:
 
     def token_id_at(self, position: int) -> int:
         n = self.num_prompt_tokens
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[
-            position - n]
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 import types
 import typing
@@ -215,6 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     command: Subcommand = args._subcommand
+    # Start-up facts (model, device, KV cache blocks/tokens) go to stderr beside the progress bar.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root = logging.getLogger("batchgen")
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("BATCHGEN_LOG_LEVEL", "INFO").upper())
     try:
         return command.run(args)
     except CliError as err:

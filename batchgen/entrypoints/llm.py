@@ -33,8 +33,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
-            raise ValueError(f"unknown LLM arguments {sorted(unknown)}; allowed: "
-                             f"{EngineConfig.field_names()}")
+            raise ValueError(
+                f"unknown LLM arguments {sorted(unknown)}; allowed: {EngineConfig.field_names()}"
+            )
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 
@@ -71,8 +72,10 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
-                                 "pass one, or one per prompt")
+                raise ValueError(
+                    f"got {len(params)} sampling_params for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
         return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
     def chat(
@@ -98,8 +101,9 @@ class LLM:
             outs[i].error = msg
         return outs
 
-    def _run(self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool
-             ) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
@@ -111,13 +115,22 @@ class LLM:
                 engine.add_request(request_id, prompt, sp)
             except ValueError as exc:
                 logger.warning("request %s failed: %s", request_id, exc)
-                ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else (
-                    prompt if isinstance(prompt, list) else [])
+                ids = (
+                    prompt.get("prompt_token_ids", [])
+                    if isinstance(prompt, dict)
+                    else (prompt if isinstance(prompt, list) else [])
+                )
                 results[request_id] = RequestOutput(
-                    request_id, prompt if isinstance(prompt, str) else None, list(ids),
-                    [], finished=True, error=str(exc))
-        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+                    request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    list(ids),
+                    [],
+                    finished=True,
+                    error=str(exc),
+                )
+        bar = tqdm(
+            total=len(items), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         bar.update(len(results))
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -53,11 +53,13 @@ class DecoderLayer(nn.Module):
                 cfg.hidden_act,
             )
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                                cfg.mlp_bias)
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias
+            )
 
-    def attention_stage(self, h: torch.Tensor, meta: AttentionMetadata,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def attention_stage(
+        self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         return h + self.self_attn(self.input_layernorm(h), meta, kv_cache)
 
     def ffn_stage(self, h: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,13 @@ class CausalLM(nn.Module):
         """``input_ids [T]`` int64 -> ``[T, H]``."""
         return self.embed_tokens(input_ids)
 
-    def attention_stage(self, layer: int, h: torch.Tensor, meta: AttentionMetadata,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def attention_stage(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         return self.layers[layer].attention_stage(h, meta, kv_cache)
 
     def ffn_stage(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -100,8 +107,12 @@ class CausalLM(nn.Module):
         """``h [B, H]`` (the rows to sample from) -> logits ``[B, V]`` float32."""
         return self.lm_head(self.norm(h)).float()
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """All stages in order (the lockstep path): ``input_ids [T]`` -> hidden ``[T, H]``."""
         h = self.embed(input_ids)
         for layer in range(self.num_layers):

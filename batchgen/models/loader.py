@@ -64,7 +64,7 @@ def resolve_model_path(model: str) -> Path:
 
 
 def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
-    """"auto": the checkpoint's dtype on CUDA; float32 on CPU (where bf16 matmuls are slow)."""
+    """ "auto": the checkpoint's dtype on CUDA; float32 on CPU (where bf16 matmuls are slow)."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cpu":
@@ -132,24 +132,32 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     Both Mixtral layouts are accepted: the hub's per-expert ``block_sparse_moe.experts.{e}.w1``
     and transformers 5's fused ``mlp.experts.gate_up_proj [E, 2I, H]``.
     """
-    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.intermediate_size
+    q, kv, inter = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     qkv_offset = {"q": 0, "k": q, "v": q + kv}
 
     def qkv(m):
         return Target(f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}", m[2], row_start=qkv_offset[m[2]])
 
     def gate_up(m):
-        return Target(f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}", m[2],
-                      row_start=0 if m[2] == "gate" else inter)
+        return Target(
+            f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}", m[2], row_start=0 if m[2] == "gate" else inter
+        )
 
     def expert(m):
         e, w = int(m[2]), m[3]
         if w == "2":
             return Target(f"layers.{m[1]}.mlp.w2_weight", e, expert=e)
         shard = "gate" if w == "1" else "up"
-        return Target(f"layers.{m[1]}.mlp.w13_weight", (e, shard), expert=e,
-                      row_start=0 if shard == "gate" else inter)
+        return Target(
+            f"layers.{m[1]}.mlp.w13_weight",
+            (e, shard),
+            expert=e,
+            row_start=0 if shard == "gate" else inter,
+        )
 
     def plain(template):
         return lambda m: Target(template.format(*m.groups()), "all")
@@ -157,9 +165,14 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     rules = [
         (r"model\.embed_tokens\.weight", plain("embed_tokens.weight")),
         (r"model\.norm\.weight", plain("norm.weight")),
-        (r"lm_head\.weight", (lambda m: None) if cfg.tie_word_embeddings
-         else plain("lm_head.weight")),
-        (_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight", plain("layers.{}.{}.weight")),
+        (
+            r"lm_head\.weight",
+            (lambda m: None) if cfg.tie_word_embeddings else plain("lm_head.weight"),
+        ),
+        (
+            _LAYER + r"(input_layernorm|post_attention_layernorm)\.weight",
+            plain("layers.{}.{}.weight"),
+        ),
         (_LAYER + r"self_attn\.(q|k|v)_proj\.(weight|bias)", qkv),
         (_LAYER + r"self_attn\.o_proj\.(weight|bias)", plain("layers.{}.self_attn.o_proj.{}")),
         (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", gate_up),
@@ -221,11 +234,15 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     if unexpected or missing:
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint (parameters not filled): {missing[:20]}"
-                         + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+            parts.append(
+                f"missing from the checkpoint (parameters not filled): {missing[:20]}"
+                + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+            )
         if unexpected:
-            parts.append(f"unexpected checkpoint tensors: {unexpected[:20]}"
-                         + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else ""))
+            parts.append(
+                f"unexpected checkpoint tensors: {unexpected[:20]}"
+                + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else "")
+            )
         raise WeightLoadError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(parts))
 
 

@@ -41,8 +41,9 @@ def _hf_config(arch: str, overrides: dict):
 
     kwargs = dict(_COMMON)
     if arch == "mixtral":
-        kwargs.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=192,
-                      rope_theta=1e6)
+        kwargs.update(
+            num_local_experts=8, num_experts_per_tok=2, intermediate_size=192, rope_theta=1e6
+        )
         cls = tf.MixtralConfig
     elif arch == "llama":
         cls = tf.LlamaConfig
@@ -90,8 +91,12 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms_and_biases(model)
     model.save_pretrained(out, safe_serialization=True)
-    gen = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID,
-           "do_sample": False}
+    gen = {
+        "bos_token_id": BOS_ID,
+        "eos_token_id": [EOS_ID, IM_END_ID],
+        "pad_token_id": PAD_ID,
+        "do_sample": False,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer(out, vocab_size=min(config.vocab_size, 512))
     return out

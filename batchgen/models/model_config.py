@@ -100,7 +100,9 @@ class ModelConfig:
                 for i in range(num_layers)
             ]
         eos = getattr(c, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        eos_ids = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        )
         dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None) or "float32"
         is_moe = arch == "MixtralForCausalLM"
         attention_bias = bool(getattr(c, "attention_bias", False))

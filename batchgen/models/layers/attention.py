@@ -35,10 +35,18 @@ class PrefillSpan:
     num_tokens: int
     kv_len: int
     kv_slots: torch.Tensor
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_first_chunk(self) -> bool:
         return self.kv_len == self.num_tokens
+
+    def mask(self, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """``[num_tokens, kv_len]`` bool, built once per step and shared by all layers."""
+        if sliding_window not in self._masks:
+            kv_pos = torch.arange(self.kv_len, device=q_pos.device)
+            self._masks[sliding_window] = _window_mask(q_pos, kv_pos, self.kv_len, sliding_window)
+        return self._masks[sliding_window]
 
 
 @dataclass
@@ -60,14 +68,29 @@ class AttentionMetadata:
     decode_kv_slots: torch.Tensor | None = None
     decode_kv_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _decode_masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[num_decode_tokens, 1, 1, max_kv_len]`` bool, built once per step."""
+        if sliding_window not in self._decode_masks:
+            nd = self.num_decode_tokens
+            kv_pos = torch.arange(self.decode_kv_slots.shape[1], device=self.positions.device)
+            mask = _window_mask(
+                self.positions[:nd, None], kv_pos, self.decode_kv_lens, sliding_window
+            )  # [B, 1, L]
+            self._decode_masks[sliding_window] = mask[:, None]
+        return self._decode_masks[sliding_window]
+
 
 def _window_mask(
-    q_pos: torch.Tensor, kv_pos: torch.Tensor, kv_len: torch.Tensor | int, sliding_window: int | None
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    kv_len: torch.Tensor | int,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """Boolean mask ``[..., q, kv]``: key j visible to query i iff ``j <= pos_i`` and
     ``j < kv_len`` (and ``pos_i - j < sliding_window`` when set, HF's sliding-window rule)."""
@@ -105,17 +128,15 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         slots = meta.decode_kv_slots  # [B, L]
-        kd = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[slots].transpose(1, 2)
-        kv_pos = torch.arange(slots.shape[1], device=q.device)
-        mask = _window_mask(
-            meta.positions[:nd, None], kv_pos, meta.decode_kv_lens, sliding_window
-        )  # [B, 1, L]
+        b, length = slots.shape
+        flat = slots.reshape(-1)
+        kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             q[:nd, :, None, :],  # [B, Hq, 1, D]
-            kd,
+            kd,  # [B, Hkv, L, D]
             vd,
-            attn_mask=mask[:, None],  # [B, 1, 1, L]
+            attn_mask=meta.decode_mask(sliding_window),  # [B, 1, 1, L]
             scale=scale,
             enable_gqa=True,
         )
@@ -126,16 +147,17 @@ def paged_attention(
         if span.is_first_chunk:
             ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [Hkv, n, D]
         else:
-            ks = k_cache[span.kv_slots].transpose(0, 1)  # [Hkv, L, D]
-            vs = v_cache[span.kv_slots].transpose(0, 1)
+            ks = k_cache.index_select(0, span.kv_slots).transpose(0, 1)  # [Hkv, L, D]
+            vs = v_cache.index_select(0, span.kv_slots).transpose(0, 1)
         if span.is_first_chunk and sliding_window is None:
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+            os_ = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
-            kv_pos = torch.arange(span.kv_len, device=q.device)
-            mask = _window_mask(meta.positions[sl], kv_pos, span.kv_len, sliding_window)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
+            mask = span.mask(meta.positions[sl], sliding_window)
+            os_ = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         out[sl] = os_.transpose(0, 1)
     return out
 

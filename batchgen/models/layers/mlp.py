@@ -20,8 +20,9 @@ class GatedMLP(nn.Module):
     """Dense gated MLP. Weights ``gate_up_proj.weight [2I, H]`` (gate rows first),
     ``down_proj.weight [H, I]``. Input/output ``[T, H]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)

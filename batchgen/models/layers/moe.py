@@ -65,24 +65,26 @@ def fused_experts_reference(
         topk_ids: ``[T, A]`` int64.
     Returns:
         ``[T, H]`` in x's dtype: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``.
-        The weight multiply happens in float32 before the cast, as HF `MixtralExperts` does.
+        The weighting and the sum over the top-k run in float32, cast once at the end (HF
+        `MixtralExperts` also weights in float32). Un-sorting is a gather with the inverse
+        permutation followed by a sum over A, which is much faster on CPU than `index_add_`.
     """
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     token_idx = order // top_k  # [T*A] source token of each sorted activation
-    weights = topk_weights.reshape(-1)[order]  # [T*A]
-    out = torch.zeros_like(x)
+    x_sorted = x.index_select(0, token_idx)  # [T*A, H]
+    y_sorted = torch.empty_like(x_sorted, dtype=torch.float32)  # [T*A, H]
     start = 0
     for expert, m in enumerate(counts):
         if m == 0:
             continue
-        rows = token_idx[start : start + m]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)  # [m, I]
-        y = F.linear(act(gate) * up, w2[expert])  # [m, H]
-        y = y * weights[start : start + m, None]
-        out.index_add_(0, rows, y.to(x.dtype))
+        gate, up = F.linear(x_sorted[start : start + m], w13[expert]).chunk(2, dim=-1)  # [m, I]
+        y_sorted[start : start + m] = F.linear(act(gate) * up, w2[expert])  # [m, H]
         start += m
-    return out
+    y_sorted.mul_(topk_weights.reshape(-1).index_select(0, order)[:, None])
+    # Un-sort (a permutation, so a gather with the inverse order), then sum over the top-k.
+    y = y_sorted.index_select(0, torch.argsort(order))  # [T*A, H] in (token, slot) order
+    return y.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [T, H]
 
 
 class SparseMoeBlock(nn.Module):
@@ -92,8 +94,15 @@ class SparseMoeBlock(nn.Module):
     ``w2_weight [E, H, I]``. Input/output ``[T, H]``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, norm_topk_prob: bool = True, hidden_act: str = "silu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool = True,
+        hidden_act: str = "silu",
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(
