@@ -8,10 +8,19 @@ using each field's ``metadata["help"]``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _help(text: str) -> dict:
@@ -60,23 +69,24 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or (name != "seed" and value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        for name in ("max_model_len", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.kv_cache_memory_gb is not None and not (
+            _is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf
         ):
-            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"kv_cache_memory_gb must be a finite number > 0 (GiB) or None, "
+                f"got {self.kv_cache_memory_gb!r}"
+            )
+        if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}"
             )
 
     @classmethod

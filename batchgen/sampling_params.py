@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from numbers import Integral, Real
 
+# Bounds beyond which float32 sampling would overflow, and a cap on samples per request
+# (each sample is a sequence with its own KV cache; OpenAI caps n at 128).
+MAX_N = 1024
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
 # Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`, OpenAI's cap).
@@ -31,7 +37,7 @@ class SamplingParams:
 
     Attributes:
         n: number of samples (completions) to generate for the prompt, >= 1.
-        temperature: softmax temperature, >= 0; below 1e-5 the request is greedy (argmax).
+        temperature: softmax temperature in [0, 1e4]; below 1e-5 the request is greedy (argmax).
         top_p: nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose
             cumulative probability reaches ``top_p`` (the most likely token is always kept).
             1 disables it.
@@ -63,7 +69,8 @@ class SamplingParams:
             appears in the generated output (OpenAI's definition; the prompt does not count).
         frequency_penalty: in [-2, 2], subtracted from a token's logit once per occurrence of it
             in the generated output (OpenAI's definition; the prompt does not count).
-        repetition_penalty: > 0, the CTRL / Hugging Face penalty over tokens seen in the prompt
+        repetition_penalty: in [1e-4, 1e4], the CTRL / Hugging Face penalty over tokens seen
+            in the prompt
             *or* the output: positive logits are divided by it, negative ones multiplied. 1
             disables it; > 1 discourages repetition.
         skip_special_tokens: drop special tokens from the detokenized text.
@@ -96,7 +103,15 @@ class SamplingParams:
 
     def _validate_and_normalise(self) -> None:
         self.n = _int(self.n, "n", minimum=1)
-        self.temperature = _float(self.temperature, "temperature", ">= 0", lambda x: x >= 0)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        # Upper bounds keep the float32 sampler finite (1/temperature, logit/penalty).
+        self.temperature = _float(
+            self.temperature,
+            "temperature",
+            f"[0, {MAX_TEMPERATURE:g}]",
+            lambda x: 0 <= x <= MAX_TEMPERATURE,
+        )
         self.top_p = _float(self.top_p, "top_p", "(0, 1]", lambda x: 0 < x <= 1)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(
@@ -132,7 +147,10 @@ class SamplingParams:
                 self, name, _float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)
             )
         self.repetition_penalty = _float(
-            self.repetition_penalty, "repetition_penalty", "> 0", lambda x: x > 0
+            self.repetition_penalty,
+            "repetition_penalty",
+            f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
+            lambda x: MIN_REPETITION_PENALTY <= x <= MAX_REPETITION_PENALTY,
         )
 
     @property

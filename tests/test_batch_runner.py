@@ -339,6 +339,39 @@ def test_resume_refuses_a_file_that_is_not_a_result_file(tmp_path):
         run(FakeEngine(), src, dst, resume=True)
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"hello\nworld", b"PK\x03\x04binary without newline", b'{"custom_id": "a"}\nnot json\n'],
+)
+def test_resume_on_a_foreign_file_changes_nothing_in_it(tmp_path, content):
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    dst = tmp_path / "notes.txt"
+    dst.write_bytes(content)
+    with pytest.raises(BatchFileError, match="cannot resume"):
+        run(FakeEngine(), src, dst, resume=True)
+    assert dst.read_bytes() == content
+
+
+def test_input_from_a_pipe_is_streamed(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    lines = [completion_line(f"p{i}") for i in range(5)]
+
+    def feed():
+        with open(fifo, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    dst = tmp_path / "out.jsonl"
+    run(FakeEngine(), fifo, dst)
+    writer.join()
+    assert sorted(r["custom_id"] for r in read_results(dst)) == [f"p{i}" for i in range(5)]
+
+
 def test_truncate_partial_last_line(tmp_path):
     path = tmp_path / "f"
     for content, kept in [

@@ -4,6 +4,7 @@ logprobs, chat, length limits."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -134,3 +135,77 @@ def test_chat_applies_template(llm):
 def test_sampling_params_list_length_mismatch(llm):
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
+
+
+def test_undecodable_text_and_template_errors_fail_alone(llm, tmp_path):
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(["ok", "bad \ud800 surrogate", "fine"], sp, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, True]
+    assert "not valid Unicode" in outs[1].error
+    outs = llm.chat(
+        [
+            [{"role": "user", "content": "x\udfff"}],
+            [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],
+        ],
+        sp,
+        use_tqdm=False,
+    )
+    assert "not valid Unicode" in outs[0].error and outs[1].error is None
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    try:
+        out = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False)[0]
+    finally:
+        tok.chat_template = saved
+    assert "chat template rejected" in out.error and "alternate" in out.error
+
+
+def test_failed_generate_call_leaves_nothing_queued(llm):
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), {"max_tokens": 2}])
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    engine = llm.llm_engine
+    original = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    engine.step = failing_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a", "b", "c"], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        engine.step = original
+    assert calls and engine.get_num_unfinished_requests() == 0
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_token_bytes_keep_partial_utf8(llm):
+    from batchgen.engine.detokenizer import token_bytes
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("🚀", add_special_tokens=False)
+    assert len(ids) > 1  # the emoji spans several byte-level tokens
+    assert b"".join(token_bytes(tok, i) for i in ids) == "🚀".encode()
+    assert token_bytes(tok, tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("kv_cache_memory_gb", float("inf"), "kv_cache_memory_gb must be a finite number > 0"),
+        ("kv_cache_memory_gb", "1", "kv_cache_memory_gb must be a finite number > 0"),
+        ("num_gpu_blocks_override", 2.5, "num_gpu_blocks_override must be an integer >= 1"),
+        ("max_num_seqs", True, "max_num_seqs must be an integer >= 1"),
+        ("block_size", 0, "block_size must be an integer >= 1"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1]"),
+    ],
+)
+def test_engine_config_errors_name_the_field(field, value, message):
+    from batchgen.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**{field: value})

@@ -21,6 +21,8 @@ step costs O(window), independent of the output length.
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -183,3 +185,51 @@ class IncrementalDetokenizer:
         self.stop_str = stop_str
         self.finished = True
         return stop_str
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode`` table (used by every ByteLevel BPE tokenizer):
+    printable bytes map to themselves, the other 68 to code points 256 and up."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    codes, extra = list(printable), 0
+    byte_values = list(printable)
+    for b in range(256):
+        if b not in printable:
+            byte_values.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(byte_values, codes, strict=True)}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes one token stands for, even when they are not valid UTF-8 on their own
+    (half an emoji from a byte-level BPE), as OpenAI's chat ``logprobs[].bytes`` reports them.
+
+    Byte-level BPE pieces are mapped back through the GPT-2 byte table; SentencePiece byte
+    fallback pieces ``<0xE6>`` give their byte; anything else falls back to the UTF-8 of the
+    decoded text.
+    """
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = to_piece(int(token_id)) if to_piece is not None else None
+    if isinstance(piece, str):
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match[1], 16)])
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = type(getattr(backend, "decoder", None)).__name__
+        table = _byte_level_decoder()
+        if (
+            decoder == "ByteLevel"
+            and piece not in tokenizer.all_special_tokens
+            and all(ch in table for ch in piece)
+        ):
+            return bytes(table[ch] for ch in piece)
+    return tokenizer.decode([int(token_id)]).encode("utf-8")

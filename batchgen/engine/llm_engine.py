@@ -188,12 +188,26 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, self._encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
         raise ValueError(
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize, turning text the tokenizer cannot take (e.g. lone UTF-16 surrogates from
+        JSON escapes like "\\ud800") into a ValueError for this request alone."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"prompt is not valid Unicode text ({exc.reason} at character {exc.start})"
+            ) from None
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # tokenizers raises TypeError/Exception on odd input
+            raise ValueError(f"prompt could not be tokenized: {exc}") from None
 
     def _check_ids(self, ids) -> list[int]:
         if not isinstance(ids, (list, tuple)):
@@ -222,10 +236,13 @@ class LLMEngine:
                 )
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat_template; use completions")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2 TemplateError from `raise_exception`, and the like
+            raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
+        return self._encode(text, add_special_tokens=False)
 
     def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None

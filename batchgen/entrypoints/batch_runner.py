@@ -112,38 +112,55 @@ class ResumeState:
             self.done_ids.add(custom_id)
 
 
-def truncate_partial_last_line(path: str | os.PathLike) -> int:
-    """Cut a file back to its last newline (a line half-written by a killed process).
-
-    Returns the number of bytes removed (0 when the file ends with a newline or is empty).
-    """
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        keep, end = 0, size
+def complete_prefix_size(path: str | os.PathLike) -> int:
+    """Size in bytes of the file up to and including its last newline (0 when it has none)."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
         while end > 0:
             start = max(0, end - (1 << 16))
             f.seek(start)
             newline = f.read(end - start).rfind(b"\n")
             if newline >= 0:
-                keep = start + newline + 1
-                break
+                return start + newline + 1
             end = start
-        if keep < size:
+    return 0
+
+
+def truncate_partial_last_line(path: str | os.PathLike) -> int:
+    """Cut a file back to its last newline (a line half-written by a killed process).
+
+    Returns the number of bytes removed (0 when the file ends with a newline or is empty).
+    """
+    keep = complete_prefix_size(path)
+    size = os.path.getsize(path)
+    if keep < size:
+        with open(path, "r+b") as f:
             f.truncate(keep)
-        return size - keep
+    return size - keep
 
 
 def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
-    """Read the results already in ``output_path`` (after truncating a partial last line).
+    """Read the results already in ``output_path``, then cut a partial last line.
+
+    Every complete line is checked before anything is truncated, so pointing ``--resume`` at
+    a file that is not a results file changes nothing in it.
 
     Raises:
-        BatchFileError: a complete line is not a JSON result line, i.e. the file is not an
-            output of ``batchgen run``.
+        BatchFileError: a complete line is not a JSON result line, or the file has content but
+            no complete line (i.e. it is not an output of ``batchgen run``).
     """
-    truncate_partial_last_line(output_path)
+    keep = complete_prefix_size(output_path)
+    size = os.path.getsize(output_path)
+    if keep == 0 and size > 0:
+        raise BatchFileError(
+            f"{output_path} has {size} bytes but no complete result line; cannot resume "
+            "(move the file away to start over)"
+        )
     state = ResumeState()
     with open(output_path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                break  # the partial last line, cut below
             if not raw.strip():
                 continue
             try:
@@ -156,6 +173,7 @@ def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
                     "(move the file away to start over)"
                 )
             state.add(result)
+    truncate_partial_last_line(output_path)
     return state
 
 
@@ -367,14 +385,17 @@ def run_batch_file(
     input_path, output_path = Path(input_path), Path(output_path)
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    if not input_path.is_file():
+    if not input_path.exists():
         raise FileNotFoundError(f"input file {str(input_path)!r} does not exist")
+    if input_path.is_dir():
+        raise BatchFileError(f"input {str(input_path)!r} is a directory, not a JSONL file")
     if output_path.exists() and output_path.samefile(input_path):
         raise BatchFileError(f"the output file {str(output_path)!r} is the input file")
     state = ResumeState()
     if resume and output_path.exists():
         state = load_resume_state(output_path)
-    total = count_request_lines(input_path) if progress else None
+    # A pipe or FIFO (`-i <(zcat big.jsonl.gz)`) can be read once only: no total then.
+    total = count_request_lines(input_path) if progress and input_path.is_file() else None
     with (
         open(input_path, "rb") as source,
         open(output_path, "ab" if resume else "wb") as sink,

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.entrypoints.openai_protocol import parse_messages
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -92,6 +93,9 @@ class LLM:
         errors: dict[int, str] = {}
         for i, conv in enumerate(conversations):
             try:
+                # Same normalisation as the batch/HTTP path: text content parts are joined,
+                # role "developer" becomes "system".
+                conv = parse_messages(conv)
                 prompts.append({"prompt_token_ids": engine.apply_chat_template(conv)})
             except ValueError as exc:
                 errors[i] = str(exc)
@@ -105,36 +109,48 @@ class LLM:
         self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        for _, sp in items:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, sp in items:
-            request_id = f"{self._counter}"
-            self._counter += 1
-            order.append(request_id)
-            try:
-                engine.add_request(request_id, prompt, sp)
-            except ValueError as exc:
-                logger.warning("request %s failed: %s", request_id, exc)
-                ids = (
-                    prompt.get("prompt_token_ids", [])
-                    if isinstance(prompt, dict)
-                    else (prompt if isinstance(prompt, list) else [])
-                )
-                results[request_id] = RequestOutput(
-                    request_id,
-                    prompt if isinstance(prompt, str) else None,
-                    list(ids),
-                    [],
-                    finished=True,
-                    error=str(exc),
-                )
-        bar = tqdm(
-            total=len(items), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
-        )
-        bar.update(len(results))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                results[out.request_id] = out
-                bar.update(1)
-        bar.close()
+        try:
+            for prompt, sp in items:
+                request_id = f"{self._counter}"
+                self._counter += 1
+                order.append(request_id)
+                try:
+                    engine.add_request(request_id, prompt, sp)
+                except ValueError as exc:
+                    logger.warning("request %s failed: %s", request_id, exc)
+                    results[request_id] = _failed_output(request_id, prompt, str(exc))
+            with tqdm(
+                total=len(items),
+                desc="Processed prompts",
+                disable=not use_tqdm,
+                dynamic_ncols=True,
+            ) as bar:
+                bar.update(len(results))
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            # On an exception or Ctrl-C, leave nothing of this call queued in the engine:
+            # a later call would silently compute it.
+            for request_id in order:
+                if request_id not in results:
+                    engine.abort_request(request_id)
         return [results[r] for r in order]
+
+
+def _failed_output(request_id: str, prompt: PromptType, error: str) -> RequestOutput:
+    ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else prompt
+    return RequestOutput(
+        request_id,
+        prompt if isinstance(prompt, str) else None,
+        list(ids) if isinstance(ids, (list, tuple)) else [],
+        [],
+        finished=True,
+        error=error,
+    )

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.engine.detokenizer import token_bytes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -302,7 +303,7 @@ def parse_request_body(url: str, body: Any) -> ApiRequest:
         raise _type_error("model", "a string", model)
     kwargs = _sampling_kwargs(body)
     if is_chat:
-        messages = _parse_messages(body.get("messages"))
+        messages = parse_messages(body.get("messages"))
         kwargs.update(_chat_length_and_logprobs(body))
         return ApiRequest(url, None, messages, _sampling_params(kwargs, is_chat), model)
     prompt = _parse_prompt(body.get("prompt"))
@@ -413,7 +414,7 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
     raise _type_error("prompt", "a non-empty string or a non-empty list of token ids", prompt)
 
 
-def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
     if messages is None:
         raise ProtocolError(
             "missing 'messages' (a list of {role, content} objects)",
@@ -619,11 +620,18 @@ def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, A
     }
 
 
-def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+def _chat_token(token_id: int, lp: Logprob | None, tokenizer: Any) -> dict[str, Any]:
+    text = _token_text(token_id, lp, tokenizer)
+    # The token's own bytes (half a multi-byte character stays half), as OpenAI reports.
+    raw = (
+        token_bytes(tokenizer, token_id)
+        if tokenizer is not None
+        else text.encode("utf-8", errors="replace")
+    )
     return {
         "token": text,
-        "logprob": _finite(logprob),
-        "bytes": list(text.encode("utf-8", errors="replace")),
+        "logprob": MIN_LOGPROB if lp is None else _finite(lp.logprob),
+        "bytes": list(raw),
     }
 
 
@@ -633,7 +641,7 @@ def chat_logprobs(
     """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
 
     ``top_logprobs`` of each token lists exactly the ``top_logprobs`` most likely tokens (by
-    rank), each ``{token, logprob, bytes}`` with ``bytes`` the UTF-8 bytes of the token text.
+    rank), each ``{token, logprob, bytes}`` with ``bytes`` the token's raw bytes (`token_bytes`).
     None when the request did not ask for logprobs.
     """
     if sample.logprobs is None:
@@ -641,13 +649,9 @@ def chat_logprobs(
     content = []
     for token_id, step in zip(sample.token_ids, sample.logprobs, strict=True):
         chosen = step.get(token_id)
-        entry = _chat_token(
-            _token_text(token_id, chosen, tokenizer),
-            MIN_LOGPROB if chosen is None else chosen.logprob,
-        )
+        entry = _chat_token(token_id, chosen, tokenizer)
         entry["top_logprobs"] = [
-            _chat_token(_token_text(t, lp, tokenizer), lp.logprob)
-            for t, lp in _by_rank(step)[:top_logprobs]
+            _chat_token(t, lp, tokenizer) for t, lp in _by_rank(step)[:top_logprobs]
         ]
         content.append(entry)
     return {"content": content}
