@@ -48,6 +48,51 @@ CHECKPOINTS: dict[str, tuple[str, dict]] = {
     ),
     "mistral_sliding": ("mistral", dict(TINY, sliding_window=8)),
     "qwen2": ("qwen2", dict(TINY, num_key_value_heads=1)),
+    # Qwen2-MoE: shared expert with sigmoid gate, unnormalised top-k, layer 1 dense.
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            TINY,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
+    # Qwen2-MoE: normalised top-k, sparse every 2nd layer (layer 0 dense).
+    "qwen2_moe_step2": (
+        "qwen2_moe",
+        dict(
+            TINY,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+        ),
+    ),
+    # Qwen3-MoE: per-head q/k norm, head_dim 24 != hidden/heads = 16, one KV head, layer 0 dense.
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            TINY,
+            num_experts=4,
+            moe_intermediate_size=32,
+            head_dim=24,
+            num_key_value_heads=1,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "qwen3_moe_unnorm": (
+        "qwen3_moe",
+        dict(TINY, num_experts=4, moe_intermediate_size=32, norm_topk_prob=False),
+    ),
+    # OLMoE: q/k norm over the whole projection; one variant clips q, k, v.
+    "olmoe": ("olmoe", dict(TINY, num_experts=4, intermediate_size=32)),
+    "olmoe_clip_norm": (
+        "olmoe",
+        dict(TINY, num_experts=4, intermediate_size=32, clip_qkv=0.5, norm_topk_prob=True),
+    ),
 }
 
 

@@ -5,18 +5,22 @@ Owns the KV cache tensors: per layer a (key, value) pair ``[num_blocks * block_s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.models.decoder import CausalLM
+from batchgen.models.decoder import CausalLM, kv_cache_token_shapes
 from batchgen.models.layers.attention import AttentionMetadata, PrefillSpan
 from batchgen.models.model_config import ModelConfig
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V per token over all layers: ``2 * L * Hkv * D * itemsize``."""
+    """Bytes of KV cache per token over all layers: ``2 * L * Hkv * D * itemsize`` for GQA,
+    ``L * (kv_lora_rank + qk_rope_head_dim) * itemsize`` for MLA."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    per_layer = sum(math.prod(shape) for shape in kv_cache_token_shapes(cfg))
+    return cfg.num_hidden_layers * per_layer * itemsize
 
 
 class ModelRunner:
@@ -40,12 +44,9 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.config
         num_slots = num_blocks * block_size
-        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        shapes = kv_cache_token_shapes(cfg)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            tuple(torch.zeros((num_slots, *s), dtype=dtype, device=device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
 

@@ -1,7 +1,7 @@
 """Decoder-only transformer exposed as stage functions.
 
-One class covers Llama, Mistral, Qwen2 (dense) and Mixtral (sparse MoE); the FFN of each layer
-is a `GatedMLP` or a `SparseMoeBlock`. The executor drives the model stage by stage:
+One class covers every supported family: per layer the attention is GQA or MLA and the FFN a
+`GatedMLP` or a `SparseMoeBlock`. The executor drives the model stage by stage:
 
     h = model.embed(input_ids)                              # [T, H]
     for layer in range(model.num_layers):
@@ -25,37 +25,64 @@ from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.model_config import ModelConfig
 
 
+def kv_cache_token_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Per-token shape of each KV cache tensor of one layer: ``((Hkv, D), (Hkv, D))`` for key
+    and value, or for MLA the compressed latent and the shared rope key
+    ``((kv_lora_rank,), (qk_rope_head_dim,))`` (DeepSeek-V2 paper, section 2.1.2)."""
+    if cfg.mla is not None:
+        return ((cfg.mla.kv_lora_rank,), (cfg.mla.qk_rope_head_dim,))
+    return ((cfg.num_key_value_heads, cfg.head_dim),) * 2
+
+
+def _make_attention(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    if cfg.mla is not None:
+        from batchgen.models.layers.mla import MLAAttention
+
+        return MLAAttention.from_config(cfg)
+    return Attention(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rope_parameters,
+        qkv_bias=cfg.qkv_bias,
+        o_bias=cfg.o_bias,
+        sliding_window=cfg.layer_sliding_windows[layer_idx],
+        qk_norm=cfg.qk_norm,
+        clip_qkv=cfg.clip_qkv,
+        rms_norm_eps=cfg.rms_norm_eps,
+    )
+
+
+def _make_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    if not cfg.layer_is_moe[layer_idx]:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+    return SparseMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_local_experts,
+        cfg.num_experts_per_tok,
+        cfg.router,
+        cfg.hidden_act,
+        shared_intermediate_size=cfg.shared_expert_intermediate_size,
+        shared_gate=cfg.shared_expert_gate,
+        correction_bias=cfg.router.topk_method == "noaux_tc",
+    )
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h))`` (attention stage), ``h += ffn(norm(h))`` (FFN)."""
+    """Pre-norm block: ``h += attn(norm(h))`` (attention stage), ``h += ffn(norm(h))`` (FFN).
+
+    The attention is GQA (`Attention`) or MLA (`MLAAttention`); the FFN a dense `GatedMLP` or
+    a `SparseMoeBlock`, per layer as `ModelConfig.layer_is_moe` says.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rope_parameters,
-            qkv_bias=cfg.qkv_bias,
-            o_bias=cfg.o_bias,
-            sliding_window=cfg.layer_sliding_windows[layer_idx],
-        )
+        self.self_attn = _make_attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module
-        if cfg.is_moe:
-            self.mlp = SparseMoeBlock(
-                cfg.hidden_size,
-                cfg.intermediate_size,
-                cfg.num_local_experts,
-                cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
-                cfg.hidden_act,
-            )
-        else:
-            self.mlp = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias
-            )
+        self.mlp = _make_ffn(cfg, layer_idx)
 
     def attention_stage(
         self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]

@@ -129,39 +129,68 @@ _LAYER = r"model\.layers\.(\d+)\."
 def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     """Regex rules from HF checkpoint names to `Target`s (or None for ignored tensors).
 
-    Both Mixtral layouts are accepted: the hub's per-expert ``block_sparse_moe.experts.{e}.w1``
-    and transformers 5's fused ``mlp.experts.gate_up_proj [E, 2I, H]``.
+    Expert weights are accepted in every layout found in the wild: Mixtral's hub names
+    ``block_sparse_moe.experts.{e}.w1/w2/w3``, the Qwen/OLMoE/DeepSeek names
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and transformers 5's fused
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``.
     """
-    q, kv, inter = (
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.num_key_value_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     qkv_offset = {"q": 0, "k": q, "v": q + kv}
+    up_offset = {
+        "mlp": cfg.intermediate_size,
+        "experts": cfg.moe_intermediate_size,
+        "shared": cfg.shared_expert_intermediate_size,
+    }
 
     def qkv(m):
         return Target(f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}", m[2], row_start=qkv_offset[m[2]])
 
     def gate_up(m):
         return Target(
-            f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}", m[2], row_start=0 if m[2] == "gate" else inter
+            f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}",
+            m[2],
+            row_start=0 if m[2] == "gate" else up_offset["mlp"],
         )
 
-    def expert(m):
-        e, w = int(m[2]), m[3]
-        if w == "2":
-            return Target(f"layers.{m[1]}.mlp.w2_weight", e, expert=e)
-        shard = "gate" if w == "1" else "up"
+    def shared_gate_up(m):
         return Target(
-            f"layers.{m[1]}.mlp.w13_weight",
-            (e, shard),
-            expert=e,
-            row_start=0 if shard == "gate" else inter,
+            f"layers.{m[1]}.mlp.shared_experts.gate_up_proj.weight",
+            m[2],
+            row_start=0 if m[2] == "gate" else up_offset["shared"],
         )
+
+    def expert(layer: str, e: int, which: str) -> Target:
+        if which == "down":
+            return Target(f"layers.{layer}.mlp.w2_weight", e, expert=e)
+        return Target(
+            f"layers.{layer}.mlp.w13_weight",
+            (e, which),
+            expert=e,
+            row_start=0 if which == "gate" else up_offset["experts"],
+        )
+
+    w123 = {"1": "gate", "3": "up", "2": "down"}
 
     def plain(template):
         return lambda m: Target(template.format(*m.groups()), "all")
 
+    if cfg.mla is not None:
+        attention = [
+            (
+                _LAYER + r"self_attn\.(q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa"
+                r"|kv_a_layernorm|kv_b_proj|o_proj)\.weight",
+                plain("layers.{}.self_attn.{}.weight"),
+            ),
+        ]
+    else:
+        attention = [
+            (_LAYER + r"self_attn\.(q|k|v)_proj\.(weight|bias)", qkv),
+            (_LAYER + r"self_attn\.o_proj\.(weight|bias)", plain("layers.{}.self_attn.o_proj.{}")),
+            (
+                _LAYER + r"self_attn\.(q_norm|k_norm)\.weight",
+                plain("layers.{}.self_attn.{}.weight"),
+            ),
+        ]
     rules = [
         (r"model\.embed_tokens\.weight", plain("embed_tokens.weight")),
         (r"model\.norm\.weight", plain("norm.weight")),
@@ -173,14 +202,33 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
             _LAYER + r"(input_layernorm|post_attention_layernorm)\.weight",
             plain("layers.{}.{}.weight"),
         ),
-        (_LAYER + r"self_attn\.(q|k|v)_proj\.(weight|bias)", qkv),
-        (_LAYER + r"self_attn\.o_proj\.(weight|bias)", plain("layers.{}.self_attn.o_proj.{}")),
+        *attention,
         (_LAYER + r"mlp\.(gate|up)_proj\.(weight|bias)", gate_up),
         (_LAYER + r"mlp\.down_proj\.(weight|bias)", plain("layers.{}.mlp.down_proj.{}")),
         (_LAYER + r"(?:block_sparse_moe|mlp)\.gate\.weight", plain("layers.{}.mlp.gate.weight")),
-        (_LAYER + r"block_sparse_moe\.experts\.(\d+)\.w(1|2|3)\.weight", expert),
+        (
+            _LAYER + r"mlp\.gate\.e_score_correction_bias",
+            plain("layers.{}.mlp.gate.e_score_correction_bias"),
+        ),
+        (
+            _LAYER + r"block_sparse_moe\.experts\.(\d+)\.w(1|2|3)\.weight",
+            lambda m: expert(m[1], int(m[2]), w123[m[3]]),
+        ),
+        (
+            _LAYER + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight",
+            lambda m: expert(m[1], int(m[2]), m[3]),
+        ),
         (_LAYER + r"mlp\.experts\.gate_up_proj", plain("layers.{}.mlp.w13_weight")),
         (_LAYER + r"mlp\.experts\.down_proj", plain("layers.{}.mlp.w2_weight")),
+        (_LAYER + r"mlp\.shared_experts?\.(gate|up)_proj\.weight", shared_gate_up),
+        (
+            _LAYER + r"mlp\.shared_experts?\.down_proj\.weight",
+            plain("layers.{}.mlp.shared_experts.down_proj.weight"),
+        ),
+        (
+            _LAYER + r"mlp\.shared_expert_gate\.weight",
+            plain("layers.{}.mlp.shared_expert_gate.weight"),
+        ),
     ]
     return [(re.compile(pattern + "$"), fn) for pattern, fn in rules]
 

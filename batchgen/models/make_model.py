@@ -16,7 +16,15 @@ import torch
 
 from batchgen.models.tokenizer_factory import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, write_tokenizer
 
-SUPPORTED_MAKE_ARCHS: tuple[str, ...] = ("mixtral", "llama", "mistral", "qwen2")
+SUPPORTED_MAKE_ARCHS: tuple[str, ...] = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "llama",
+    "mistral",
+    "qwen2",
+)
 
 _COMMON = dict(
     vocab_size=512,
@@ -45,6 +53,33 @@ def _hf_config(arch: str, overrides: dict):
             num_local_experts=8, num_experts_per_tok=2, intermediate_size=192, rope_theta=1e6
         )
         cls = tf.MixtralConfig
+    elif arch == "qwen2_moe":
+        kwargs.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        )
+        cls = tf.Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        kwargs.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            head_dim=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        cls = tf.Qwen3MoeConfig
+    elif arch == "olmoe":
+        kwargs.update(
+            num_experts=8, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=False
+        )
+        cls = tf.OlmoeConfig
     elif arch == "llama":
         cls = tf.LlamaConfig
     elif arch == "mistral":

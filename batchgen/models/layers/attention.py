@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary import RotaryEmbedding
 
 
@@ -165,9 +166,12 @@ def paged_attention(
 class Attention(nn.Module):
     """Multi-head attention with grouped-query KV heads, a fused QKV projection and RoPE.
 
-    Covers Llama / Mistral / Qwen2 / Mixtral: ``qkv_bias`` (Qwen2), ``o_bias`` (Llama's
-    ``attention_bias``), ``num_kv_heads`` from 1 (multi-query) to ``num_heads``.
-    Weights: ``qkv_proj.weight [(Hq + 2*Hkv) * D, hidden]``, ``o_proj.weight [hidden, Hq * D]``.
+    Covers Llama / Mistral / Qwen2 / Mixtral / Qwen-MoE / OLMoE: ``qkv_bias`` (Qwen2),
+    ``o_bias`` (Llama's ``attention_bias``), ``num_kv_heads`` from 1 (multi-query) to
+    ``num_heads``, ``qk_norm`` "head" (Qwen3: RMSNorm over each head's ``head_dim``) or "full"
+    (OLMoE: RMSNorm over the whole q and k projections), ``clip_qkv`` (OLMoE: clamp q, k, v).
+    Weights: ``qkv_proj.weight [(Hq + 2*Hkv) * D, hidden]``, ``o_proj.weight [hidden, Hq * D]``,
+    ``q_norm.weight`` / ``k_norm.weight``.
     """
 
     def __init__(
@@ -180,15 +184,27 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         sliding_window: int | None = None,
+        qk_norm: str | None = None,
+        clip_qkv: float | None = None,
+        rms_norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(self.q_size, rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, rms_norm_eps)
+        elif qk_norm is not None:
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
 
     def forward(
         self,
@@ -200,9 +216,17 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":  # OLMoE: norm, then clip (HF `OlmoeAttention`)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q = q.clamp(-self.clip_qkv, self.clip_qkv)
+            k = k.clamp(-self.clip_qkv, self.clip_qkv)
+            v = v.clamp(-self.clip_qkv, self.clip_qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # Qwen3: per-head norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(meta.positions, q, k)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))

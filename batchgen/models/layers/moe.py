@@ -1,10 +1,11 @@
 """Sparse Mixture-of-Experts feed-forward, as named steps:
 
 route (``router_logits``) -> select (``topk_weights``, ``topk_ids``) -> sort token activations
-by expert -> one GEMM chain per non-empty expert (gate_up, activation, down) -> weighted combine.
+by expert -> one GEMM chain per non-empty expert (gate_up, activation, down) -> weighted combine
+(+ shared experts).
 
 Shape legend: T = num_tokens, H = hidden_size, E = num_experts, A = num_experts_per_tok (top-k),
-I = moe intermediate size.
+I = moe_intermediate_size.
 
 Expert weights use vLLM's `FusedMoE` layout: ``w13_weight [E, 2I, H]`` (gate rows, then up
 rows) and ``w2_weight [E, H, I]``.
@@ -16,14 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.models.layers.mlp import get_activation
+from batchgen.models.layers.mlp import GatedMLP, get_activation
+from batchgen.models.model_config import RouterConfig
 
 
 def select_experts_softmax(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing (Mixtral, Qwen-MoE): probabilities over all experts in float32, keep the
-    top-k, optionally renormalise them to sum to 1 (HF `MixtralTopKRouter`).
+    """Softmax routing (Mixtral, Qwen-MoE, OLMoE): probabilities over all experts in float32,
+    keep the top-k, optionally renormalise them to sum to 1 (HF `MixtralTopKRouter`,
+    `Qwen2MoeTopKRouter`).
 
     Args:
         router_logits: ``[T, E]``.
@@ -35,6 +38,34 @@ def select_experts_softmax(
     if norm_topk_prob:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    router: RouterConfig,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch to the routing rule of ``router`` (see `RouterConfig`). Returns
+    ``topk_weights [T, A]`` float32 (routed scaling applied) and ``topk_ids [T, A]`` int64."""
+    if router.topk_method == "greedy" and router.scoring_func == "softmax":
+        weights, ids = select_experts_softmax(router_logits, top_k, router.norm_topk_prob)
+        if router.routed_scaling_factor != 1.0:
+            weights = weights * router.routed_scaling_factor
+        return weights, ids
+    from batchgen.models.layers.deepseek_moe import select_experts_deepseek
+
+    return select_experts_deepseek(
+        router_logits,
+        top_k,
+        scoring_func=router.scoring_func,
+        topk_method=router.topk_method,
+        n_group=router.n_group,
+        topk_group=router.topk_group,
+        norm_topk_prob=router.norm_topk_prob,
+        routed_scaling_factor=router.routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias,
+    )
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
@@ -88,10 +119,13 @@ def fused_experts_reference(
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts with softmax top-k routing (Mixtral; Qwen-MoE reuses it).
+    """Router + routed experts (+ optional shared expert), for every MoE family.
 
-    Parameters: ``gate.weight [E, H]`` (the router), ``w13_weight [E, 2I, H]``,
-    ``w2_weight [E, H, I]``. Input/output ``[T, H]``.
+    Parameters: ``gate.weight [E, H]`` (the router; DeepSeek-V3 adds
+    ``gate.e_score_correction_bias [E]``), ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``;
+    with ``shared_intermediate_size`` > 0 a `GatedMLP` ``shared_experts`` (Qwen2-MoE's
+    ``shared_expert``, DeepSeek's ``shared_experts``) and, with ``shared_gate``, a
+    ``shared_expert_gate [1, H]`` whose sigmoid scales it (Qwen2-MoE). Input/output ``[T, H]``.
     """
 
     def __init__(
@@ -100,25 +134,52 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: int,
         num_experts: int,
         top_k: int,
-        norm_topk_prob: bool = True,
+        router: RouterConfig,
         hidden_act: str = "silu",
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
+        correction_bias: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}"
             )
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.num_experts, self.top_k, self.router = num_experts, top_k, router
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
+        self.shared_experts = (
+            GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
+            if shared_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False)
+            if shared_intermediate_size and shared_gate
+            else None
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``topk_weights [T, A]`` float32, ``topk_ids [T, A]``."""
+        if self.router.scoring_func == "sigmoid":  # DeepSeek-V3 scores in float32
+            router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+        else:
+            router_logits = self.gate(x)  # [T, E]
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        return select_experts(router_logits, self.top_k, self.router, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(x)  # [T, E]
-        topk_weights, topk_ids = select_experts_softmax(
-            router_logits, self.top_k, self.norm_topk_prob
-        )
-        return fused_experts_reference(
+        topk_weights, topk_ids = self.route(x)
+        out = fused_experts_reference(
             x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act
         )
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,265 @@
+"""Multi-head Latent Attention (DeepSeek-V2 paper, arXiv:2405.04434, section 2.1) over a paged
+cache.
+
+Shape legend: T = num_tokens, H = hidden_size, N = num_heads, C = kv_lora_rank,
+Dn = qk_nope_head_dim, Dr = qk_rope_head_dim, Dq = Dn + Dr (qk_head_dim), Dv = v_head_dim,
+B = decode sequences, L = context length.
+
+Per token the cache holds only the normalised compressed latent ``c_kv [C]`` and the rotated
+rope key ``k_pe [Dr]`` shared by all heads: ``C + Dr`` values instead of ``N * (Dq + Dv)`` for a
+plain multi-head cache (DeepSeek-V3: 576 vs 40,960, 71x smaller; `MLADims.kv_bytes_per_token`).
+Keys and values are rebuilt from the latent when attending:
+
+    k_nope, v = split(kv_b_proj(c_kv))          # [L, N, Dn], [L, N, Dv]
+    k = [k_nope, k_pe broadcast over heads]     # [L, N, Dq]
+    q = [q_nope, rope(q_pe)]                    # [T, N, Dq]
+
+Decode tokens use the "absorbed" form instead (DeepSeek-V2 paper section 2.1.2; DeepSeek-V3
+``inference/model.py`` ``attn_impl="absorb"``): ``W_UK`` is folded into the query and ``W_UV``
+into the output, so attention runs directly on the cached latent as multi-query attention with
+one ``C + Dr`` wide key head and a ``C`` wide value head, and the context is never up-projected.
+Per decode token that costs ``N * L * (2C + Dr)`` multiply-adds instead of ``L * C * N * (Dn + Dv)``
+for the up-projection alone. Prefill chunks up-project (their queries are many, and the context is
+mostly the chunk itself).
+
+Projections and the order of operations follow HF ``DeepseekV3Attention`` /
+``DeepseekV2Attention`` (transformers 5) so that checkpoint names map 1:1 and fp32 outputs match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.models.layers.attention import AttentionMetadata
+from batchgen.models.layers.norm import RMSNorm
+from batchgen.models.layers.rotary_yarn import ScaledRotaryEmbedding, deepseek_softmax_scale
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """The head geometry of one MLA layer (HF `DeepseekV2Config` / `DeepseekV3Config` names).
+
+    ``q_lora_rank`` None means a full-rank ``q_proj`` (DeepSeek-V2-Lite) instead of the
+    ``q_a_proj -> q_a_layernorm -> q_b_proj`` low-rank query path.
+    """
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> dict[str, float]:
+        """Per-token, per-layer KV-cache bytes of MLA vs the uncompressed multi-head layout.
+
+        Returns ``{"mla": (C + Dr) * b, "mha": N * (Dq + Dv) * b, "ratio": mha / mla}``.
+        DeepSeek-V3 in bf16: mla 1,152 B, mha 81,920 B, ratio 71.1.
+        """
+        mla = (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+        mha = self.num_heads * (self.qk_head_dim + self.v_head_dim) * dtype_bytes
+        return {"mla": float(mla), "mha": float(mha), "ratio": mha / mla}
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention with HF submodule names.
+
+    Parameters (``N``, ``C``, ``Dq``, ``Dv`` as in the module legend):
+
+    - ``q_proj.weight [N * Dq, H]`` when ``q_lora_rank`` is None, else
+      ``q_a_proj.weight [q_lora_rank, H]`` (+ bias with ``attention_bias``),
+      ``q_a_layernorm.weight [q_lora_rank]``, ``q_b_proj.weight [N * Dq, q_lora_rank]``;
+    - ``kv_a_proj_with_mqa.weight [C + Dr, H]`` (+ bias with ``attention_bias``),
+      ``kv_a_layernorm.weight [C]``, ``kv_b_proj.weight [N * (Dn + Dv), C]`` (per head: Dn
+      key rows then Dv value rows);
+    - ``o_proj.weight [H, N * Dv]`` (+ bias with ``attention_bias``).
+
+    Both layer norms use eps 1e-6 whatever ``rms_norm_eps`` says: HF builds them as
+    ``DeepseekV3RMSNorm(q_lora_rank)`` / ``DeepseekV3RMSNorm(kv_lora_rank)`` with the default eps.
+
+    Args:
+        rope_interleave: DeepSeek's interleaved rope layout. True for every DeepSeek-V2
+            checkpoint (HF V2 always uses the complex-pair ``apply_rotary_emb``) and for V3 unless
+            ``config.rope_interleave`` is False (its default is True).
+        absorb_decode: attend decode tokens on the latent with ``kv_b_proj`` folded into the query
+            and output (see module docstring); False up-projects the context like prefill does.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        dims: MLADims,
+        rope_parameters: dict,
+        max_position_embeddings: int,
+        rope_interleave: bool = True,
+        attention_bias: bool = False,
+        absorb_decode: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        n, dq = dims.num_heads, dims.qk_head_dim
+        self.absorb_decode = absorb_decode
+        if dims.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, n * dq, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, dims.q_lora_rank, bias=attention_bias)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank)
+            self.q_b_proj = nn.Linear(dims.q_lora_rank, n * dq, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden_size, dims.kv_lora_rank + dims.qk_rope_head_dim, bias=attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            dims.kv_lora_rank, n * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(n * dims.v_head_dim, hidden_size, bias=attention_bias)
+        self.rotary_emb = ScaledRotaryEmbedding(
+            dims.qk_rope_head_dim, rope_parameters, max_position_embeddings, rope_interleave
+        )
+        self.scale = deepseek_softmax_scale(dq, rope_parameters)
+
+    @staticmethod
+    def kv_cache_shapes(kv_lora_rank: int, qk_rope_head_dim: int) -> tuple[tuple[int], tuple[int]]:
+        """Per-slot shapes of the layer's cache pair: ``((C,), (Dr,))``, i.e. the caller
+        allocates ``latent_cache [num_slots, C]`` and ``rope_cache [num_slots, Dr]``."""
+        return (kv_lora_rank,), (qk_rope_head_dim,)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``.
+
+        Args:
+            meta: the step's layout (decode tokens first, then prefill chunks).
+            kv_cache: ``(latent_cache [num_slots, C], rope_cache [num_slots, Dr])`` in x's dtype;
+                this step's normalised latents and rotated rope keys are written at
+                ``meta.slot_mapping`` before attending.
+        """
+        d = self.dims
+        t = x.shape[0]
+        if d.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, d.num_heads, d.qk_head_dim)  # [T, N, Dq]
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent)  # [T, C]
+        q_pe, k_pe = self.rotary_emb(meta.positions, q_pe, k_pe[:, None, :])
+        k_pe = k_pe[:, 0]  # [T, Dr]
+        latent_cache, rope_cache = kv_cache
+        latent_cache.index_copy_(0, meta.slot_mapping, latent)
+        rope_cache.index_copy_(0, meta.slot_mapping, k_pe)
+
+        out = x.new_empty(t, d.num_heads, d.v_head_dim)  # [T, N, Dv]
+        nd = meta.num_decode_tokens
+        if nd:
+            attend = self._decode_absorbed if self.absorb_decode else self._decode_expanded
+            out[:nd] = attend(q_nope[:nd], q_pe[:nd], latent_cache, rope_cache, meta)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, N, Dq]
+        for span in meta.prefills:
+            sl = slice(span.token_start, span.token_start + span.num_tokens)
+            if span.is_first_chunk:
+                ctx_latent, ctx_pe = latent[sl], k_pe[sl]  # [n, C], [n, Dr]
+            else:
+                ctx_latent = latent_cache.index_select(0, span.kv_slots)  # [L, C]
+                ctx_pe = rope_cache.index_select(0, span.kv_slots)  # [L, Dr]
+            k, v = self._expand_kv(ctx_latent, ctx_pe)  # [L, N, Dq], [L, N, Dv]
+            causal = span.is_first_chunk
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),  # [N, n, Dq]
+                k.transpose(0, 1),  # [N, L, Dq]
+                v.transpose(0, 1),  # [N, L, Dv]
+                attn_mask=None if causal else span.mask(meta.positions[sl], None),
+                is_causal=causal,
+                scale=self.scale,
+            )
+            out[sl] = o.transpose(0, 1)  # [n, N, Dv]
+        return self.o_proj(out.reshape(t, d.num_heads * d.v_head_dim))
+
+    def _expand_kv(
+        self, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up-project ``latent [..., L, C]`` with ``kv_b_proj`` and join the shared ``k_pe
+        [..., L, Dr]``: returns ``k [..., L, N, Dq]`` and ``v [..., L, N, Dv]`` (HF
+        ``DeepseekV3Attention.expand_kv``)."""
+        d = self.dims
+        kv = self.kv_b_proj(latent).unflatten(-1, (d.num_heads, -1))  # [..., L, N, Dn + Dv]
+        k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], d.qk_rope_head_dim)  # [..., L, N, Dr]
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+    def _gather_decode_context(
+        self, latent_cache: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent [B, L, C]`` and ``k_pe [B, L, Dr]`` at ``meta.decode_kv_slots [B, L]``."""
+        slots = meta.decode_kv_slots
+        flat = slots.reshape(-1)
+        latent = latent_cache.index_select(0, flat).view(*slots.shape, -1)
+        k_pe = rope_cache.index_select(0, flat).view(*slots.shape, -1)
+        return latent, k_pe
+
+    def _decode_expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Decode attention with the context up-projected: ``q_nope [B, N, Dn]``, ``q_pe [B, N,
+        Dr]`` -> ``[B, N, Dv]``."""
+        latent, k_pe = self._gather_decode_context(latent_cache, rope_cache, meta)
+        k, v = self._expand_kv(latent, k_pe)  # [B, L, N, Dq], [B, L, N, Dv]
+        q = torch.cat((q_nope, q_pe), dim=-1)[:, :, None, :]  # [B, N, 1, Dq]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=meta.decode_mask(None),
+            scale=self.scale,
+        )
+        return o[:, :, 0, :]  # [B, N, Dv]
+
+    def _decode_absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Decode attention on the latent (``W_UK`` folded into q, ``W_UV`` into the output).
+
+        ``q_nope . k_nope_j = q_nope . (W_UK c_j) = (W_UK^T q_nope) . c_j``, so with
+        ``q_lat = W_UK^T q_nope [B, N, C]`` the scores are ``[q_lat, q_pe] . [c_j, k_pe_j]`` over
+        one shared key head, and ``sum_j p_j W_UV c_j = W_UV (sum_j p_j c_j)``. Inputs as
+        `_decode_expanded`; returns ``[B, N, Dv]``.
+        """
+        d = self.dims
+        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
+        w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)  # [N, Dn, C], [N, Dv, C]
+        q_lat = torch.einsum("bnd,ndc->bnc", q_nope, w_uk)  # [B, N, C]
+        q = torch.cat((q_lat, q_pe), dim=-1)[:, :, None, :]  # [B, N, 1, C + Dr]
+        latent, k_pe = self._gather_decode_context(latent_cache, rope_cache, meta)
+        k = torch.cat((latent, k_pe), dim=-1)[:, None]  # [B, 1, L, C + Dr]
+        o_lat = F.scaled_dot_product_attention(
+            q,
+            k,
+            latent[:, None],
+            attn_mask=meta.decode_mask(None),
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [B, N, 1, C]
+        return torch.einsum("bnc,nvc->bnv", o_lat[:, :, 0, :], w_uv)  # [B, N, Dv]
