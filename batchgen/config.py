@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("coalesce", "lockstep")
 
 
 def _is_int(value: object) -> bool:
@@ -57,6 +58,31 @@ class EngineConfig:
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_help("fraction of CUDA memory for weights+activations+KV cache")
     )
+    scheduler_policy: str = field(
+        default="coalesce",
+        metadata=_help(
+            f"step executor policy, one of {POLICIES}: coalesce merges MoE layers "
+            "across attention micro-batches; lockstep is classic continuous batching"
+        ),
+    )
+    max_active_coroutines: int = field(
+        default=1024, metadata=_help("coalesce: max sequences running at once (KV permitting)")
+    )
+    max_step_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "coalesce: max tokens per step over all micro-batches "
+            "(default 8 x max_num_batched_tokens)"
+        ),
+    )
+    expert_coalesce_threshold: int = field(
+        default=32,
+        metadata=_help(
+            "coalesce: hold an MoE stage while experts would get fewer rows than "
+            "this on average and other micro-batches can still reach it"
+        ),
+    )
+    tile_size: int = field(default=64, metadata=_help("GEMM tile rows for the tile-density metric"))
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=_help("force the number of KV blocks (testing preemption)")
     )
@@ -69,11 +95,23 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed"):
+        if self.scheduler_policy not in POLICIES:
+            raise ValueError(
+                f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}"
+            )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "seed",
+            "max_active_coroutines",
+            "expert_coalesce_threshold",
+            "tile_size",
+        ):
             value = getattr(self, name)
             if not _is_int(value) or (name != "seed" and value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("max_model_len", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "num_gpu_blocks_override", "max_step_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
@@ -88,6 +126,21 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+
+    @property
+    def step_token_budget(self) -> int:
+        """Tokens per engine step: ``max_num_batched_tokens`` for lockstep; for coalesce
+        ``max_step_tokens`` (default 8 micro-batches' worth)."""
+        if self.scheduler_policy == "lockstep":
+            return self.max_num_batched_tokens
+        return self.max_step_tokens or 8 * self.max_num_batched_tokens
+
+    @property
+    def max_running_seqs(self) -> int:
+        """``max_num_seqs`` for lockstep, ``max_active_coroutines`` for coalesce."""
+        if self.scheduler_policy == "lockstep":
+            return self.max_num_seqs
+        return self.max_active_coroutines
 
     @classmethod
     def field_names(cls) -> list[str]:

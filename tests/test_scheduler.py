@@ -6,15 +6,15 @@ import pytest
 
 from batchgen.engine.block_manager import BlockAllocator, KVCacheManager
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request, Sequence, SequenceStatus
+from batchgen.engine.sequence import Request, SequenceCoroutine, SequenceStatus
 from batchgen.sampling_params import SamplingParams
 
 
-def make_seqs(prompt_lens: list[int]) -> list[Sequence]:
+def make_seqs(prompt_lens: list[int]) -> list[SequenceCoroutine]:
     seqs = []
     for i, n in enumerate(prompt_lens):
         req = Request(f"r{i}", None, list(range(1, n + 1)), SamplingParams(max_tokens=100), i)
-        seq = Sequence(i, req, 0)
+        seq = SequenceCoroutine(i, req, 0)
         req.seqs.append(seq)
         seqs.append(seq)
     return seqs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sequence import SequenceCoroutine
 
 
 class BlockAllocator:
@@ -58,7 +58,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate_slots(self, seq: SequenceCoroutine, num_new_tokens: int) -> bool:
         """Make room for positions up to ``num_computed_tokens + num_new_tokens``.
 
         Returns False (allocating nothing) when not enough blocks are free.
@@ -71,6 +71,6 @@ class KVCacheManager:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SequenceCoroutine) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []

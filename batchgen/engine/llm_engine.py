@@ -18,10 +18,13 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.detokenizer import IncrementalDetokenizer
+from batchgen.engine.executor import StageExecutor
+from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request, Sequence
+from batchgen.engine.sequence import Request, SequenceCoroutine
+from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -106,7 +109,29 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
+            self.kv_cache,
+            config.max_running_seqs,
+            config.step_token_budget,
+            max_chunk_tokens=config.max_num_batched_tokens,
+        )
+        self.metrics = EngineMetrics(tile_size=config.tile_size)
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stats = self.metrics.expert
+        self.executor = StageExecutor(
+            self.runner,
+            config.scheduler_policy,
+            config.max_num_batched_tokens,
+            config.expert_coalesce_threshold,
+            self.metrics,
+        )
+        logger.info(
+            "scheduler: %s, %d tokens per attention micro-batch, %d tokens and %d sequences "
+            "per step",
+            config.scheduler_policy,
+            config.max_num_batched_tokens,
+            config.step_token_budget,
+            config.max_running_seqs,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -267,7 +292,7 @@ class LLMEngine:
         request = Request(request_id, text, ids, params, self._arrivals)
         self._arrivals += 1
         for i in range(params.n):
-            seq = Sequence(self._next_seq_id, request, i)
+            seq = SequenceCoroutine(self._next_seq_id, request, i)
             self._next_seq_id += 1
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, i, self.device)
@@ -296,6 +321,21 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         self.scheduler.remove_finished()
 
+    def get_metrics(self) -> dict:
+        """Run metrics since start (or `reset_metrics`): tokens/s, expert GEMMs, tile density,
+        stage time shares, peak memory, preemptions. See `batchgen.engine.metrics`."""
+        snap = self.metrics.snapshot(self.device)
+        snap["num_preemptions"] = self.scheduler.num_preemptions
+        snap["scheduler_policy"] = self.config.scheduler_policy
+        snap["coalescer_holds"] = self.executor.coalescer.num_holds
+        return snap
+
+    def reset_metrics(self) -> None:
+        self.metrics.reset()
+        for module in self.runner.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stats = self.metrics.expert
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -307,27 +347,40 @@ class LLMEngine:
         """Run one step; return the outputs of requests that finished in it."""
         if not self.requests:
             return []
+        m = self.metrics
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
-        sampling, logits = self.runner.execute(sched.scheduled)
+        m.stage_seconds["scheduling"] += time.perf_counter() - t0
+        sampling, logits = self.executor.execute(sched.scheduled)
         for entry in sched.scheduled:
-            entry.seq.num_computed_tokens += entry.num_new_tokens
-            if entry.seq.num_output_tokens == 0:
+            seq = entry.seq
+            if entry.num_new_tokens == 1 and seq.num_output_tokens > 0:
+                m.decode_tokens += 1
+            else:
+                m.prefill_tokens += entry.num_new_tokens
+            if seq.num_output_tokens == 0:
                 self.stats.num_prompt_tokens += entry.num_new_tokens
+            seq.num_computed_tokens += entry.num_new_tokens
         finished: list[Request] = []
         if sampling:
+            t1 = time.perf_counter()
             seqs = [e.seq for e in sampling]
             rows = [self._sampling_row(s) for s in seqs]
             out = self.sampler(logits, rows)
+            m.stage_seconds["sampling"] += time.perf_counter() - t1
             for i, seq in enumerate(seqs):
                 self._append_token(seq, out, i)
                 if seq.is_finished and seq.request.is_finished:
                     finished.append(seq.request)
         self.scheduler.remove_finished()
+        elapsed = time.perf_counter() - t0
+        m.num_steps += 1
+        m.busy_seconds += elapsed
+        m.generated_tokens += len(sampling)
         self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.step_seconds += elapsed
         self.stats.num_preemptions = self.scheduler.num_preemptions
         results = []
         for request in finished:
@@ -335,12 +388,12 @@ class LLMEngine:
             results.append(self._make_output(request))
         return results
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: SequenceCoroutine) -> SamplingRow:
         p = seq.params
         block = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, block)
 
-    def _append_token(self, seq: Sequence, out: SamplerOutput, row: int) -> None:
+    def _append_token(self, seq: SequenceCoroutine, out: SamplerOutput, row: int) -> None:
         token = out.sampled_token_ids[row]
         p = seq.params
         seq.output_token_ids.append(token)
@@ -368,7 +421,7 @@ class LLMEngine:
         ):
             self._finish(seq, "length", None)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+    def _finish(self, seq: SequenceCoroutine, reason: str, stop_reason: int | str | None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)

@@ -1,6 +1,7 @@
-"""Turns a scheduled batch into flat tensors, runs the model, returns logits to sample from.
+"""Turns a group of scheduled coroutines into flat tensors and attention metadata.
 
-Owns the KV cache tensors: per layer a (key, value) pair ``[num_blocks * block_size, Hkv, D]``.
+Owns the KV cache tensors: per layer a tuple of ``[num_blocks * block_size, *token_shape]``
+tensors (key and value for GQA, latent and rope key for MLA: `kv_cache_token_shapes`).
 """
 
 from __future__ import annotations
@@ -117,16 +118,3 @@ class ModelRunner:
             meta.decode_kv_lens = torch.tensor(kv_lens, dtype=torch.long, device=dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, meta, ordered, torch.tensor(sample_indices, dtype=torch.long, device=dev)
-
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Run the model over a step.
-
-        Returns the entries that sample a token (in row order) and their logits ``[B, V]``
-        float32.
-        """
-        input_ids, meta, ordered, sample_indices = self.prepare(scheduled)
-        hidden = self.model(input_ids, meta, self.kv_caches)  # [T, H]
-        logits = self.model.compute_logits(hidden[sample_indices])  # [B, V]
-        sampling = [e for e in ordered if e.samples_next_token]
-        return sampling, logits

@@ -19,12 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import KVCacheManager
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.sequence import SequenceCoroutine, SequenceStatus
 
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
+    seq: SequenceCoroutine
     num_new_tokens: int
 
     @property
@@ -36,7 +36,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceCoroutine] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,23 +54,31 @@ class Scheduler:
         kv_cache: block bookkeeping.
         max_num_seqs: max sequences in RUNNING state.
         max_num_batched_tokens: max new tokens scheduled per step.
+        max_chunk_tokens: max new tokens of one sequence per step (default: the step budget).
     """
 
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_chunk_tokens: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        # One sequence's tokens per step (a prefill chunk); the coalesce policy sets it to the
+        # attention micro-batch size while the step budget spans several micro-batches.
+        self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
+        self.waiting: deque[SequenceCoroutine] = deque()
+        self.running: list[SequenceCoroutine] = []
         self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceCoroutine) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -79,7 +87,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
             if self._allocate_or_preempt(seq, num_new, out):
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
@@ -90,7 +98,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
             if not self.kv_cache.allocate_slots(seq, num_new):
                 break
             self.waiting.popleft()
@@ -100,7 +108,9 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(
+        self, seq: SequenceCoroutine, num_new: int, out: SchedulerOutput
+    ) -> bool:
         """Allocate for ``seq``, preempting the youngest running sequences as needed.
         Returns False if ``seq`` itself had to be preempted."""
         while not self.kv_cache.allocate_slots(seq, num_new):
@@ -111,7 +121,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceCoroutine) -> None:
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -119,7 +129,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceCoroutine) -> None:
         """Mark ``seq`` finished and free its blocks (it may be running or waiting)."""
         seq.status = SequenceStatus.FINISHED
         self.kv_cache.free(seq)

@@ -1,9 +1,11 @@
 """Per-request and per-sample state: plain data, derived values as properties.
 
 A `Request` is what the user submitted (one prompt, one `SamplingParams`); it owns ``n``
-`Sequence` objects, one per sample. The scheduler works on sequences. Following vLLM v1 there
-is no separate prefill/decode bookkeeping: each sequence has ``num_computed_tokens`` catching up
-with ``num_tokens``; a sequence is in prefill while the gap exceeds one token.
+`SequenceCoroutine` objects, one per sample (DESIGN.md's sequence coroutines: token history,
+block table, position, phase, sampling state and a cursor ``(layer, sublayer)`` while the
+executor moves it through a step's stages). The scheduler works on sequences. Following vLLM
+v1 there is no separate prefill/decode bookkeeping: each sequence has ``num_computed_tokens``
+catching up with ``num_tokens``; a sequence is in prefill while the gap exceeds one token.
 """
 
 from __future__ import annotations
@@ -24,8 +26,25 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Phase(enum.Enum):
+    """DESIGN.md's coroutine phases, derived from status and progress."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Sublayer(enum.IntEnum):
+    """Where inside a decoder layer a coroutine stands: before attention or before the FFN."""
+
+    ATTN = 0
+    FFN = 1
+
+
 @dataclass(eq=False)
-class Sequence:
+class SequenceCoroutine:
     """One sample being generated.
 
     Attributes:
@@ -58,6 +77,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    group: Any = None  # the executor's `CoroutineGroup` while the coroutine is inside a step
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -98,6 +118,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def phase(self) -> Phase:
+        if self.status is SequenceStatus.FINISHED:
+            return Phase.FINISHED
+        if self.status is SequenceStatus.WAITING:
+            return Phase.PREEMPTED if self.num_preemptions else Phase.WAITING
+        # Prefill while more than the newest token is missing from the cache.
+        return Phase.PREFILL if self.num_tokens - self.num_computed_tokens > 1 else Phase.DECODE
+
+    @property
+    def cursor(self) -> tuple[int, Sublayer] | None:
+        """``(layer, sublayer)`` the coroutine will run next while inside a step, else None.
+        The executor moves whole groups, so the cursor lives on the coroutine's group."""
+        return None if self.group is None else self.group.cursor
+
 
 @dataclass(eq=False)
 class Request:
@@ -108,7 +143,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_index: int
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceCoroutine] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

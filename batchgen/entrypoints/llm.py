@@ -43,6 +43,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_metrics(self) -> dict:
+        """Engine metrics since start: prefill/decode/total tokens/s, expert GEMM count, mean
+        rows per expert GEMM, tile density, time share per stage, peak memory."""
+        return self.llm_engine.get_metrics()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -88,12 +88,14 @@ def fused_experts_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act=F.silu,
+    stats=None,
 ) -> torch.Tensor:
     """Plain torch expert computation: one GEMM chain per non-empty expert over its sorted rows.
 
     Args:
         x: ``[T, H]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]``; topk_weights: ``[T, A]`` (float32);
-        topk_ids: ``[T, A]`` int64.
+        topk_ids: ``[T, A]`` int64; stats: optional recorder with ``record(counts)`` (the
+        engine's `ExpertGemmStats`).
     Returns:
         ``[T, H]`` in x's dtype: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``.
         The weighting and the sum over the top-k run in float32, cast once at the end (HF
@@ -102,6 +104,8 @@ def fused_experts_reference(
     """
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    if stats is not None:
+        stats.record(counts)
     token_idx = order // top_k  # [T*A] source token of each sorted activation
     x_sorted = x.index_select(0, token_idx)  # [T*A, H]
     y_sorted = torch.empty_like(x_sorted, dtype=torch.float32)  # [T*A, H]
@@ -152,6 +156,7 @@ class SparseMoeBlock(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
+        self.stats = None  # the engine injects its `ExpertGemmStats` here
         self.shared_experts = (
             GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
             if shared_intermediate_size
@@ -175,7 +180,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
         out = fused_experts_reference(
-            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act
+            x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats
         )
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
