@@ -4,8 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of PyTorch (an unpinned torch would pull a multi-GB CUDA build).
+# The CPU build of PyTorch (an unpinned torch would pull a multi-GB CUDA build). On this
+# project's machines pip finds the 2.13.0 CPU wheel locally; elsewhere point pip at PyTorch's
+# CPU wheel index: make test TORCH_INDEX="--index-url <PyTorch CPU wheel index URL>"
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install run test clean
 
@@ -14,7 +17,7 @@ $(BIN)/activate:
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 

@@ -65,7 +65,9 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return self.tokenizer.encode(text)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt, params: SamplingParams, *, max_tokens_must_fit=False
+    ) -> None:
         assert isinstance(params, SamplingParams)
         assert request_id not in self.requests
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -196,7 +198,7 @@ def test_mixed_file_runs_every_good_line(tmp_path):
         "total_tokens": 9,
     }
     assert summary.prompt_tokens == sum(
-        r["response"]["body"]["usage"]["prompt_tokens"] for r in results if r["response"]
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in results if r["error"] is None
     )
     # ok-1: 4, ok-2: 2 x 4, plain line (OpenAI default 16) and ok-3 (null): all of REPLY, chat: 3
     assert summary.generated_tokens == 4 + 2 * 4 + len(REPLY) + 3 + len(REPLY)

@@ -110,6 +110,7 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
         _completion("bad-temp", "x", temperature="hot"),
         _completion("bad-range", "x", top_p=7),
         _completion("too-long", "word " * 5000, max_tokens=2),
+        _completion("too-many-tokens", "hello", max_tokens=100000),
         json.dumps(
             {
                 "custom_id": "chat-ok",
@@ -164,7 +165,7 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
         "max_model_len",
     ]:
         assert needle in messages, needle
-    assert len(errors) == 8
+    assert len(errors) == 9
     chat = next(r for r in results if r["custom_id"] == "chat-ok")["response"]["body"]
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
     lp = next(r for r in results if r["custom_id"] == "ok-2")["response"]["body"]["choices"][0]

@@ -209,3 +209,18 @@ def test_engine_config_errors_name_the_field(field, value, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(**{field: value})
+
+
+def test_max_tokens_must_fit_on_the_openai_path(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
+        engine.add_request(
+            "too-big", "hello", SamplingParams(max_tokens=1000), max_tokens_must_fit=True
+        )
+    assert not engine.has_unfinished_requests()
+    # Offline default: runs and stops at max_model_len.
+    out = llm.generate(
+        "hello", SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 256

@@ -143,3 +143,8 @@ def test_invalid_engine_settings_name_the_field(checkpoint_dir):
         LLM(path, device="cpu", max_model_len=99999)
     with pytest.raises(ValueError, match="unknown LLM arguments.*'tensor_parallel'"):
         LLM(path, tensor_parallel=2)
+
+
+def test_missing_local_directory_is_named_as_such():
+    with pytest.raises(ValueError, match="model directory '/tmp/no/such/dir' does not exist"):
+        resolve_model_path("/tmp/no/such/dir")

@@ -408,7 +408,14 @@ def test_output_lines():
     assert ok["id"].startswith("batch_req_") and ok["error"] is None
     assert ok["response"] == {"status_code": 200, "request_id": "req_1", "body": {"x": 1}}
     bad = error_line(None, INVALID_JSON_LINE, "line 2: not valid JSON", line=2)
-    assert bad["response"] is None and bad["custom_id"] is None
+    assert bad["custom_id"] is None
+    assert bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"] == {
+        "message": "line 2: not valid JSON",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": INVALID_JSON_LINE,
+    }
     assert bad["error"] == {
         "code": INVALID_JSON_LINE,
         "message": "line 2: not valid JSON",

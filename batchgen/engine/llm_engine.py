@@ -90,6 +90,9 @@ class LLMEngine:
             time.perf_counter() - t0,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        # Length limits are the engine's to enforce (per request, with a clear error); without
+        # this, transformers warns about "indexing errors" on every long prompt.
+        self.tokenizer.model_max_length = 1 << 62
         self.eos_token_ids = self._eos_ids(path, cfg)
 
         num_blocks = self._num_kv_blocks(cfg)
@@ -270,13 +273,26 @@ class LLMEngine:
         return self._encode(text, add_special_tokens=False)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        *,
+        max_tokens_must_fit: bool = False,
     ) -> None:
         """Queue a request.
 
+        Args:
+            max_tokens_must_fit: reject a request whose prompt plus ``max_tokens`` exceeds
+                ``max_model_len`` (the OpenAI API's behaviour, used by the batch and HTTP
+                paths); by default such a request runs and ends with ``finish_reason="length"``
+                at ``max_model_len`` (vLLM's offline behaviour).
+
         Raises:
             ValueError: duplicate ``request_id``, empty prompt, prompt of ``max_model_len``
-                tokens or more, token ids outside the vocabulary. Nothing is queued then.
+                tokens or more, token ids outside the vocabulary, text that cannot be
+                tokenized, or (with ``max_tokens_must_fit``) a completion that cannot fit.
+                Nothing is queued then.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -288,6 +304,16 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
+            )
+        if (
+            max_tokens_must_fit
+            and params.max_tokens is not None
+            and len(ids) + params.max_tokens > self.max_model_len
+        ):
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
+                f"max_tokens={params.max_tokens} for the completion); lower max_tokens"
             )
         request = Request(request_id, text, ids, params, self._arrivals)
         self._arrivals += 1

@@ -284,7 +284,9 @@ class _BatchRun:
         api = request.request
         try:
             prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
-            self.engine.add_request(request_id, prompt, api.sampling_params)
+            self.engine.add_request(
+                request_id, prompt, api.sampling_params, max_tokens_must_fit=True
+            )
         except ValueError as err:
             message = f"line {request.line}: {err}"
             self._fail(error_line(request.custom_id, INVALID_PROMPT, message, line=request.line))

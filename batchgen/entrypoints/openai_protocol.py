@@ -767,16 +767,29 @@ def error_line(
     param: str | None = None,
     line: int | None = None,
 ) -> dict[str, Any]:
-    """A batch output line for a request that failed: ``response`` null, ``error`` set.
+    """A batch output line for a request that failed.
 
-    ``error`` is ``{code, message, param, line}`` (the keys of OpenAI's batch errors);
-    ``line`` is the 1-based input line number, which lets ``--resume`` recognise lines that
-    had no usable custom_id.
+    Both shapes clients look for are filled: ``response`` carries HTTP 400 with an OpenAI
+    error body ``{"error": {message, type, param, code}}`` (what OpenAI and vLLM write for a
+    request the API rejected), and ``error`` is ``{code, message, param, line}`` (the keys of
+    OpenAI's batch errors). ``line`` is the 1-based input line number, which lets ``--resume``
+    recognise lines that had no usable custom_id.
     """
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
-        "response": None,
+        "response": {
+            "status_code": 400,
+            "request_id": f"req_{uuid.uuid4().hex}",
+            "body": {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": param,
+                    "code": code,
+                }
+            },
+        },
         "error": {"code": code, "message": message, "param": param, "line": line},
     }
 

@@ -47,6 +47,8 @@ def resolve_model_path(model: str) -> Path:
         return path
     if path.exists():
         raise ValueError(f"model {model!r} is a file; pass the checkpoint directory")
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
+        raise ValueError(f"model directory {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
 

@@ -83,7 +83,7 @@ def _hf_config(arch: str, overrides: dict):
     elif arch == "llama":
         cls = tf.LlamaConfig
     elif arch == "mistral":
-        kwargs.update(sliding_window=None)
+        kwargs.update(sliding_window=512)
         cls = tf.MistralConfig
     elif arch == "qwen2":
         kwargs.update(tie_word_embeddings=True)
