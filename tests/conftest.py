@@ -93,6 +93,84 @@ CHECKPOINTS: dict[str, tuple[str, dict]] = {
         "olmoe",
         dict(TINY, num_experts=4, intermediate_size=32, clip_qkv=0.5, norm_topk_prob=True),
     ),
+    # DeepSeek-V3: MLA with q_lora_rank, YaRN (+ softmax-scale correction), dense layer 0,
+    # sigmoid routing with a random e_score_correction_bias, n_group 4 / topk_group 2,
+    # normalised top-k, routed_scaling_factor, one shared expert.
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            TINY,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    # DeepSeek-V3 without q_lora_rank, unnormalised weights, no group limit, all layers sparse.
+    "deepseek_v3_plain": (
+        "deepseek_v3",
+        dict(
+            TINY,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            norm_topk_prob=False,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+        ),
+    ),
+    # DeepSeek-V2: softmax routing, group-limited greedy, no q_lora_rank.
+    "deepseek_v2": (
+        "deepseek_v2",
+        dict(
+            TINY,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
+    # DeepSeek-V2 with q_lora_rank and plain greedy top-k.
+    "deepseek_v2_greedy_lora": (
+        "deepseek_v2",
+        dict(
+            TINY,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
 }
 
 

@@ -188,6 +188,7 @@ def _hf_attention(hf: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     out, _ = hf(x[None], position_embeddings=pe, attention_mask=mask)
     return out[0]
 
+
 MLA_CASES = {
     "v3_qlora_yarn": (3, dict(q_lora_rank=24, rope_parameters=dict(YARN_TINY))),
     "v3_noqlora_yarn_bias": (
@@ -448,3 +449,67 @@ def test_routing_rejects_bad_arguments():
         select_experts_deepseek(logits, 2, scoring_func="sigmoid", topk_method="noaux_tc")
     with pytest.raises(ValueError, match="n_group"):
         select_experts_deepseek(logits, 2, topk_method="group_limited_greedy", n_group=3)
+
+
+@pytest.mark.parametrize("absorb_decode", [True, False])
+@torch.no_grad()
+def test_mla_bfloat16_close_to_float32_reference(absorb_decode):
+    """bf16 weights, activations and cache (prefill then decode) stay within bf16 rounding of
+    HF's float32 output."""
+    hf, ours = _build_pair("v3_qlora_yarn", absorb_decode)
+    ours = ours.to(torch.bfloat16)
+    torch.manual_seed(3)
+    t = 24
+    x = torch.randn(t, hf.config.hidden_size)
+    ref = _hf_attention(hf, x)
+    slots = torch.randperm(96)[:t]
+    cache = tuple(c.to(torch.bfloat16) for c in _empty_cache(ours.dims))
+    xb = x.to(torch.bfloat16)
+    meta = AttentionMetadata(
+        positions=torch.arange(t - 1),
+        slot_mapping=slots[: t - 1],
+        prefills=[PrefillSpan(0, t - 1, t - 1, slots[: t - 1])],
+    )
+    prefill = ours(xb[: t - 1], meta, cache)
+    meta = AttentionMetadata(
+        positions=torch.tensor([t - 1]),
+        slot_mapping=slots[t - 1 :],
+        **_decode_meta([(t - 1, slots)]),
+    )
+    decode = ours(xb[t - 1 :], meta, cache)
+    out = torch.cat((prefill, decode)).float()
+    assert out.dtype == torch.float32 and cache[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0.03 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@torch.no_grad()
+def test_mla_from_model_config_matches_hf(version):
+    """`MLAAttention.from_config` reads `ModelConfig.from_hf` of a DeepSeek config correctly
+    (rope layout, attention_bias, q_lora_rank, YaRN scale)."""
+    from batchgen.models.model_config import ModelConfig
+
+    arch = f"DeepseekV{version}ForCausalLM"
+    cfg = _config(
+        version,
+        q_lora_rank=24 if version == 3 else None,
+        attention_bias=True,
+        rope_parameters=dict(YARN_TINY),
+        architectures=[arch],
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+    )
+    hf = (hf_v3.DeepseekV3Attention if version == 3 else hf_v2.DeepseekV2Attention)(cfg, 0)
+    _randomize(hf, seed=5)
+    ours = MLAAttention.from_config(ModelConfig.from_hf(cfg))
+    ours.load_state_dict(hf.state_dict())
+    t = 30
+    x = torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    slots = torch.arange(t)
+    meta = AttentionMetadata(
+        positions=torch.arange(t), slot_mapping=slots, prefills=[PrefillSpan(0, t, t, slots)]
+    )
+    out = ours(x, meta, _empty_cache(ours.dims))
+    torch.testing.assert_close(out, _hf_attention(hf, x), rtol=1e-5, atol=1e-5)

@@ -99,7 +99,9 @@ def test_greedy_matches_transformers_generate(checkpoint_dir, name):
         assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("name", ["mixtral", "llama_mqa_bias_llama3", "mistral_sliding"])
+@pytest.mark.parametrize(
+    "name", ["mixtral", "llama_mqa_bias_llama3", "mistral_sliding", "qwen3_moe", "deepseek_v3"]
+)
 def test_greedy_under_preemption_and_chunked_prefill(checkpoint_dir, name):
     path = checkpoint_dir(name)
     # 6 blocks of 16 tokens: two sequences of ~45 tokens cannot both fit, so the scheduler must

@@ -380,12 +380,15 @@ class LLMEngine:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
         m.stage_seconds["scheduling"] += time.perf_counter() - t0
         sampling, logits = self.executor.execute(sched.scheduled)
+        decode_only, context = True, 0
         for entry in sched.scheduled:
             seq = entry.seq
             if entry.num_new_tokens == 1 and seq.num_output_tokens > 0:
                 m.decode_tokens += 1
+                context += seq.num_computed_tokens + 1
             else:
                 m.prefill_tokens += entry.num_new_tokens
+                decode_only = False
             if seq.num_output_tokens == 0:
                 self.stats.num_prompt_tokens += entry.num_new_tokens
             seq.num_computed_tokens += entry.num_new_tokens
@@ -402,6 +405,10 @@ class LLMEngine:
                     finished.append(seq.request)
         self.scheduler.remove_finished()
         elapsed = time.perf_counter() - t0
+        if decode_only:
+            m.decode_only_tokens += len(sched.scheduled)
+            m.decode_only_seconds += elapsed
+            m.decode_only_context_tokens += context
         m.num_steps += 1
         m.busy_seconds += elapsed
         m.generated_tokens += len(sampling)

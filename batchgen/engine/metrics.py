@@ -63,6 +63,10 @@ class EngineMetrics:
     generated_tokens: int = 0
     num_steps: int = 0
     busy_seconds: float = 0.0  # time inside engine steps
+    # Steps made only of decode tokens: the decode phase's own throughput and FLOP rate.
+    decode_only_tokens: int = 0
+    decode_only_seconds: float = 0.0
+    decode_only_context_tokens: int = 0  # sum of the decoded tokens' context lengths
     started_at: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,13 @@ class EngineMetrics:
             "decode_tokens_per_s": self.decode_tokens / busy,
             "total_tokens_per_s": processed / busy,
             "generated_tokens_per_s": self.generated_tokens / busy,
+            "decode_only_tokens": self.decode_only_tokens,
+            "decode_only_seconds": self.decode_only_seconds,
+            "decode_only_mean_context": (
+                self.decode_only_context_tokens / self.decode_only_tokens
+                if self.decode_only_tokens
+                else 0.0
+            ),
             "num_expert_gemms": self.expert.num_gemms,
             "mean_rows_per_expert_gemm": self.expert.mean_rows_per_gemm,
             "tile_size": self.tile_size,

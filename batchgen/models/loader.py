@@ -180,8 +180,8 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
         attention = [
             (
                 _LAYER + r"self_attn\.(q_proj|q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa"
-                r"|kv_a_layernorm|kv_b_proj|o_proj)\.weight",
-                plain("layers.{}.self_attn.{}.weight"),
+                r"|kv_a_layernorm|kv_b_proj|o_proj)\.(weight|bias)",
+                plain("layers.{}.self_attn.{}.{}"),
             ),
         ]
     else:

@@ -21,6 +21,8 @@ SUPPORTED_MAKE_ARCHS: tuple[str, ...] = (
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
     "llama",
     "mistral",
     "qwen2",
@@ -80,6 +82,37 @@ def _hf_config(arch: str, overrides: dict):
             num_experts=8, num_experts_per_tok=2, intermediate_size=64, norm_topk_prob=False
         )
         cls = tf.OlmoeConfig
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        kwargs.update(
+            num_key_value_heads=kwargs["num_attention_heads"],
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+        )
+        if arch == "deepseek_v3":
+            kwargs.update(
+                q_lora_rank=96,
+                n_group=4,
+                topk_group=2,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+            )
+            cls = tf.DeepseekV3Config
+        else:
+            kwargs.update(
+                q_lora_rank=None,
+                topk_method="group_limited_greedy",
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=1.0,
+            )
+            cls = tf.DeepseekV2Config
     elif arch == "llama":
         cls = tf.LlamaConfig
     elif arch == "mistral":
@@ -101,6 +134,9 @@ def _perturb_norms_and_biases(model: torch.nn.Module, std: float = 0.1) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * std)
+            elif name.endswith("e_score_correction_bias"):
+                # DeepSeek-V3's expert-choice bias: wide enough to change which experts win.
+                param.copy_(torch.randn_like(param) * 3 * std)
             elif name.endswith("bias"):
                 param.copy_(torch.randn_like(param) * std)
 

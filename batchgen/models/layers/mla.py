@@ -29,6 +29,7 @@ Projections and the order of operations follow HF ``DeepseekV3Attention`` /
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from torch import nn
 from batchgen.models.layers.attention import AttentionMetadata
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary_yarn import ScaledRotaryEmbedding, deepseek_softmax_scale
+
+if TYPE_CHECKING:
+    from batchgen.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,28 @@ class MLAAttention(nn.Module):
             dims.qk_rope_head_dim, rope_parameters, max_position_embeddings, rope_interleave
         )
         self.scale = deepseek_softmax_scale(dq, rope_parameters)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MLAAttention:
+        """Build from a `ModelConfig` whose ``mla`` is set (``o_bias`` carries HF's
+        ``attention_bias``)."""
+        m = cfg.mla
+        dims = MLADims(
+            cfg.num_attention_heads,
+            m.q_lora_rank,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+        )
+        return cls(
+            cfg.hidden_size,
+            dims,
+            cfg.rope_parameters,
+            cfg.max_position_embeddings,
+            rope_interleave=m.rope_interleave,
+            attention_bias=cfg.o_bias,
+        )
 
     @staticmethod
     def kv_cache_shapes(kv_lora_rank: int, qk_rope_head_dim: int) -> tuple[tuple[int], tuple[int]]:
@@ -251,15 +277,13 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
         w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)  # [N, Dn, C], [N, Dv, C]
         q_lat = torch.einsum("bnd,ndc->bnc", q_nope, w_uk)  # [B, N, C]
-        q = torch.cat((q_lat, q_pe), dim=-1)[:, :, None, :]  # [B, N, 1, C + Dr]
+        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, N, C + Dr]
         latent, k_pe = self._gather_decode_context(latent_cache, rope_cache, meta)
-        k = torch.cat((latent, k_pe), dim=-1)[:, None]  # [B, 1, L, C + Dr]
-        o_lat = F.scaled_dot_product_attention(
-            q,
-            k,
-            latent[:, None],
-            attn_mask=meta.decode_mask(None),
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [B, N, 1, C]
-        return torch.einsum("bnc,nvc->bnv", o_lat[:, :, 0, :], w_uv)  # [B, N, Dv]
+        k = torch.cat((latent, k_pe), dim=-1)  # [B, L, C + Dr]: one key head shared by all N
+        # Heads are the rows of one GEMM per sequence (no per-head copy of the key, unlike SDPA's
+        # grouped-query path); softmax in float32 as in HF's eager attention.
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * self.scale  # [B, N, L]
+        scores.masked_fill_(~meta.decode_mask(None)[:, 0], float("-inf"))  # mask [B, 1, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o_lat = torch.bmm(probs, latent)  # [B, N, C]
+        return torch.einsum("bnc,nvc->bnv", o_lat, w_uv)  # [B, N, Dv]

@@ -1,0 +1,86 @@
+"""Model FLOPs and the machine's measured matmul peak, for model FLOP utilisation (MFU).
+
+MFU = (model FLOPs of the useful work) / seconds / peak FLOP/s, where model FLOPs count
+2 multiply-adds per weight a token touches (active parameters: attention projections, the
+router, the top-k experts and any shared expert, dense MLPs, the LM head), plus attention's
+``QK^T`` and ``AV`` (``4 * context * Hq * D`` per token per layer), as in the PaLM paper's
+MFU definition (Chowdhery et al. 2022, appendix B). Padding and recomputation do not count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from batchgen.models.model_config import ModelConfig
+
+
+def active_params_per_token(cfg: ModelConfig) -> int:
+    """Weights one token multiplies through, summed over layers plus the LM head."""
+    h = cfg.hidden_size
+    if cfg.mla is not None:
+        m = cfg.mla
+        q = (
+            h * m.q_lora_rank + m.q_lora_rank * cfg.num_attention_heads * m.qk_head_dim
+            if m.q_lora_rank
+            else h * cfg.num_attention_heads * m.qk_head_dim
+        )
+        attn = (
+            q
+            + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.kv_lora_rank * cfg.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
+            + cfg.num_attention_heads * m.v_head_dim * h
+        )
+    else:
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        attn = h * (q + 2 * kv) + q * h
+    total = 0
+    for is_moe in cfg.layer_is_moe:
+        if is_moe:
+            ffn = (
+                h * cfg.num_local_experts  # router
+                + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+                + 3 * h * cfg.shared_expert_intermediate_size
+            )
+        else:
+            ffn = 3 * h * cfg.intermediate_size
+        total += attn + ffn
+    return total + h * cfg.vocab_size
+
+
+def attention_flops(cfg: ModelConfig, context_len: int) -> int:
+    """FLOPs of ``QK^T`` and ``AV`` for one token attending ``context_len`` positions."""
+    d_qk = cfg.mla.qk_head_dim if cfg.mla is not None else cfg.head_dim
+    d_v = cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim
+    return 2 * context_len * cfg.num_attention_heads * (d_qk + d_v) * cfg.num_hidden_layers
+
+
+def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> int:
+    """Model FLOPs to prefill ``prompt_len`` tokens and decode ``output_len`` more."""
+    per_token = 2 * active_params_per_token(cfg)
+    total = per_token * (prompt_len + output_len)
+    # Causal attention: token i attends i + 1 positions.
+    n = prompt_len + output_len
+    total += attention_flops(cfg, 1) * n * (n + 1) // 2
+    return total
+
+
+def measure_peak_gflops(
+    dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 1.0
+) -> float:
+    """Best dense ``size x size`` matmul rate (GFLOP/s) over ~``seconds`` of repeats."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    torch.mm(a, b)
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0) / 1e9)
+    return best

@@ -1,0 +1,361 @@
+"""Run the benchmark: every workload through every mode, in one process, on one checkpoint.
+
+Modes:
+- ``hf_generate``: `transformers` ``generate`` in static batches of 64 sequences, left-padded,
+  each batch running until its longest member is done (the common offline recipe).
+- ``hf_generate_batch``: `transformers` ``generate_batch`` (its continuous batching); it takes
+  one ``max_new_tokens`` per call, so requests are bucketed by output length (powers of two).
+- ``lockstep`` / ``coalesce``: BatchGen's two executor policies under the same
+  ``max_num_batched_tokens`` (512) and KV budget.
+
+Only useful tokens count (each sample's requested output length); padding and over-generation
+do not. Greedy for ``n`` = 1, seeded sampling for the ``search`` workload's ``n`` = 16.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from batchgen.bench.flops import (
+    active_params_per_token,
+    attention_flops,
+    measure_peak_gflops,
+    sequence_flops,
+)
+from batchgen.bench.workloads import Workload, make_workloads
+
+MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
+# DESIGN.md's benchmark model: Mixtral architecture, 64 experts, top-8, hidden 512, 4 layers.
+BENCH_MODEL = dict(
+    num_local_experts=64,
+    num_experts_per_tok=8,
+    hidden_size=512,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+BENCH_MODEL_NAME = "bench-mixtral-e64-top8-h512-l4-v1"
+MAX_NUM_BATCHED_TOKENS = 512
+KV_CACHE_GB = 2.0
+
+
+@dataclass
+class ModeResult:
+    tokens_per_s: float
+    seconds: float
+    useful_tokens: int
+    mfu: float
+    tile_density: float | None = None
+    decode_mfu: float | None = None
+    mean_rows_per_expert_gemm: float | None = None
+    num_expert_gemms: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def bench_model_path() -> str:
+    """The benchmark checkpoint, built offline on first use into BatchGen's cache dir."""
+    import shutil
+    import tempfile
+
+    from batchgen.models.default_model import cache_dir
+    from batchgen.models.make_model import make_model
+
+    target = cache_dir() / BENCH_MODEL_NAME
+    if not (target / "model.safetensors").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+        try:
+            make_model("mixtral", tmp, seed=0, **BENCH_MODEL)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "model.safetensors").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _workload_flops(cfg, workload: Workload) -> int:
+    return sum(
+        sequence_flops(cfg, len(r.prompt_token_ids), r.output_len) * r.n for r in workload.requests
+    )
+
+
+def run_batchgen(
+    path: str, workload: Workload, policy: str, dtype: str, device: str, threshold: int
+) -> tuple[ModeResult, list[list[int]]]:
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        dtype=dtype,
+        device=device,
+        scheduler_policy=policy,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        kv_cache_memory_gb=KV_CACHE_GB,
+        expert_coalesce_threshold=threshold,
+        max_model_len=4096,
+    )
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)
+    llm.llm_engine.reset_metrics()
+    params = [
+        SamplingParams(
+            n=r.n,
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            temperature=0.0 if r.n == 1 else 1.0,
+            seed=None if r.n == 1 else i,
+        )
+        for i, r in enumerate(workload.requests)
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    if produced != workload.useful_tokens:
+        raise RuntimeError(
+            f"{policy}: produced {produced} tokens, expected {workload.useful_tokens}"
+        )
+    m = llm.get_metrics()
+    cfg = llm.llm_engine.model_config
+    result = ModeResult(
+        tokens_per_s=produced / seconds,
+        seconds=seconds,
+        useful_tokens=produced,
+        mfu=0.0,
+        tile_density=m["tile_density"],
+        mean_rows_per_expert_gemm=m["mean_rows_per_expert_gemm"],
+        num_expert_gemms=m["num_expert_gemms"],
+        extra={
+            "stage_time_share": m["stage_time_share"],
+            "peak_memory_bytes": m["peak_memory_bytes"],
+            "num_preemptions": m["num_preemptions"],
+            "decode_only_tokens": m["decode_only_tokens"],
+            "decode_only_seconds": m["decode_only_seconds"],
+            "decode_only_mean_context": m["decode_only_mean_context"],
+        },
+    )
+    result.extra["flops"] = _workload_flops(cfg, workload)
+    if m["decode_only_seconds"] > 0:
+        per_tok = 2 * active_params_per_token(cfg) + attention_flops(
+            cfg, int(m["decode_only_mean_context"])
+        )
+        result.extra["decode_flops_per_s"] = (
+            per_tok * m["decode_only_tokens"] / m["decode_only_seconds"]
+        )
+    greedy = [o.outputs[0].token_ids for o in outs if o.outputs and len(o.outputs) == 1]
+    del llm
+    gc.collect()
+    return result, greedy
+
+
+def _hf_model(path: str, dtype: torch.dtype, device: str):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def run_hf_generate(model, workload: Workload, batch_size: int = 64) -> ModeResult:
+    device = next(model.parameters()).device
+    rows = [
+        (r.prompt_token_ids, r.output_len, r.n > 1) for r in workload.requests for _ in range(r.n)
+    ]
+    t0 = time.perf_counter()
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        width = max(len(p) for p, _, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, _, _) in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        longest = max(o for _, o, _ in batch)
+        with torch.no_grad():
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=batch[0][2],
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+    seconds = time.perf_counter() - t0
+    useful = workload.useful_tokens
+    return ModeResult(tokens_per_s=useful / seconds, seconds=seconds, useful_tokens=useful, mfu=0.0)
+
+
+def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    buckets: dict[int, list[list[int]]] = {}
+    for r in workload.requests:
+        bucket = 1 << math.ceil(math.log2(r.output_len))
+        buckets.setdefault(bucket, []).extend([r.prompt_token_ids] * r.n)
+    cb = ContinuousBatchingConfig(
+        max_batch_tokens=MAX_NUM_BATCHED_TOKENS, num_blocks=512, page_size=64
+    )
+    t0 = time.perf_counter()
+    for max_new, prompts in sorted(buckets.items()):
+        gen = GenerationConfig(
+            max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        model.generate_batch(
+            prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False
+        )
+    seconds = time.perf_counter() - t0
+    useful = workload.useful_tokens
+    return ModeResult(
+        tokens_per_s=useful / seconds,
+        seconds=seconds,
+        useful_tokens=useful,
+        mfu=0.0,
+        extra={"buckets": sorted(buckets)},
+    )
+
+
+def run(
+    quick: bool = False,
+    dtype: str = "float32",
+    device: str = "cpu",
+    modes: tuple[str, ...] = MODES,
+    workloads: tuple[str, ...] | None = None,
+    threshold: int = 256,
+    model: str | None = None,
+) -> dict:
+    """Run the benchmark; returns the ``--json`` record (see `format_table`)."""
+    from batchgen.engine.llm_engine import resolve_device
+    from batchgen.models.loader import _DTYPES
+
+    dev = resolve_device(device)
+    torch_dtype = _DTYPES[dtype]
+    path = model or bench_model_path()
+    peak = measure_peak_gflops(torch_dtype, dev)
+    record: dict = {
+        "peak_gflops": peak,
+        "dtype": dtype,
+        "device": str(dev),
+        "model": path,
+        "quick": quick,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "expert_coalesce_threshold": threshold,
+        "torch_threads": torch.get_num_threads(),
+        "workloads": {},
+    }
+    from transformers import AutoConfig
+
+    from batchgen.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    hf = None
+    for workload in make_workloads(cfg.vocab_size, quick):
+        if workloads and workload.name not in workloads:
+            continue
+        flops = _workload_flops(cfg, workload)
+        results: dict[str, dict] = {}
+        for mode in modes:
+            if mode in ("lockstep", "coalesce"):
+                res, _ = run_batchgen(path, workload, mode, dtype, device, threshold)
+            else:
+                hf = hf or _hf_model(path, torch_dtype, str(dev))
+                res = (
+                    run_hf_generate(hf, workload)
+                    if mode == "hf_generate"
+                    else run_hf_generate_batch(hf, workload)
+                )
+            res.mfu = flops / res.seconds / (peak * 1e9)
+            if "decode_flops_per_s" in res.extra:
+                res.decode_mfu = res.extra.pop("decode_flops_per_s") / (peak * 1e9)
+            results[mode] = asdict(res)
+        record["workloads"][workload.name] = {
+            "requests": len(workload.requests),
+            "prompt_tokens": workload.prompt_tokens,
+            "useful_tokens": workload.useful_tokens,
+            **results,
+        }
+    return record
+
+
+def format_table(record: dict) -> str:
+    """Human-readable table of a `run` record."""
+    lines = [
+        f"peak {record['peak_gflops']:.1f} GFLOP/s ({record['dtype']}, {record['device']},"
+        f" {record['torch_threads']} threads); max_num_batched_tokens "
+        f"{record['max_num_batched_tokens']}, expert_coalesce_threshold "
+        f"{record['expert_coalesce_threshold']}",
+        f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "
+        f"{'rows/GEMM':>9} {'MFU':>6} {'dec MFU':>7} {'secs':>7}",
+    ]
+    for name, w in record["workloads"].items():
+        base = w.get("hf_generate", {}).get("tokens_per_s")
+        for mode in MODES:
+            if mode not in w:
+                continue
+            r = w[mode]
+            ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+            td = f"{r['tile_density']:.3f}" if r["tile_density"] is not None else "-"
+            rows = (
+                f"{r['mean_rows_per_expert_gemm']:.1f}"
+                if r["mean_rows_per_expert_gemm"] is not None
+                else "-"
+            )
+            dm = f"{r['decode_mfu']:.3f}" if r["decode_mfu"] is not None else "-"
+            lines.append(
+                f"{name:<11} {mode:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
+                f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="batchgen bench", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print the machine-readable record")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
+    p.add_argument("--expert-coalesce-threshold", type=int, default=256)
+    p.add_argument("--model", default=None, help="checkpoint (default: the bench Mixtral)")
+
+
+def run_from_args(args) -> int:
+    modes = tuple(m for m in args.modes.split(",") if m)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; allowed {list(MODES)}")
+    workloads = tuple(args.workloads.split(",")) if args.workloads else None
+    record = run(
+        quick=args.quick,
+        dtype=args.dtype,
+        device=args.device,
+        modes=modes,
+        workloads=workloads,
+        threshold=args.expert_coalesce_threshold,
+        model=args.model,
+    )
+    print(json.dumps(record) if args.json else format_table(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

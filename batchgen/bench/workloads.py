@@ -1,0 +1,103 @@
+"""Benchmark workloads, scaled to a 2-core CPU from the seed paper's (DESIGN.md):
+
+- ``rollouts``: prompts 32-1024 tokens, outputs 16-512 tokens, both log-uniform (RL rollouts).
+- ``extraction``: prompts 512-2048 tokens, outputs 16-64 tokens (document extraction).
+- ``search``: prompts with ``n`` = 16 samples each, outputs 16-512 tokens (test-time search).
+
+Every request ignores EOS, so every mode does exactly the same useful work: ``output_len``
+tokens per sample. Prompts are random token ids (the model has random weights anyway).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+
+    @property
+    def useful_tokens(self) -> int:
+        """Generated tokens every mode must produce (outputs times samples)."""
+        return sum(r.output_len * r.n for r in self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+
+
+def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    # Ids from 5 up: clear of the tokenizer's special tokens.
+    return [1] + [rng.randrange(5, vocab_size) for _ in range(length - 1)]
+
+
+def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload]:
+    """The three workloads; ``quick`` shrinks counts and lengths so that every mode of every
+    workload finishes in about a minute on 2 CPU cores."""
+    rng = random.Random(seed)
+    scale = 0.25 if quick else 1.0
+
+    def lengths(low: int, high: int) -> tuple[int, int]:
+        return max(low, int(low * scale)), max(low, int(high * scale))
+
+    out = []
+    num = 24 if quick else 128
+    p_lo, p_hi = lengths(32, 1024)
+    o_lo, o_hi = lengths(16, 512)
+    out.append(
+        Workload(
+            "rollouts",
+            [
+                BenchRequest(
+                    _prompt(rng, _log_uniform(rng, p_lo, p_hi), vocab_size),
+                    _log_uniform(rng, o_lo, o_hi),
+                )
+                for _ in range(num)
+            ],
+        )
+    )
+    num = 12 if quick else 64
+    p_lo, p_hi = lengths(512, 2048)
+    out.append(
+        Workload(
+            "extraction",
+            [
+                BenchRequest(
+                    _prompt(rng, _log_uniform(rng, p_lo, p_hi), vocab_size),
+                    _log_uniform(rng, 16, 64),
+                )
+                for _ in range(num)
+            ],
+        )
+    )
+    num = 4 if quick else 64
+    o_lo, o_hi = lengths(16, 512)
+    out.append(
+        Workload(
+            "search",
+            [
+                BenchRequest(
+                    _prompt(rng, _log_uniform(rng, 32, 256), vocab_size),
+                    _log_uniform(rng, o_lo, o_hi),
+                    n=16,
+                )
+                for _ in range(num)
+            ],
+        )
+    )
+    return out
