@@ -1,6 +1,7 @@
 """BatchGen: throughput-first batch inference for Mixture-of-Experts language models.
 
-The user API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``.
+The user API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput`` and the
+service client ``BatchGenClient``.
 """
 
 from batchgen.outputs import CompletionOutput, RequestOutput
@@ -18,4 +19,8 @@ def __getattr__(name: str):
         from batchgen.entrypoints.llm import LLM
 
         return LLM
+    if name == "BatchGenClient":  # httpx only, no torch
+        from batchgen.service.client import BatchGenClient
+
+        return BatchGenClient
     raise AttributeError(name)

@@ -42,9 +42,11 @@ class EngineConfig:
     device: str = field(default="auto", metadata=_help(f"one of {DEVICES}"))
     seed: int = field(
         default=0,
-        metadata=_help("seed of the global RNG that unseeded requests draw from; their samples "
-                       "still depend on batching, so give a request its own `seed` to make it "
-                       "reproducible"),
+        metadata=_help(
+            "seed of the global RNG that unseeded requests draw from; their samples "
+            "still depend on batching, so give a request its own `seed` to make it "
+            "reproducible"
+        ),
     )
     max_model_len: int | None = field(
         default=None, metadata=_help("max prompt+output tokens per sequence (default: model's)")

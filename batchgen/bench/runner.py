@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.bench.args import MODES, add_arguments  # noqa: F401  (re-exported for the CLI)
 from batchgen.bench.flops import (
     active_params_per_token,
     attention_flops,
@@ -31,7 +32,6 @@ from batchgen.bench.flops import (
 )
 from batchgen.bench.workloads import Workload, make_workloads
 
-MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
 # DESIGN.md's benchmark model: Mixtral architecture, 64 experts, top-8, hidden 512, 4 layers.
 BENCH_MODEL = dict(
     num_local_experts=64,
@@ -325,17 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="batchgen bench", description=__doc__.split("\n")[0])
     add_arguments(p)
     return run_from_args(p.parse_args(argv))
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 cores)")
-    p.add_argument("--json", action="store_true", help="print the machine-readable record")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-    p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
-    p.add_argument("--expert-coalesce-threshold", type=int, default=256)
-    p.add_argument("--model", default=None, help="checkpoint (default: the bench Mixtral)")
 
 
 def run_from_args(args) -> int:

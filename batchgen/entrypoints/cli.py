@@ -1,7 +1,7 @@
-"""The ``batchgen`` command line: ``batchgen run``, ``batchgen make-model``.
+"""The ``batchgen`` command line: ``batchgen run``, ``serve``, ``submit``, ``make-model``.
 
 Each subcommand is a `Subcommand` in `SUBCOMMANDS` (its name, help, how to add its arguments,
-and the function that runs it); ``serve`` and ``bench`` are added there the same way.
+and the function that runs it); ``bench`` is added there the same way.
 
 Engine flags (``--max-num-seqs``, ``--dtype``...) are generated from `EngineConfig`'s fields
 and their ``metadata["help"]``, so they follow the config without edits here.
@@ -180,12 +180,183 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# batchgen serve
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    parser.add_argument(
+        "--state-dir",
+        default="batchgen-state",
+        metavar="DIR",
+        help="job store: SQLite database and files (default: ./batchgen-state)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("BATCHGEN_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BATCHGEN_API_KEY)",
+    )
+    parser.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=200.0,
+        metavar="MB",
+        help="largest upload or request body, in MB of 10^6 bytes (default: 200)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most requests in the engine at once, shared by all batches (default: --max-num-seqs)",
+    )
+    add_engine_arguments(parser)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.max_upload_mb > 0:
+        raise CliError(f"--max-upload-mb must be > 0, got {args.max_upload_mb}")
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        raise CliError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    try:
+        from batchgen.service.app import ServiceConfig
+        from batchgen.service.server import run_server
+    except ImportError as err:
+        raise CliError(f"the service needs its dependencies ({err}); pip install batchgen") from err
+    config = ServiceConfig(
+        state_dir=Path(args.state_dir),
+        api_key=args.api_key or None,
+        max_upload_bytes=int(args.max_upload_mb * 1_000_000),
+        max_in_flight=args.max_in_flight,
+    )
+    engine = _start_engine(engine_kwargs(args))
+    try:
+        run_server(engine, config, host=args.host, port=args.port)
+    except OSError as err:
+        raise CliError(str(err)) from err
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# batchgen submit
+
+
+def _add_submit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input", required=True, help="OpenAI Batch API input (JSONL)")
+    parser.add_argument(
+        "-o", "--output", required=True, help="results (JSONL, in the order they finish)"
+    )
+    parser.add_argument(
+        "--endpoint",
+        default="http://127.0.0.1:8000",
+        metavar="URL",
+        help="the server (default: http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the server's API key (default: $BATCHGEN_API_KEY)",
+    )
+    parser.add_argument(
+        "--completion-window", default="24h", help="batch completion window (default: 24h)"
+    )
+    parser.add_argument(
+        "--retry-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="keep retrying an unreachable server this many seconds (default: 120)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from batchgen.entrypoints.openai_protocol import dumps_line
+    from batchgen.service.client import BatchGenClient, BatchGenError
+
+    if not Path(args.input).is_file():
+        raise CliError(f"input file {args.input!r} does not exist")
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir():
+        raise CliError(f"output directory {str(out_dir)!r} does not exist")
+    job = None
+    ok = failed = 0
+    try:
+        with (
+            BatchGenClient(
+                args.endpoint, api_key=args.api_key, retry_timeout=args.retry_timeout
+            ) as client,
+            open(args.output, "w", encoding="utf-8") as sink,
+            tqdm(unit="req", disable=args.no_progress, file=sys.stderr) as bar,
+        ):
+            job = client.submit_file(args.input, completion_window=args.completion_window)
+            print(f"{PROG} submit: batch {job.id}", file=sys.stderr)
+            for result in job.iter_results():
+                sink.write(dumps_line(result.result) + "\n")
+                sink.flush()
+                ok, failed = ok + result.ok, failed + (not result.ok)
+                bar.update(1)
+            batch = job.refresh()
+    except BatchGenError as err:
+        raise CliError(str(err)) from err
+    except KeyboardInterrupt:
+        if job is not None:
+            print(f"{PROG} submit: batch {job.id} keeps running on the server", file=sys.stderr)
+        raise
+    print(
+        f"{PROG} submit: batch {job.id} {batch['status']}: {ok} ok, {failed} failed; "
+        f"results in {args.output}",
+        file=sys.stderr,
+    )
+    return 0 if batch["status"] == "completed" else 1
+
+
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    from batchgen.bench.args import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_module():
+    from batchgen.bench import runner
+
+    return runner
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand(
         "run",
         "run an OpenAI Batch API file (JSONL) through the engine",
         _add_run_arguments,
         _run,
+    ),
+    Subcommand(
+        "serve",
+        "serve the OpenAI Files/Batches and completions API over one engine",
+        _add_serve_arguments,
+        _serve,
+    ),
+    Subcommand(
+        "submit",
+        "submit a batch file to a `batchgen serve` server and download its results",
+        _add_submit_arguments,
+        _submit,
+    ),
+    Subcommand(
+        "bench",
+        "benchmark transformers generate / generate_batch against BatchGen lockstep / coalesce",
+        lambda parser: _bench_args(parser),
+        lambda args: _bench_module().run_from_args(args),
     ),
     Subcommand(
         "make-model",

@@ -1,0 +1,43 @@
+"""`batchgen bench` end to end on a tiny checkpoint: the record's shape and its invariants."""
+
+from __future__ import annotations
+
+import json
+
+from batchgen.bench.runner import format_table, run
+from batchgen.bench.workloads import make_workloads
+
+
+def test_workloads_follow_their_definitions():
+    full = {w.name: w for w in make_workloads(512, quick=False)}
+    assert set(full) == {"rollouts", "extraction", "search"}
+    for r in full["rollouts"].requests:
+        assert 32 <= len(r.prompt_token_ids) <= 1024 and 16 <= r.output_len <= 512
+    for r in full["extraction"].requests:
+        assert 512 <= len(r.prompt_token_ids) <= 2048 and 16 <= r.output_len <= 64
+    assert len(full["search"].requests) == 64 and all(r.n == 16 for r in full["search"].requests)
+    assert (
+        make_workloads(512, quick=True)[0].requests == make_workloads(512, quick=True)[0].requests
+    )  # deterministic
+
+
+def test_bench_record_on_a_tiny_model(checkpoint_dir):
+    record = run(
+        quick=True,
+        device="cpu",
+        modes=("hf_generate", "lockstep", "coalesce"),
+        workloads=("extraction",),
+        model=str(checkpoint_dir("mixtral")),
+    )
+    json.dumps(record)  # machine-readable
+    assert record["peak_gflops"] > 0 and record["dtype"] == "float32"
+    w = record["workloads"]["extraction"]
+    for mode in ("hf_generate", "lockstep", "coalesce"):
+        r = w[mode]
+        assert r["useful_tokens"] == w["useful_tokens"]
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    for mode in ("lockstep", "coalesce"):
+        assert 0 < w[mode]["tile_density"] <= 1
+    assert w["hf_generate"]["tile_density"] is None
+    table = format_table(record)
+    assert "extraction" in table and "coalesce" in table
