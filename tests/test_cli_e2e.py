@@ -268,3 +268,56 @@ def test_cli_errors_are_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert "missing.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "llama",
+        "mistral",
+        "qwen2",
+    ],
+)
+def test_every_make_model_arch_runs_a_batch_file(tmp_path, arch):
+    """Each architecture end to end through the `batchgen run` path (in process)."""
+    from batchgen import LLM
+    from batchgen.entrypoints.batch_runner import run_batch_file
+    from batchgen.models.make_model import make_model
+
+    path = make_model(
+        arch, tmp_path / arch, seed=1, hidden_size=64, intermediate_size=96, num_hidden_layers=2
+    )
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        _completion(
+            "c", "Extract the total: invoice 42 EUR", max_tokens=6, temperature=0, ignore_eos=True
+        )
+        + "\n"
+        + json.dumps(
+            {
+                "custom_id": "m",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 5,
+                    "n": 2,
+                    "seed": 3,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        + "\n"
+    )
+    llm = LLM(str(path), device="cpu", kv_cache_memory_gb=0.05)
+    summary = run_batch_file(llm.llm_engine, inp, tmp_path / "out.jsonl", progress=False)
+    assert (summary.succeeded, summary.failed) == (2, 0)
+    results = {r["custom_id"]: r for r in _lines(tmp_path / "out.jsonl")}
+    assert results["c"]["response"]["body"]["usage"]["completion_tokens"] == 6
+    assert results["m"]["response"]["body"]["usage"]["completion_tokens"] == 10
