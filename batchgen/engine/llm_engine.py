@@ -362,6 +362,15 @@ class LLMEngine:
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
 
+    def get_partial_texts(self, request_id: str) -> dict[int, str] | None:
+        """Text generated so far by each sample (``{index: text}``) of an unfinished request,
+        for streaming; None when the request is unknown or already returned. The text never
+        ends in an incomplete UTF-8 character, but a stop string may still cut its tail."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return {seq.index: seq.detokenizer.output_text for seq in request.seqs}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -558,17 +558,8 @@ def _tile_density(engine: Any) -> float | None:
 
 
 def _partial_texts(engine: Any, request_id: str) -> dict[int, str] | None:
-    """Text generated so far by each sample of an unfinished request, or None when the engine
-    does not expose it.
-
-    `LLMEngine` has no public partial-output API yet; this reads its request table
-    (``engine.requests[id].seqs[i].detokenizer.output_text``) and degrades to None (the
-    stream then carries the whole text in its last chunk) if that layout changes.
-    """
-    try:
-        request = engine.requests.get(request_id)
-        if request is None:
-            return None
-        return {seq.index: seq.detokenizer.output_text for seq in request.seqs}
-    except AttributeError:
-        return None
+    """Text generated so far by each sample of an unfinished request
+    (`LLMEngine.get_partial_texts`), or None when the engine (e.g. a test fake) lacks it: the
+    stream then carries the whole text in its last chunk."""
+    getter = getattr(engine, "get_partial_texts", None)
+    return getter(request_id) if getter is not None else None
