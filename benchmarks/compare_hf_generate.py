@@ -50,7 +50,8 @@ def normalise(lines: list[dict]) -> list[dict]:
     out = []
     for i, line in enumerate(lines):
         body = dict(line.get("body", line))
-        body.update(temperature=0, ignore_eos=True, n=1, max_tokens=body.get("max_tokens") or 16)
+        max_tokens = body.pop("max_completion_tokens", None) or body.get("max_tokens") or 16
+        body.update(temperature=0, ignore_eos=True, n=1, max_tokens=max_tokens)
         for key in ("stop", "seed", "top_p", "logprobs", "top_logprobs", "min_tokens"):
             body.pop(key, None)
         out.append(
@@ -88,11 +89,12 @@ def run_hf(model_dir: str, llm, lines: list[dict], batch_size: int) -> dict:
     prompts = []
     for line in lines:
         body = line["body"]
-        ids = (
-            eng.apply_chat_template(body["messages"])
-            if "messages" in body
-            else eng.tokenizer.encode(body["prompt"])
-        )
+        if "messages" in body:
+            ids = eng.apply_chat_template(body["messages"])
+        elif isinstance(body["prompt"], list):
+            ids = list(body["prompt"])
+        else:
+            ids = eng.tokenizer.encode(body["prompt"])
         prompts.append((ids, body["max_tokens"]))
     useful = sum(m for _, m in prompts)
     t0 = time.perf_counter()
