@@ -19,7 +19,6 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -63,26 +62,9 @@ class ModeResult:
 
 def bench_model_path() -> str:
     """The benchmark checkpoint, built offline on first use into BatchGen's cache dir."""
-    import shutil
-    import tempfile
+    from batchgen.models.default_model import cached_model
 
-    from batchgen.models.default_model import cache_dir
-    from batchgen.models.make_model import make_model
-
-    target = cache_dir() / BENCH_MODEL_NAME
-    if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-        try:
-            make_model("mixtral", tmp, seed=0, **BENCH_MODEL)
-            try:
-                tmp.rename(target)
-            except OSError:
-                if not (target / "model.safetensors").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return cached_model(BENCH_MODEL_NAME, "mixtral", seed=0, **BENCH_MODEL)
 
 
 def _workload_flops(cfg, workload: Workload) -> int:

@@ -20,17 +20,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE_DIR", Path.home() / ".cache" / "batchgen"))
 
 
-def default_model_path() -> str:
-    """Path of the default model, building it on first use (about a second)."""
+def cached_model(name: str, arch: str, seed: int = 0, **overrides) -> str:
+    """Path of checkpoint ``name`` in the cache dir, built by `make_model` on first use.
+
+    The build goes to a temporary directory renamed into place: a crash never leaves a
+    half-written model and concurrent first uses are safe.
+    """
     from batchgen.models.make_model import make_model
 
-    target = cache_dir() / DEFAULT_MODEL_NAME
+    target = cache_dir() / name
     if (target / "model.safetensors").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        make_model("mixtral", tmp, seed=0)
+        make_model(arch, tmp, seed=seed, **overrides)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
@@ -39,3 +43,8 @@ def default_model_path() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def default_model_path() -> str:
+    """Path of the default model, building it on first use (a few seconds)."""
+    return cached_model(DEFAULT_MODEL_NAME, "mixtral", seed=0)
