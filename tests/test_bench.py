@@ -15,7 +15,9 @@ def test_workloads_follow_their_definitions():
         assert 32 <= len(r.prompt_token_ids) <= 1024 and 16 <= r.output_len <= 512
     for r in full["extraction"].requests:
         assert 512 <= len(r.prompt_token_ids) <= 2048 and 16 <= r.output_len <= 64
-    assert len(full["search"].requests) == 64 and all(r.n == 16 for r in full["search"].requests)
+    for mode in (True, False):
+        search = {w.name: w for w in make_workloads(512, quick=mode)}["search"]
+        assert len(search.requests) == 64 and all(r.n == 16 for r in search.requests)
     assert (
         make_workloads(512, quick=True)[0].requests == make_workloads(512, quick=True)[0].requests
     )  # deterministic

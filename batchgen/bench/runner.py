@@ -9,7 +9,9 @@ Modes:
   ``max_num_batched_tokens`` (512) and KV budget.
 
 Only useful tokens count (each sample's requested output length); padding and over-generation
-do not. Greedy for ``n`` = 1, seeded sampling for the ``search`` workload's ``n`` = 16.
+do not. With ``--quick`` the two `transformers` modes run on a sample of 64 sequences of each
+workload (their tokens/s is a rate; see `_hf_sample`). Greedy for ``n`` = 1, seeded sampling
+for the ``search`` workload's ``n`` = 16.
 """
 
 from __future__ import annotations
