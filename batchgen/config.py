@@ -89,6 +89,13 @@ class EngineConfig:
             "this on average and other micro-batches can still reach it"
         ),
     )
+    enable_prefix_sharing: bool = field(
+        default=True,
+        metadata=_help(
+            "the n samples of a request share their prompt's KV blocks: the prompt is "
+            "prefilled once, not n times"
+        ),
+    )
     tile_size: int = field(default=64, metadata=_help("GEMM tile rows for the tile-density metric"))
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=_help("force the number of KV blocks (testing preemption)")

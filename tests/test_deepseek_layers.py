@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from batchgen.models.layers.attention import AttentionMetadata, PrefillSpan
+from batchgen.models.layers.attention import AttentionMetadata, DecodeBucket, PrefillSpan
 from batchgen.models.layers.deepseek_moe import deepseek_router_logits, select_experts_deepseek
 from batchgen.models.layers.mla import MLAAttention, MLADims
 from batchgen.models.layers.rotary import compute_inv_freq
@@ -260,16 +260,14 @@ def test_mla_single_prefill_matches_hf(case):
 
 
 def _decode_meta(seqs: list[tuple[int, torch.Tensor]]) -> dict:
-    """Decode fields for sequences given as (position of the new token, slots [pos + 1])."""
+    """Decode fields for sequences given as (position of the new token, slots [pos + 1]):
+    block_size 1, so a block table is the slot list (padded with slot 0, masked)."""
     max_len = max(pos + 1 for pos, _ in seqs)
-    kv_slots = torch.zeros(len(seqs), max_len, dtype=torch.int64)
+    tables = torch.zeros(len(seqs), max_len, dtype=torch.int64)
     for i, (pos, slots) in enumerate(seqs):
-        kv_slots[i, : pos + 1] = slots[: pos + 1]
-    return dict(
-        num_decode_tokens=len(seqs),
-        decode_kv_slots=kv_slots,
-        decode_kv_lens=torch.tensor([pos + 1 for pos, _ in seqs]),
-    )
+        tables[i, : pos + 1] = slots[: pos + 1]
+    bucket = DecodeBucket(0, len(seqs), tables, torch.tensor([pos + 1 for pos, _ in seqs]))
+    return dict(num_decode_tokens=len(seqs), decode_buckets=[bucket], block_size=1)
 
 
 @pytest.mark.parametrize("absorb_decode", [True, False])

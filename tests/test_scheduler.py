@@ -125,3 +125,97 @@ def test_no_starvation_every_sequence_progresses():
         assert out.scheduled or out.preempted
     assert all(s.is_finished for s in seqs)
     assert sched.kv_cache.num_free_blocks == 6
+
+
+def make_request(prompt_len: int, n: int) -> list[SequenceCoroutine]:
+    req = Request("r", None, list(range(1, prompt_len + 1)), SamplingParams(n=n, max_tokens=100), 0)
+    req.seqs = [SequenceCoroutine(i, req, i) for i in range(n)]
+    return req.seqs
+
+
+def test_allocator_reference_counts():
+    alloc = BlockAllocator(2)
+    a, b = alloc.allocate(2)
+    alloc.share([a])
+    alloc.free([a, b])
+    assert alloc.num_free_blocks == 1 and alloc.ref_count(a) == 1  # a still held once
+    alloc.free([a])
+    assert alloc.num_free_blocks == 2
+    with pytest.raises(RuntimeError, match="free"):
+        alloc.share([a])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        alloc.free([a])
+
+
+def test_samples_share_the_prompt_blocks_and_copy_the_partial_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, 8, 64, enable_prefix_sharing=True)
+    seqs = make_request(prompt_len=10, n=3)
+    for s in seqs:
+        sched.add(s)
+    first = run_step(sched)
+    # Only the first sample prefills; its siblings wait for it.
+    assert [(e.seq.index, e.num_new_tokens) for e in first.scheduled] == [(0, 10)]
+    assert [s.index for s in sched.waiting] == [1, 2]
+    second = run_step(sched)
+    new = {e.seq.index: e.num_new_tokens for e in second.scheduled}
+    assert new == {0: 1, 1: 1, 2: 1}  # siblings compute only the last prompt token
+    assert second.num_shared_prefix_tokens == 2 * 9
+    leader = seqs[0].block_table
+    for s in seqs[1:]:
+        # Positions 0..7 (two whole blocks) shared; block 3 (positions 8, 9) copied.
+        assert s.block_table[:2] == leader[:2] and s.block_table[2] != leader[2]
+    assert second.block_copies == [
+        (leader[2], seqs[1].block_table[2]),
+        (leader[2], seqs[2].block_table[2]),
+    ]
+    assert kv.allocator.ref_count(leader[0]) == 3
+    for s in seqs:
+        sched.finish(s)
+    assert kv.num_free_blocks == 16
+
+
+def test_prefix_sharing_waits_for_blocks_and_lets_others_pass():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, 8, 64, enable_prefix_sharing=True)
+    samples = make_request(prompt_len=8, n=2)
+    other = make_seqs([3])[0]
+    for s in [*samples, other]:
+        sched.add(s)
+    out = run_step(sched)
+    # The second sample is deferred; the unrelated request behind it is admitted.
+    assert [e.seq for e in out.scheduled] == [samples[0], other]
+    assert list(sched.waiting) == [samples[1]]
+    out = run_step(sched)
+    # 7 = 1 whole block shared + 3 positions copied.
+    assert samples[1].block_table[0] == samples[0].block_table[0]
+    assert len(out.block_copies) == 1
+
+
+def test_preempted_sample_shares_again_and_recomputes_its_outputs():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, 8, 64, enable_prefix_sharing=True)
+    a, b = make_request(prompt_len=9, n=2)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    run_step(sched)
+    run_step(sched)
+    assert b.num_output_tokens == 2
+    sched._preempt(sched.running.pop())  # b, the youngest
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    out = run_step(sched)
+    entry = next(e for e in out.scheduled if e.seq is b)
+    # Prompt positions 0..7 shared (two whole blocks, no copy); the last prompt token and the
+    # two outputs are recomputed.
+    assert entry.num_new_tokens == 3 and out.block_copies == []
+    assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_prefix_sharing_off_prefills_every_sample():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, 8, 64)
+    for s in make_request(prompt_len=10, n=3):
+        sched.add(s)
+    out = run_step(sched)
+    assert [e.num_new_tokens for e in out.scheduled] == [10, 10, 10]

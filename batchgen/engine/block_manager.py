@@ -1,5 +1,9 @@
-"""Paged KV cache bookkeeping (pure Python, no torch): a free-list block allocator and
-per-sequence block tables (vLLM's `BlockPool` / `KVCacheManager.allocate_slots`)."""
+"""Paged KV cache bookkeeping (pure Python, no torch): a reference-counted free-list block
+allocator and per-sequence block tables (vLLM's `BlockPool` / `KVCacheManager.allocate_slots`).
+
+Blocks are reference-counted so that the ``n`` samples of one request can share the KV blocks
+of their common prompt (`KVCacheManager.share_prefix`); a block returns to the free list when
+its last holder frees it."""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from batchgen.engine.sequence import SequenceCoroutine
 
 
 class BlockAllocator:
-    """Hands out fixed-size KV blocks by id from a FIFO free list."""
+    """Hands out fixed-size KV blocks by id from a FIFO free list, with reference counts."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -25,10 +30,29 @@ class BlockAllocator:
         """Take ``n`` blocks. Raises RuntimeError when fewer are free (check first)."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Add a holder to each of ``blocks`` (which must be allocated)."""
+        for b in blocks:
+            if self._refs[b] < 1:
+                raise RuntimeError(f"cannot share KV block {b}: it is free")
+            self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """Drop one holder of each block; a block with no holder left becomes free."""
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+            elif self._refs[b] < 0:
+                raise RuntimeError(f"KV block {b} freed more often than allocated")
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
 
 class KVCacheManager:
@@ -70,6 +94,44 @@ class KVCacheManager:
             return False
         seq.block_table.extend(self.allocator.allocate(need))
         return True
+
+    def share_prefix(
+        self, seq: SequenceCoroutine, source: SequenceCoroutine, num_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Give ``seq`` (holding no blocks) the cached K/V of ``source``'s first
+        ``num_tokens`` positions, which the two must have in common (samples of one prompt).
+
+        Whole blocks are shared (reference counted); a partly filled last block is copied into
+        a new block, since ``seq`` will write its own positions after ``num_tokens`` into it.
+        Sets ``seq.num_computed_tokens = num_tokens``.
+
+        Returns:
+            The ``(src_block, dst_block)`` copies the model runner must make before the step
+            runs (empty or one pair), or None when no block is free for the copy (nothing
+            changed then).
+        Raises:
+            ValueError: ``seq`` already holds blocks or ``source`` holds fewer than needed.
+        """
+        if seq.block_table:
+            raise ValueError("share_prefix: the sequence already holds KV blocks")
+        full, partial = divmod(num_tokens, self.block_size)
+        if len(source.block_table) < full + (1 if partial else 0):
+            raise ValueError(
+                f"share_prefix: source holds {len(source.block_table)} blocks, "
+                f"{num_tokens} tokens need {self.blocks_needed(num_tokens)}"
+            )
+        if partial and self.allocator.num_free_blocks < 1:
+            return None
+        shared = source.block_table[:full]
+        self.allocator.share(shared)
+        seq.block_table = list(shared)
+        copies = []
+        if partial:
+            dst = self.allocator.allocate(1)[0]
+            seq.block_table.append(dst)
+            copies.append((source.block_table[full], dst))
+        seq.num_computed_tokens = num_tokens
+        return copies
 
     def free(self, seq: SequenceCoroutine) -> None:
         self.allocator.free(seq.block_table)

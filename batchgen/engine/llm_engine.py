@@ -19,6 +19,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.executor import StageExecutor
+from batchgen.engine.host_allocator import tune_glibc_malloc
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -79,6 +80,8 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
+        if self.device.type == "cpu":
+            tune_glibc_malloc()
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         model = load_model(path, cfg, self.device, self.dtype)
@@ -116,6 +119,7 @@ class LLMEngine:
             config.max_running_seqs,
             config.step_token_budget,
             max_chunk_tokens=config.max_num_batched_tokens,
+            enable_prefix_sharing=config.enable_prefix_sharing,
         )
         self.metrics = EngineMetrics(tile_size=config.tile_size)
         for module in model.modules():
@@ -388,6 +392,9 @@ class LLMEngine:
         if sched.is_empty:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
         m.stage_seconds["scheduling"] += time.perf_counter() - t0
+        if sched.block_copies:
+            self.runner.copy_blocks(sched.block_copies)
+        m.shared_prefix_tokens += sched.num_shared_prefix_tokens
         sampling, logits = self.executor.execute(sched.scheduled)
         decode_only, context = True, 0
         for entry in sched.scheduled:

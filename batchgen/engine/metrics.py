@@ -67,6 +67,7 @@ class EngineMetrics:
     decode_only_tokens: int = 0
     decode_only_seconds: float = 0.0
     decode_only_context_tokens: int = 0  # sum of the decoded tokens' context lengths
+    shared_prefix_tokens: int = 0  # prompt positions taken from a sibling sample's KV blocks
     started_at: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -108,6 +109,7 @@ class EngineMetrics:
                 if self.decode_only_tokens
                 else 0.0
             ),
+            "shared_prefix_tokens": self.shared_prefix_tokens,
             "num_expert_gemms": self.expert.num_gemms,
             "mean_rows_per_expert_gemm": self.expert.mean_rows_per_gemm,
             "tile_size": self.tile_size,

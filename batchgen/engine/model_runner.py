@@ -12,7 +12,12 @@ import torch
 
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.models.decoder import CausalLM, kv_cache_token_shapes
-from batchgen.models.layers.attention import AttentionMetadata, PrefillSpan
+from batchgen.models.layers.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillSpan,
+    plan_decode_buckets,
+)
 from batchgen.models.model_config import ModelConfig
 
 
@@ -51,6 +56,16 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer's cache tensors (a shared prompt's
+        partly filled last block, see `KVCacheManager.share_prefix`)."""
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:
+            for cache in layer:
+                blocks = cache.view(-1, self.block_size * cache[0].numel())
+                blocks.index_copy_(0, dst, blocks.index_select(0, src))
+
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -58,13 +73,18 @@ class ModelRunner:
     def prepare(
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[ScheduledSeq], torch.Tensor]:
-        """Flatten a step: decode tokens first, then prefill chunks.
+        """Flatten a step: decode tokens first (sorted by context length, cut into
+        `DecodeBucket`s), then prefill chunks.
 
         Returns ``input_ids [T]``, the metadata, the scheduled entries in flat order, and
         ``sample_indices [B]`` (flat index of the last token of each entry that samples,
         in flat order).
         """
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        bs = self.block_size
+        decodes = sorted(
+            (s for s in scheduled if s.num_new_tokens == 1),
+            key=lambda s: s.seq.num_computed_tokens,
+        )
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -100,21 +120,24 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
+            block_size=bs,
             prefills=spans,
         )
-        if decodes:
-            kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
-            max_blocks = max(len(s.seq.block_table) for s in decodes)
-            tables = torch.tensor(
-                [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes],
-                dtype=torch.long,
-                device=dev,
-            )  # [B, max_blocks]
-            max_len = max(kv_lens)
-            pos = torch.arange(max_len, device=dev)
-            meta.decode_kv_slots = tables[:, pos // self.block_size] * self.block_size + (
-                pos % self.block_size
-            )  # [B, max_len]
-            meta.decode_kv_lens = torch.tensor(kv_lens, dtype=torch.long, device=dev)
+        kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        num_blocks = [-(-n // bs) for n in kv_lens]
+        for start, end in plan_decode_buckets(num_blocks):
+            width = num_blocks[end - 1]
+            tables = [
+                s.seq.block_table[:n] + [0] * (width - n)
+                for s, n in zip(decodes[start:end], num_blocks[start:end])
+            ]
+            meta.decode_buckets.append(
+                DecodeBucket(
+                    start,
+                    end,
+                    torch.tensor(tables, dtype=torch.long, device=dev),  # [b, width]
+                    torch.tensor(kv_lens[start:end], dtype=torch.long, device=dev),
+                )
+            )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, meta, ordered, torch.tensor(sample_indices, dtype=torch.long, device=dev)

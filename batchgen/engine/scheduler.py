@@ -9,6 +9,13 @@ is full the most recently admitted running sequence is preempted (its blocks fre
 at the head of the waiting queue. Waiting sequences are admitted only when no preemption
 happened in the step, while the budget, ``max_num_seqs`` and free blocks allow.
 
+Parallel sampling (``n`` > 1) with ``enable_prefix_sharing``: the samples of a request have
+the same prompt, so only the first one admitted prefills it. Its siblings stay waiting while it
+is in prefill (later waiting sequences are admitted past them), then each is admitted with the
+K/V of the first ``prompt_len - 1`` positions shared from a running sibling
+(`KVCacheManager.share_prefix`) and computes only the last prompt token itself, which yields
+its own first-token logits. vLLM gets the same effect from prefix caching.
+
 Liveness: the engine caps ``max_model_len`` at the KV capacity, so a running sequence alone can
 always allocate; every step schedules at least one token while any sequence is unfinished.
 """
@@ -20,6 +27,8 @@ from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.sequence import SequenceCoroutine, SequenceStatus
+
+_DEFER = object()  # `Scheduler._prefix_source`: wait for a sibling's prefill
 
 
 @dataclass
@@ -37,6 +46,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[SequenceCoroutine] = field(default_factory=list)
+    # (src_block, dst_block) KV copies to make before the step runs (shared prompt prefixes).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_shared_prefix_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -55,6 +67,7 @@ class Scheduler:
         max_num_seqs: max sequences in RUNNING state.
         max_num_batched_tokens: max new tokens scheduled per step.
         max_chunk_tokens: max new tokens of one sequence per step (default: the step budget).
+        enable_prefix_sharing: samples of one request share their prompt's KV blocks.
     """
 
     def __init__(
@@ -63,6 +76,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_chunk_tokens: int | None = None,
+        enable_prefix_sharing: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -73,6 +87,7 @@ class Scheduler:
         self.waiting: deque[SequenceCoroutine] = deque()
         self.running: list[SequenceCoroutine] = []
         self.num_preemptions = 0
+        self.enable_prefix_sharing = enable_prefix_sharing
 
     @property
     def num_unfinished(self) -> int:
@@ -96,17 +111,51 @@ class Scheduler:
                 break  # `seq` preempted itself: nothing younger is left running
         if out.preempted:
             return out
+        deferred: list[SequenceCoroutine] = []  # siblings waiting for a prompt prefill
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
+            copies: list[tuple[int, int]] = []
+            if self.enable_prefix_sharing and seq.num_computed_tokens == 0:
+                source = self._prefix_source(seq)
+                if source is _DEFER:
+                    deferred.append(seq)
+                    continue
+                if source is not None:
+                    copies = self.kv_cache.share_prefix(seq, source, seq.num_prompt_tokens - 1)
+                    if copies is None:  # no block for the copy
+                        self.waiting.appendleft(seq)
+                        break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
             if not self.kv_cache.allocate_slots(seq, num_new):
+                self.kv_cache.free(seq)  # undo a shared prefix, if any
+                seq.num_computed_tokens = 0
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
+            if seq.num_computed_tokens:
+                out.block_copies.extend(copies)
+                out.num_shared_prefix_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _prefix_source(self, seq: SequenceCoroutine) -> SequenceCoroutine | object | None:
+        """For a sample of an ``n`` > 1 request: a running sibling whose cache holds the first
+        ``prompt_len - 1`` positions (share from it), `_DEFER` while a sibling is still
+        prefilling the prompt (wait for it), or None (prefill the prompt itself)."""
+        need = seq.num_prompt_tokens - 1
+        if seq.request.params.n == 1 or need < 1:
+            return None
+        prefilling = False
+        for sibling in seq.request.seqs:
+            if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
+                continue
+            if sibling.num_computed_tokens >= need:
+                return sibling
+            prefilling = True
+        return _DEFER if prefilling else None
 
     def _allocate_or_preempt(
         self, seq: SequenceCoroutine, num_new: int, out: SchedulerOutput

@@ -189,10 +189,13 @@ class MLAAttention(nn.Module):
         rope_cache.index_copy_(0, meta.slot_mapping, k_pe)
 
         out = x.new_empty(t, d.num_heads, d.v_head_dim)  # [T, N, Dv]
-        nd = meta.num_decode_tokens
-        if nd:
-            attend = self._decode_absorbed if self.absorb_decode else self._decode_expanded
-            out[:nd] = attend(q_nope[:nd], q_pe[:nd], latent_cache, rope_cache, meta)
+        attend = self._decode_absorbed if self.absorb_decode else self._decode_expanded
+        for bucket in meta.decode_buckets:
+            rows = slice(bucket.start, bucket.end)
+            latent_ctx = bucket.gather(latent_cache, meta.block_size)  # [b, L, C]
+            pe_ctx = bucket.gather(rope_cache, meta.block_size)  # [b, L, Dr]
+            mask = meta.decode_mask(bucket, None)  # [b, 1, 1, L]
+            out[rows] = attend(q_nope[rows], q_pe[rows], latent_ctx, pe_ctx, mask)
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, N, Dq]
         for span in meta.prefills:
             sl = slice(span.token_start, span.token_start + span.num_tokens)
@@ -226,34 +229,24 @@ class MLAAttention(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], d.qk_rope_head_dim)  # [..., L, N, Dr]
         return torch.cat((k_nope, k_pe), dim=-1), v
 
-    def _gather_decode_context(
-        self, latent_cache: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``latent [B, L, C]`` and ``k_pe [B, L, Dr]`` at ``meta.decode_kv_slots [B, L]``."""
-        slots = meta.decode_kv_slots
-        flat = slots.reshape(-1)
-        latent = latent_cache.index_select(0, flat).view(*slots.shape, -1)
-        k_pe = rope_cache.index_select(0, flat).view(*slots.shape, -1)
-        return latent, k_pe
-
     def _decode_expanded(
         self,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         """Decode attention with the context up-projected: ``q_nope [B, N, Dn]``, ``q_pe [B, N,
-        Dr]`` -> ``[B, N, Dv]``."""
-        latent, k_pe = self._gather_decode_context(latent_cache, rope_cache, meta)
+        Dr]``, the gathered context ``latent [B, L, C]`` and ``k_pe [B, L, Dr]``, ``mask [B, 1,
+        1, L]`` bool -> ``[B, N, Dv]``."""
         k, v = self._expand_kv(latent, k_pe)  # [B, L, N, Dq], [B, L, N, Dv]
         q = torch.cat((q_nope, q_pe), dim=-1)[:, :, None, :]  # [B, N, 1, Dq]
         o = F.scaled_dot_product_attention(
             q,
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=meta.decode_mask(None),
+            attn_mask=mask,
             scale=self.scale,
         )
         return o[:, :, 0, :]  # [B, N, Dv]
@@ -262,9 +255,9 @@ class MLAAttention(nn.Module):
         self,
         q_nope: torch.Tensor,
         q_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         """Decode attention on the latent (``W_UK`` folded into q, ``W_UV`` into the output).
 
@@ -278,12 +271,11 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)  # [N, Dn, C], [N, Dv, C]
         q_lat = torch.einsum("bnd,ndc->bnc", q_nope, w_uk)  # [B, N, C]
         q = torch.cat((q_lat, q_pe), dim=-1)  # [B, N, C + Dr]
-        latent, k_pe = self._gather_decode_context(latent_cache, rope_cache, meta)
         k = torch.cat((latent, k_pe), dim=-1)  # [B, L, C + Dr]: one key head shared by all N
         # Heads are the rows of one GEMM per sequence (no per-head copy of the key, unlike SDPA's
         # grouped-query path); softmax in float32 as in HF's eager attention.
         scores = torch.bmm(q, k.transpose(1, 2)).float() * self.scale  # [B, N, L]
-        scores.masked_fill_(~meta.decode_mask(None)[:, 0], float("-inf"))  # mask [B, 1, L]
+        scores.masked_fill_(~mask[:, 0], float("-inf"))  # mask [B, 1, L]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o_lat = torch.bmm(probs, latent)  # [B, N, C]
         return torch.einsum("bnc,nvc->bnv", o_lat, w_uv)  # [B, N, Dv]
