@@ -43,3 +43,21 @@ def test_bench_record_on_a_tiny_model(checkpoint_dir):
     assert w["hf_generate"]["tile_density"] is None
     table = format_table(record)
     assert "extraction" in table and "coalesce" in table
+
+
+def test_bench_profile_names_the_top_operators(checkpoint_dir):
+    record = run(
+        quick=True,
+        device="cpu",
+        modes=("coalesce",),
+        workloads=("extraction",),
+        model=str(checkpoint_dir("mixtral")),
+        profile=True,
+    )
+    top = record["workloads"]["extraction"]["coalesce"]["extra"]["profile_top_ops"]
+    assert 1 <= len(top) <= 12
+    assert all(op["self_s"] > 0 and 0 < op["share"] <= 1 and op["calls"] >= 1 for op in top)
+    assert sum(op["share"] for op in top) <= 1.0 + 1e-9
+    assert [op["self_s"] for op in top] == sorted((op["self_s"] for op in top), reverse=True)
+    assert any(op["name"] == "aten::mm" for op in top)  # the expert and projection GEMMs
+    assert "profile extraction/coalesce" in format_table(record)

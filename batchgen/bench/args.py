@@ -15,3 +15,9 @@ def add_arguments(p) -> None:
     p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
     p.add_argument("--expert-coalesce-threshold", type=int, default=256)
     p.add_argument("--model", default=None, help="checkpoint (default: the bench Mixtral)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the BatchGen modes under torch.profiler and print their top operators by "
+        "self time (adds profiler overhead to those modes' figures)",
+    )

@@ -75,8 +75,39 @@ def _workload_flops(cfg, workload: Workload) -> int:
     )
 
 
+PROFILE_TOP_OPS = 12
+
+
+def _top_ops(prof, device: torch.device) -> list[dict]:
+    """The profiler's operators with the most self time: ``[{"name", "self_s", "share",
+    "calls"}]``, share of the summed self time of all operators (CPU, or CUDA on a GPU)."""
+    cuda = device.type == "cuda"
+    events = prof.key_averages()
+
+    def self_us(e) -> float:
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) or 1.0
+    top = sorted(events, key=self_us, reverse=True)[:PROFILE_TOP_OPS]
+    return [
+        {
+            "name": e.key,
+            "self_s": self_us(e) / 1e6,
+            "share": self_us(e) / total,
+            "calls": e.count,
+        }
+        for e in top
+    ]
+
+
 def run_batchgen(
-    path: str, workload: Workload, policy: str, dtype: str, device: str, threshold: int
+    path: str,
+    workload: Workload,
+    policy: str,
+    dtype: str,
+    device: str,
+    threshold: int,
+    profile: bool = False,
 ) -> tuple[ModeResult, list[list[int]]]:
     from batchgen import LLM, SamplingParams
 
@@ -104,9 +135,21 @@ def run_batchgen(
         for i, r in enumerate(workload.requests)
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    prof = None
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU]
+        if llm.llm_engine.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        prof = torch_profile(activities=acts)
+        prof.__enter__()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
     produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
     if produced != workload.useful_tokens:
         raise RuntimeError(
@@ -129,8 +172,12 @@ def run_batchgen(
             "decode_only_tokens": m["decode_only_tokens"],
             "decode_only_seconds": m["decode_only_seconds"],
             "decode_only_mean_context": m["decode_only_mean_context"],
+            "shared_prefix_tokens": m["shared_prefix_tokens"],
+            "prefill_tokens": m["prefill_tokens"],
         },
     )
+    if prof is not None:
+        result.extra["profile_top_ops"] = _top_ops(prof, llm.llm_engine.device)
     result.extra["flops"] = _workload_flops(cfg, workload)
     if m["decode_only_seconds"] > 0:
         per_tok = 2 * active_params_per_token(cfg) + attention_flops(
@@ -241,6 +288,7 @@ def run(
     workloads: tuple[str, ...] | None = None,
     threshold: int = 256,
     model: str | None = None,
+    profile: bool = False,
 ) -> dict:
     """Run the benchmark; returns the ``--json`` record (see `format_table`)."""
     from batchgen.engine.llm_engine import resolve_device
@@ -259,6 +307,7 @@ def run(
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "expert_coalesce_threshold": threshold,
         "torch_threads": torch.get_num_threads(),
+        "profiled": profile,
         "workloads": {},
     }
     from transformers import AutoConfig
@@ -274,7 +323,7 @@ def run(
         results: dict[str, dict] = {}
         for mode in modes:
             if mode in ("lockstep", "coalesce"):
-                res, _ = run_batchgen(path, workload, mode, dtype, device, threshold)
+                res, _ = run_batchgen(path, workload, mode, dtype, device, threshold, profile)
                 mode_flops = flops
             else:
                 hf = hf or _hf_model(path, torch_dtype, str(dev))
@@ -327,6 +376,20 @@ def format_table(record: dict) -> str:
                 f"{name:<11} {mode:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
                 f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
             )
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            top = w.get(mode, {}).get("extra", {}).get("profile_top_ops")
+            if not top:
+                continue
+            r_shares = w[mode]["extra"].get("stage_time_share", {})
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in r_shares.items() if v >= 0.005)
+            lines.append(f"\nprofile {name}/{mode} (stage time shares: {stages})")
+            lines.append(f"  {'operator':<52} {'self s':>8} {'share':>6} {'calls':>8}")
+            for op in top:
+                lines.append(
+                    f"  {op['name'][:52]:<52} {op['self_s']:>8.2f} {op['share']:>6.3f} "
+                    f"{op['calls']:>8}"
+                )
     return "\n".join(lines)
 
 
@@ -352,6 +415,7 @@ def run_from_args(args) -> int:
         workloads=workloads,
         threshold=args.expert_coalesce_threshold,
         model=args.model,
+        profile=args.profile,
     )
     print(json.dumps(record) if args.json else format_table(record))
     return 0
