@@ -61,3 +61,22 @@ def test_bench_profile_names_the_top_operators(checkpoint_dir):
     assert [op["self_s"] for op in top] == sorted((op["self_s"] for op in top), reverse=True)
     assert any(op["name"] == "aten::mm" for op in top)  # the expert and projection GEMMs
     assert "profile extraction/coalesce" in format_table(record)
+
+
+def test_sequence_flops_counts_a_shared_prompt_once(checkpoint_dir):
+    from transformers import AutoConfig
+
+    from batchgen.bench.flops import active_params_per_token, attention_flops, sequence_flops
+    from batchgen.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(checkpoint_dir("mixtral")))
+    per_token = 2 * active_params_per_token(cfg)
+
+    def token(pos: int) -> int:  # the token at `pos` attends pos + 1 positions
+        return per_token + attention_flops(cfg, pos + 1)
+
+    prompt, out = 37, 11
+    assert sequence_flops(cfg, prompt, out) == sum(token(i) for i in range(prompt + out))
+    assert sequence_flops(cfg, prompt, out, n=4) == sum(token(i) for i in range(prompt)) + 4 * sum(
+        token(i) for i in range(prompt, prompt + out)
+    )

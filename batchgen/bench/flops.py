@@ -56,14 +56,19 @@ def attention_flops(cfg: ModelConfig, context_len: int) -> int:
     return 2 * context_len * cfg.num_attention_heads * (d_qk + d_v) * cfg.num_hidden_layers
 
 
-def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int) -> int:
-    """Model FLOPs to prefill ``prompt_len`` tokens and decode ``output_len`` more."""
+def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int, n: int = 1) -> int:
+    """Model FLOPs to prefill ``prompt_len`` tokens once and decode ``output_len`` more for
+    each of ``n`` samples (the samples share the prompt, so its prefill counts once: computing
+    it ``n`` times is recomputation, which MFU does not count)."""
     per_token = 2 * active_params_per_token(cfg)
-    total = per_token * (prompt_len + output_len)
-    # Causal attention: token i attends i + 1 positions.
-    n = prompt_len + output_len
-    total += attention_flops(cfg, 1) * n * (n + 1) // 2
-    return total
+    per_layer_ctx = attention_flops(cfg, 1)  # one query attending one position
+    # Causal attention: the token at position i attends i + 1 positions.
+    prefill = per_token * prompt_len + per_layer_ctx * prompt_len * (prompt_len + 1) // 2
+    total = prompt_len + output_len
+    decode = per_token * output_len + per_layer_ctx * (
+        total * (total + 1) // 2 - prompt_len * (prompt_len + 1) // 2
+    )
+    return prefill + n * decode
 
 
 def measure_peak_gflops(

@@ -46,7 +46,7 @@ BENCH_MODEL = dict(
 )
 BENCH_MODEL_NAME = "bench-mixtral-e64-top8-h512-l4-v1"
 MAX_NUM_BATCHED_TOKENS = 512
-KV_CACHE_GB = 2.0
+KV_CACHE_GB = 2.0  # the KV budget of both BatchGen modes (1 GiB with --quick)
 
 
 @dataclass
@@ -71,7 +71,7 @@ def bench_model_path() -> str:
 
 def _workload_flops(cfg, workload: Workload) -> int:
     return sum(
-        sequence_flops(cfg, len(r.prompt_token_ids), r.output_len) * r.n for r in workload.requests
+        sequence_flops(cfg, len(r.prompt_token_ids), r.output_len, r.n) for r in workload.requests
     )
 
 
@@ -108,6 +108,7 @@ def run_batchgen(
     device: str,
     threshold: int,
     profile: bool = False,
+    kv_cache_gb: float = KV_CACHE_GB,
 ) -> tuple[ModeResult, list[list[int]]]:
     from batchgen import LLM, SamplingParams
 
@@ -117,7 +118,7 @@ def run_batchgen(
         device=device,
         scheduler_policy=policy,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        kv_cache_memory_gb=KV_CACHE_GB,
+        kv_cache_memory_gb=kv_cache_gb,
         expert_coalesce_threshold=threshold,
         max_model_len=4096,
     )
@@ -262,18 +263,20 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
     )
 
 
-HF_QUICK_SEQUENCES = 64
+# Quick mode: sequences of each workload the `transformers` baselines run on.
+HF_QUICK_SEQUENCES = {"hf_generate": 64, "hf_generate_batch": 32}
 
 
-def _hf_sample(workload: Workload, quick: bool) -> Workload:
-    """In quick mode the `transformers` baselines run on the first requests covering 64
-    sequences (one static batch) and report their rate: static batches are independent, so
-    tokens/s on a sample is representative, and the full workload would take many minutes."""
+def _hf_sample(workload: Workload, quick: bool, mode: str) -> Workload:
+    """In quick mode the `transformers` baselines run on the first requests covering
+    `HF_QUICK_SEQUENCES` sequences (64 for ``generate``: one static batch; 32 for
+    ``generate_batch``, the slowest mode) and report their rate: tokens/s on a sample is
+    representative, and the full workload would take many minutes."""
     if not quick:
         return workload
     taken, seqs = [], 0
     for r in workload.requests:
-        if seqs >= HF_QUICK_SEQUENCES:
+        if seqs >= HF_QUICK_SEQUENCES[mode]:
             break
         taken.append(r)
         seqs += r.n
@@ -315,6 +318,8 @@ def run(
     from batchgen.models.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    kv_gb = KV_CACHE_GB / 2 if quick else KV_CACHE_GB
+    record["kv_cache_memory_gb"] = kv_gb
     hf = None
     for workload in make_workloads(cfg.vocab_size, quick):
         if workloads and workload.name not in workloads:
@@ -323,11 +328,13 @@ def run(
         results: dict[str, dict] = {}
         for mode in modes:
             if mode in ("lockstep", "coalesce"):
-                res, _ = run_batchgen(path, workload, mode, dtype, device, threshold, profile)
+                res, _ = run_batchgen(
+                    path, workload, mode, dtype, device, threshold, profile, kv_gb
+                )
                 mode_flops = flops
             else:
                 hf = hf or _hf_model(path, torch_dtype, str(dev))
-                sample = _hf_sample(workload, quick)
+                sample = _hf_sample(workload, quick, mode)
                 res = (
                     run_hf_generate(hf, sample)
                     if mode == "hf_generate"

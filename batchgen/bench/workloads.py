@@ -2,7 +2,7 @@
 
 - ``rollouts``: prompts 32-1024 tokens, outputs 16-512 tokens, both log-uniform (RL rollouts).
 - ``extraction``: prompts 512-2048 tokens, outputs 16-64 tokens (document extraction).
-- ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (16-32 in quick
+- ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (16-24 in quick
   mode) (test-time search).
 
 Every request ignores EOS, so every mode does exactly the same useful work: ``output_len``
@@ -72,7 +72,7 @@ def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload
             ],
         )
     )
-    num = 12 if quick else 64
+    num = 8 if quick else 64
     p_lo, p_hi = lengths(512, 2048)
     out.append(
         Workload(
@@ -88,7 +88,7 @@ def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload
     )
     # Search keeps its 64 prompts x 16 samples even in quick mode: 1024 sequences at once is
     # the regime coalescing exists for (more decode tokens than one attention micro-batch).
-    o_lo, o_hi = (16, 32) if quick else (16, 512)
+    o_lo, o_hi = (16, 24) if quick else (16, 512)
     out.append(
         Workload(
             "search",
