@@ -133,6 +133,26 @@ class KVCacheManager:
         seq.num_computed_tokens = num_tokens
         return copies
 
+    def hand_over(self, seq: SequenceCoroutine, heir: SequenceCoroutine, num_tokens: int) -> bool:
+        """Move the blocks of ``seq`` (finished) holding its first ``num_tokens`` positions to
+        ``heir`` (holding no blocks; a sample of the same prompt), free the rest and set
+        ``heir.num_computed_tokens = num_tokens``. No copy is needed: ``heir`` may overwrite the
+        positions after ``num_tokens`` of the last kept block, which ``seq`` no longer reads.
+
+        Returns False (nothing changed) when ``seq`` has not computed ``num_tokens`` positions
+        or shares that last, partly filled block with another holder.
+        """
+        keep = self.blocks_needed(num_tokens)
+        if heir.block_table or seq.num_computed_tokens < num_tokens or keep < 1:
+            return False
+        if num_tokens % self.block_size and self.allocator.ref_count(seq.block_table[keep - 1]) > 1:
+            return False
+        heir.block_table = seq.block_table[:keep]
+        self.allocator.free(seq.block_table[keep:])
+        seq.block_table = []
+        heir.num_computed_tokens = num_tokens
+        return True
+
     def free(self, seq: SequenceCoroutine) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []

@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[SequenceCoroutine] = []
         self.num_preemptions = 0
         self.enable_prefix_sharing = enable_prefix_sharing
+        self._handed_over_tokens = 0  # prompt positions given by `finish`, for the next output
 
     @property
     def num_unfinished(self) -> int:
@@ -97,7 +98,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(num_shared_prefix_tokens=self._handed_over_tokens)
+        self._handed_over_tokens = 0
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -112,11 +114,14 @@ class Scheduler:
         if out.preempted:
             return out
         deferred: list[SequenceCoroutine] = []  # siblings waiting for a prompt prefill
+        # Samples given a shared prefix in this step: their copied block is filled only when
+        # the step's copies run, so they must not be the source of another copy now.
+        forked: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             copies: list[tuple[int, int]] = []
             if self.enable_prefix_sharing and seq.num_computed_tokens == 0:
-                source = self._prefix_source(seq)
+                source = self._prefix_source(seq, forked)
                 if source is _DEFER:
                     deferred.append(seq)
                     continue
@@ -134,6 +139,7 @@ class Scheduler:
             if seq.num_computed_tokens:
                 out.block_copies.extend(copies)
                 out.num_shared_prefix_tokens += seq.num_computed_tokens
+                forked.add(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -141,16 +147,24 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return out
 
-    def _prefix_source(self, seq: SequenceCoroutine) -> SequenceCoroutine | object | None:
+    def _prefix_source(
+        self, seq: SequenceCoroutine, forked: set[int]
+    ) -> SequenceCoroutine | object | None:
         """For a sample of an ``n`` > 1 request: a running sibling whose cache holds the first
-        ``prompt_len - 1`` positions (share from it), `_DEFER` while a sibling is still
-        prefilling the prompt (wait for it), or None (prefill the prompt itself)."""
+        ``prompt_len - 1`` positions (share from it; not one of the ``forked`` seq ids, whose
+        copied block is not filled yet: their own source is running and is found instead),
+        `_DEFER` while a sibling is still prefilling the prompt (wait for it), or None (prefill
+        the prompt itself)."""
         need = seq.num_prompt_tokens - 1
         if seq.request.params.n == 1 or need < 1:
             return None
         prefilling = False
         for sibling in seq.request.seqs:
-            if sibling is seq or sibling.status is not SequenceStatus.RUNNING:
+            if (
+                sibling is seq
+                or sibling.status is not SequenceStatus.RUNNING
+                or sibling.seq_id in forked
+            ):
                 continue
             if sibling.num_computed_tokens >= need:
                 return sibling
@@ -179,9 +193,36 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: SequenceCoroutine) -> None:
-        """Mark ``seq`` finished and free its blocks (it may be running or waiting)."""
+        """Mark ``seq`` finished and free its blocks (it may be running or waiting).
+
+        With prefix sharing, a running sample that finishes while a sibling still waits hands
+        that sibling its prompt blocks, and the sibling starts running with the last prompt
+        token to compute. Without this, a sample that finishes in the step that completes its
+        prefill (``max_tokens=1``, a stop token first) would free the prompt's K/V while its
+        siblings wait for it, and they would prefill the prompt again one after another.
+        """
+        heir = self._heir(seq)
         seq.status = SequenceStatus.FINISHED
+        if heir is not None and self.kv_cache.hand_over(seq, heir, seq.num_prompt_tokens - 1):
+            self.waiting.remove(heir)
+            heir.status = SequenceStatus.RUNNING
+            self.running.append(heir)  # takes the place of `seq` (`remove_finished`)
+            self._handed_over_tokens += heir.num_computed_tokens
         self.kv_cache.free(seq)
+
+    def _heir(self, seq: SequenceCoroutine) -> SequenceCoroutine | None:
+        """A waiting sibling of running ``seq`` that can take over its prompt blocks."""
+        if (
+            not self.enable_prefix_sharing
+            or seq.status is not SequenceStatus.RUNNING
+            or seq.request.params.n == 1
+            or seq.num_prompt_tokens < 2
+        ):
+            return None
+        for sibling in seq.request.seqs:
+            if sibling.status is SequenceStatus.WAITING and not sibling.block_table:
+                return sibling
+        return None
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if not s.is_finished]
