@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,8 @@ from batchgen.bench.flops import (
     sequence_flops,
 )
 from batchgen.bench.workloads import Workload, make_workloads
+
+logger = logging.getLogger(__name__)
 
 # DESIGN.md's benchmark model: Mixtral architecture, 64 experts, top-8, hidden 512, 4 layers.
 BENCH_MODEL = dict(
@@ -326,7 +329,17 @@ def run(
             continue
         flops = _workload_flops(cfg, workload)
         results: dict[str, dict] = {}
+        seqs = sum(r.n for r in workload.requests)
+        logger.info(
+            "%s: %d requests, %d sequences, %d prompt tokens, %d useful tokens",
+            workload.name,
+            len(workload.requests),
+            seqs,
+            workload.prompt_tokens,
+            workload.useful_tokens,
+        )
         for mode in modes:
+            logger.info("%s/%s: running", workload.name, mode)
             if mode in ("lockstep", "coalesce"):
                 res, _ = run_batchgen(
                     path, workload, mode, dtype, device, threshold, profile, kv_gb
@@ -346,6 +359,13 @@ def run(
             if "decode_flops_per_s" in res.extra:
                 res.decode_mfu = res.extra.pop("decode_flops_per_s") / (peak * 1e9)
             results[mode] = asdict(res)
+            logger.info(
+                "%s/%s: %.1f useful tokens/s in %.1f s",
+                workload.name,
+                mode,
+                res.tokens_per_s,
+                res.seconds,
+            )
         record["workloads"][workload.name] = {
             "requests": len(workload.requests),
             "prompt_tokens": workload.prompt_tokens,
