@@ -30,3 +30,36 @@ def test_per_expert_path_matches_the_reference(num_tokens, dtype):
         torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3)
     assert (stats.num_gemms, stats.rows) == (ref_stats.num_gemms, ref_stats.rows)
     assert stats.rows == num_tokens * a
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_core_parallel_experts_match_one_thread(workers):
+    torch.manual_seed(5)
+    e, h, i, a, t = 16, 32, 24, 4, 9
+    x = torch.randn(t, h)
+    w13, w2 = torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
+    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn(t, e), -1), a, dim=-1)
+    threads = torch.get_num_threads()
+    ref = fused_experts_reference(x, w13, w2, topk_weights, topk_ids)
+    with torch.inference_mode():
+        out = fused_experts_per_expert(x, w13, w2, topk_weights, topk_ids, num_workers=workers)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.get_num_threads() == threads  # restored
+    # Outside inference mode with weights that require grad, the workers build the graph too.
+    w13.requires_grad_(True)
+    out = fused_experts_per_expert(x, w13, w2, topk_weights, topk_ids, num_workers=workers)
+    out.sum().backward()
+    assert w13.grad is not None and w13.grad.abs().sum() > 0
+
+
+def test_expert_ranges_split_rows_evenly():
+    from batchgen.models.layers.moe import _split_by_rows, cpu_expert_workers
+
+    starts = [0, 10, 10, 12, 30, 31, 40]  # 6 experts, 40 rows
+    assert _split_by_rows(starts, 2) == [(0, 4), (4, 6)]  # first cut at >= half the rows
+    assert _split_by_rows(starts, 1) == [(0, 6)]
+    ranges = _split_by_rows(starts, 4)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 6
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert cpu_expert_workers(num_tokens=4096, top_k=8, num_experts=64) == 1
+    assert cpu_expert_workers(num_tokens=24, top_k=8, num_experts=64) == torch.get_num_threads()
