@@ -80,3 +80,32 @@ def test_sequence_flops_counts_a_shared_prompt_once(checkpoint_dir):
     assert sequence_flops(cfg, prompt, out, n=4) == sum(token(i) for i in range(prompt)) + 4 * sum(
         token(i) for i in range(prompt, prompt + out)
     )
+
+
+def test_bench_runs_the_deepseek_v3_family(tmp_path):
+    from batchgen.models.make_model import make_model
+
+    # `make-model --arch deepseek_v3` (MLA, grouped sigmoid routing, a dense first layer).
+    path = make_model("deepseek_v3", tmp_path / "ds3", seed=0)
+    record = run(
+        quick=True,
+        device="cpu",
+        modes=("hf_generate", "coalesce"),
+        workloads=("extraction",),
+        model=str(path),
+    )
+    w = record["workloads"]["extraction"]
+    assert w["coalesce"]["useful_tokens"] == w["useful_tokens"]
+    assert 0 < w["coalesce"]["mfu"] < 1 and 0 < w["coalesce"]["tile_density"] <= 1
+    assert len(record["peak_gflops_measurements"]) == 2
+    assert record["peak_gflops"] == max(record["peak_gflops_measurements"])
+
+
+def test_bench_model_arch_is_checked():
+    import pytest
+
+    from batchgen.bench.runner import BENCH_MODELS, bench_model_path
+
+    assert set(BENCH_MODELS) == {"mixtral", "deepseek_v3"}
+    with pytest.raises(ValueError, match="deepseek_v3"):
+        bench_model_path("gpt2")

@@ -14,7 +14,14 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
     p.add_argument("--expert-coalesce-threshold", type=int, default=256)
-    p.add_argument("--model", default=None, help="checkpoint (default: the bench Mixtral)")
+    p.add_argument(
+        "--arch",
+        default="mixtral",
+        choices=["mixtral", "deepseek_v3"],
+        help="benchmark model family, built offline on first use: Mixtral or DeepSeek-V3 "
+        "(MLA), both 64 experts top-8, hidden 512, 4 layers",
+    )
+    p.add_argument("--model", default=None, help="checkpoint (overrides --arch)")
     p.add_argument(
         "--profile",
         action="store_true",
