@@ -306,9 +306,17 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
         gen = GenerationConfig(
             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
         )
-        model.generate_batch(
+        outs = model.generate_batch(
             prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False
         )
+        # generate_batch reports a failed request in its output instead of raising (e.g. the
+        # DeepSeek-V3 MLA cache is not supported by its paged cache in transformers 5.x).
+        for out in outs.values():
+            if len(out.generated_tokens) < max_new:
+                raise RuntimeError(
+                    f"transformers generate_batch returned {len(out.generated_tokens)} of "
+                    f"{max_new} tokens for a request: {getattr(out, 'error', None)}"
+                )
     seconds = time.perf_counter() - t0
     useful = workload.useful_tokens
     return ModeResult(
@@ -378,7 +386,13 @@ def run(
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
     kv_gb = KV_CACHE_GB / 2 if quick else KV_CACHE_GB
     record["kv_cache_memory_gb"] = kv_gb
-    hf = None
+    hf_cache: list = []
+
+    def hf_model():
+        if not hf_cache:
+            hf_cache.append(_hf_model(path, torch_dtype, str(dev)))
+        return hf_cache[0]
+
     for workload in make_workloads(cfg.vocab_size, quick):
         if workloads and workload.name not in workloads:
             continue
@@ -395,29 +409,31 @@ def run(
         )
         for mode in modes:
             logger.info("%s/%s: running", workload.name, mode)
-            if mode in ("lockstep", "coalesce"):
-                res, _ = run_batchgen(
-                    path, workload, mode, dtype, device, threshold, profile, kv_gb
+            try:
+                results[mode] = _run_mode(
+                    mode,
+                    path,
+                    workload,
+                    cfg,
+                    flops,
+                    quick,
+                    dtype,
+                    device,
+                    threshold,
+                    profile,
+                    kv_gb,
+                    hf_model,
                 )
-                mode_flops = flops
-            else:
-                hf = hf or _hf_model(path, torch_dtype, str(dev))
-                sample = _hf_sample(workload, quick, mode)
-                res = (
-                    run_hf_generate(hf, sample)
-                    if mode == "hf_generate"
-                    else run_hf_generate_batch(hf, sample)
-                )
-                res.extra["sampled_requests"] = len(sample.requests)
-                mode_flops = _workload_flops(cfg, sample)
-            res.extra["useful_flops"] = mode_flops
-            results[mode] = asdict(res)
+            except Exception as exc:  # one failing mode must not lose the others' figures
+                logger.warning("%s/%s failed: %s", workload.name, mode, exc)
+                results[mode] = {"error": f"{type(exc).__name__}: {exc}", "tokens_per_s": None}
+                continue
             logger.info(
                 "%s/%s: %.1f useful tokens/s in %.1f s",
                 workload.name,
                 mode,
-                res.tokens_per_s,
-                res.seconds,
+                results[mode]["tokens_per_s"],
+                results[mode]["seconds"],
             )
         record["workloads"][workload.name] = {
             "requests": len(workload.requests),
@@ -425,6 +441,32 @@ def run(
             "useful_tokens": workload.useful_tokens,
             **results,
         }
+    return _finish_record(record, torch_dtype, dev, peak)
+
+
+def _run_mode(
+    mode, path, workload, cfg, flops, quick, dtype, device, threshold, profile, kv_gb, hf_model
+) -> dict:
+    """One mode on one workload: the `ModeResult` as a dict (MFU filled in later)."""
+    if mode in ("lockstep", "coalesce"):
+        res, _ = run_batchgen(path, workload, mode, dtype, device, threshold, profile, kv_gb)
+        mode_flops = flops
+    else:
+        hf = hf_model()
+        sample = _hf_sample(workload, quick, mode)
+        res = (
+            run_hf_generate(hf, sample)
+            if mode == "hf_generate"
+            else run_hf_generate_batch(hf, sample)
+        )
+        res.extra["sampled_requests"] = len(sample.requests)
+        mode_flops = _workload_flops(cfg, sample)
+    res.extra["useful_flops"] = mode_flops
+    return asdict(res)
+
+
+def _finish_record(record: dict, torch_dtype: torch.dtype, dev: torch.device, peak: float) -> dict:
+    """Fill in every successful mode's MFU and decode MFU against the better peak."""
     # The matmul peak moves with the machine's load: measure it again at the end and divide by
     # the better of the two, so a slow first measurement cannot inflate every MFU.
     end_peak = measure_peak_gflops(torch_dtype, dev)
@@ -432,7 +474,7 @@ def run(
     peak = record["peak_gflops"] = max(peak, end_peak)
     for w in record["workloads"].values():
         for mode in MODES:
-            if mode not in w:
+            if mode not in w or "error" in w[mode]:
                 continue
             r = w[mode]
             r["mfu"] = r["extra"]["useful_flops"] / r["seconds"] / (peak * 1e9)
@@ -457,6 +499,9 @@ def format_table(record: dict) -> str:
             if mode not in w:
                 continue
             r = w[mode]
+            if "error" in r:
+                lines.append(f"{name:<11} {mode:<18} failed: {r['error'][:200]}")
+                continue
             ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
             td = f"{r['tile_density']:.3f}" if r["tile_density"] is not None else "-"
             rows = (

@@ -2,8 +2,8 @@
 
 - ``rollouts``: prompts 32-1024 tokens, outputs 16-512 tokens, both log-uniform (RL rollouts).
 - ``extraction``: prompts 512-2048 tokens, outputs 16-64 tokens (document extraction).
-- ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (16-24 in quick
-  mode) (test-time search).
+- ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (48 prompts and
+  outputs 16-24 in quick mode) (test-time search).
 
 Every request ignores EOS, so every mode does exactly the same useful work: ``output_len``
 tokens per sample. Prompts are random token ids (the model has random weights anyway).
@@ -86,9 +86,10 @@ def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload
             ],
         )
     )
-    # Search keeps its 64 prompts x 16 samples even in quick mode: 1024 sequences at once is
-    # the regime coalescing exists for (more decode tokens than one attention micro-batch).
+    # Search keeps 16 samples per prompt and 48 prompts in quick mode: 768 sequences at once is
+    # still the regime coalescing exists for (more decode tokens than one attention micro-batch).
     o_lo, o_hi = (16, 24) if quick else (16, 512)
+    num = 48 if quick else 64
     out.append(
         Workload(
             "search",
@@ -98,7 +99,7 @@ def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload
                     _log_uniform(rng, o_lo, o_hi),
                     n=16,
                 )
-                for _ in range(64)
+                for _ in range(num)
             ],
         )
     )
