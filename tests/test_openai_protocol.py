@@ -262,6 +262,11 @@ def test_unknown_field_suggests_the_close_one():
     # chat-only fields are unknown to completions
     err = line_error(envelope(completion(messages=[])))
     assert err.param == "messages"
+    assert "/v1/completions takes 'prompt'" in str(err)
+    # a chat line with a completions prompt is pointed at `messages`
+    err = line_error(envelope({"prompt": "hi"}, url="/v1/chat/completions"))
+    assert err.param == "prompt"
+    assert "/v1/chat/completions takes 'messages'" in str(err)
 
 
 # ------------------------------------------------------------------------------ batch lines

@@ -317,6 +317,11 @@ def _check_fields(body: dict[str, Any], url: str, known: frozenset[str]) -> None
         name = unknown[0]
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
+        # The other endpoint's input field: point at the right one.
+        if name == "prompt" and "messages" in known:
+            hint = "; /v1/chat/completions takes 'messages', /v1/completions takes 'prompt'"
+        elif name == "messages" and "prompt" in known:
+            hint = "; /v1/completions takes 'prompt', /v1/chat/completions takes 'messages'"
         raise ProtocolError(
             f"unknown field '{name}' for {url}{hint}", code=UNSUPPORTED_PARAMETER, param=name
         )
