@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.models.default_model import DEFAULT_MODEL_NAME
+
 REPO = Path(__file__).resolve().parents[1]
 BATCHGEN = [sys.executable, "-m", "batchgen.entrypoints.cli"]
 
@@ -67,6 +69,7 @@ def test_run_examples_with_default_model(tmp_path):
         body = by_id[line.get("custom_id", f"line-{n}")]["response"]["body"]
         req = line.get("body", line)
         assert len(body["choices"]) == req.get("n", 1)
+        assert body["model"] == f"batchgen/{DEFAULT_MODEL_NAME}"  # a name, not a cache path
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         limit = req.get("max_tokens", 16 if "prompt" in req else None)

@@ -125,11 +125,10 @@ def _check_run_paths(args: argparse.Namespace) -> None:
 def _start_engine(kwargs: dict):
     """Build the engine; settings and model-loading problems become `CliError`."""
     from batchgen.entrypoints.llm import LLM
-    from batchgen.models.default_model import default_model_path
 
     try:
-        if kwargs.get("model") is None:
-            kwargs["model"] = default_model_path()
+        # model None: the engine builds the embedded default model on first use and reports
+        # it by name (batchgen/<name>) rather than by its cache path.
         return LLM(**kwargs).llm_engine
     except (ValueError, OSError) as err:
         raise CliError(f"cannot start the engine: {err}") from err
