@@ -16,6 +16,7 @@ from batchgen.models.layers.attention import (
     AttentionMetadata,
     DecodeBucket,
     PrefillSpan,
+    as_blocks,
     plan_decode_buckets,
 )
 from batchgen.models.model_config import ModelConfig
@@ -63,7 +64,7 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         for layer in self.kv_caches:
             for cache in layer:
-                blocks = cache.view(-1, self.block_size * cache[0].numel())
+                blocks = as_blocks(cache, self.block_size)
                 blocks.index_copy_(0, dst, blocks.index_select(0, src))
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

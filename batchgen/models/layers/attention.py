@@ -88,9 +88,14 @@ class DecodeBucket:
         """Rows of ``cache [num_slots, *S]`` for the bucket's blocks: ``[b, n * block_size,
         *S]`` (positions past a context hold whatever block 0 holds; the mask hides them)."""
         b, n = self.block_tables.shape
-        blocks = cache.view(-1, block_size * cache[0].numel())  # [num_blocks, bs * prod(S)]
-        out = blocks.index_select(0, self.block_tables.reshape(-1))
+        out = as_blocks(cache, block_size).index_select(0, self.block_tables.reshape(-1))
         return out.view(b, n * block_size, *cache.shape[1:])
+
+
+def as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """View a cache tensor ``[num_slots, *S]`` as ``[num_blocks, block_size * prod(S)]``: one
+    contiguous row per KV block (no copy)."""
+    return cache.view(-1, block_size * cache[0].numel())
 
 
 def plan_decode_buckets(num_blocks: list[int], max_waste: float = 1.5) -> list[tuple[int, int]]:

@@ -84,6 +84,17 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, counts
 
 
+def _route_rows(
+    topk_ids: torch.Tensor, num_experts: int, stats
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """`sort_by_expert` plus the source token of each sorted activation (``order // A``,
+    ``[T*A]``); records the rows per expert in ``stats`` when given."""
+    order, counts = sort_by_expert(topk_ids, num_experts)
+    if stats is not None:
+        stats.record(counts)
+    return order, counts, order // topk_ids.shape[1]
+
+
 def fused_experts_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -106,10 +117,7 @@ def fused_experts_reference(
         permutation followed by a sum over A, which is much faster on CPU than `index_add_`.
     """
     num_tokens, top_k = topk_ids.shape
-    order, counts = sort_by_expert(topk_ids, w13.shape[0])
-    if stats is not None:
-        stats.record(counts)
-    token_idx = order // top_k  # [T*A] source token of each sorted activation
+    order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
     x_sorted = x.index_select(0, token_idx)  # [T*A, H]
     y_sorted = torch.empty_like(x_sorted, dtype=torch.float32)  # [T*A, H]
     start = 0
@@ -130,14 +138,17 @@ def fused_experts_reference(
 # threads (see `fused_experts_per_expert`).
 CORE_PARALLEL_MAX_MEAN_ROWS = 32
 _pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
 _pool_lock = threading.Lock()
 
 
 def _expert_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
+    """The process's expert worker pool, grown to at least ``workers`` threads."""
+    global _pool, _pool_workers
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
+        if _pool is None or _pool_workers < workers:
             _pool = ThreadPoolExecutor(workers, thread_name_prefix="batchgen-experts")
+            _pool_workers = workers
         return _pool
 
 
@@ -189,10 +200,7 @@ def fused_experts_per_expert(
     the reference in the last float32 bits.
     """
     num_tokens, top_k = topk_ids.shape
-    order, counts = sort_by_expert(topk_ids, w13.shape[0])
-    if stats is not None:
-        stats.record(counts)
-    token_idx = order // top_k  # [T*A] source token of each sorted activation
+    order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
     weights = topk_weights.reshape(-1).index_select(0, order)  # [T*A] float32, sorted
     starts = [0]
     for m in counts:
