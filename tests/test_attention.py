@@ -4,10 +4,13 @@ per-sequence softmax attention over the same K/V."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
+from batchgen.kernels.paged_attention import decode_kernel_available
 from batchgen.models.layers.attention import (
     AttentionMetadata,
     DecodeBucket,
@@ -28,6 +31,16 @@ def test_plan_decode_buckets_bounds_padding():
     assert plan_decode_buckets([5]) == [(0, 1)]
 
 
+def test_plan_decode_buckets_bounds_gathered_blocks():
+    counts = [4] * 10 + [5] * 3 + [40]
+    buckets = plan_decode_buckets(counts, max_bucket_blocks=16)
+    # 4 rows of 4 blocks fit in 16; 2 of 4 and 1 of 5 gather 3 x 5 = 15 blocks (padded to the
+    # widest); a row of 40 stands alone.
+    assert buckets == [(0, 4), (4, 8), (8, 11), (11, 13), (13, 14)]
+    for start, end in buckets:
+        assert (end - start) * counts[end - 1] <= 16 or end - start == 1
+
+
 def _reference(q, k_seq, v_seq, scale, window):
     """One query ``[Hq, D]`` over ``k_seq, v_seq [L, Hkv, D]`` (query at position L - 1)."""
     hq, hkv = q.shape[0], k_seq.shape[1]
@@ -41,9 +54,17 @@ def _reference(q, k_seq, v_seq, scale, window):
     return torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), v)
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("window", [None, 5])
 @torch.no_grad()
-def test_bucketed_block_decode_matches_per_sequence_attention(window):
+def test_bucketed_block_decode_matches_per_sequence_attention(window, path, monkeypatch):
+    """Both decode paths: the CPU kernel reading the paged cache in place, and the torch path
+    (block gathers + SDPA) that CUDA, other dtypes and ``BATCHGEN_CPU_KERNELS=0`` take."""
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "1" if path == "kernel" else "0")
+    if path == "kernel" and not shutil.which(os.environ.get("CXX", "c++")):
+        pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
+    cpu = torch.device("cpu")
+    assert decode_kernel_available(cpu, torch.float32) == (path == "kernel")
     torch.manual_seed(0)
     block_size, num_blocks, hq, hkv, d = 4, 64, 4, 2, 8
     kv_lens = [1, 3, 4, 5, 9, 17, 30, 31]  # sorted, spans several buckets

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels.paged_attention import decode_kernel_available, paged_decode_attention
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary import RotaryEmbedding
 
@@ -98,17 +99,23 @@ def as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     return cache.view(-1, block_size * cache[0].numel())
 
 
-def plan_decode_buckets(num_blocks: list[int], max_waste: float = 1.5) -> list[tuple[int, int]]:
+def plan_decode_buckets(
+    num_blocks: list[int], max_waste: float = 1.5, max_bucket_blocks: int | None = None
+) -> list[tuple[int, int]]:
     """Cut decode rows, sorted by ascending context blocks, into ``(start, end)`` buckets.
 
     A bucket grows while its largest context is at most ``max_waste`` times its smallest (plus
     one block), so the gathered padding is bounded by about a third of the gather while the
-    number of attention calls grows only with log(max context / min context).
+    number of attention calls grows only with log(max context / min context). With
+    ``max_bucket_blocks``, a bucket also stops before ``rows * widest context`` would exceed
+    that many blocks (bounds the bytes one gather writes; a single row always fits).
     """
     buckets: list[tuple[int, int]] = []
     start = 0
     for i, n in enumerate(num_blocks):
-        if n > num_blocks[start] * max_waste + 1:
+        too_long = n > num_blocks[start] * max_waste + 1
+        too_big = max_bucket_blocks is not None and (i - start + 1) * n > max_bucket_blocks
+        if i > start and (too_long or too_big):
             buckets.append((start, i))
             start = i
     if num_blocks:
@@ -185,19 +192,36 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
+    in_place = bool(meta.decode_buckets) and decode_kernel_available(q.device, k_cache.dtype)
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
+        if in_place:  # CPU float32: attend straight from the paged cache
+            paged_decode_attention(
+                q[rows],
+                k_cache,
+                v_cache,
+                bucket.block_tables,
+                bucket.kv_lens,
+                meta.block_size,
+                scale,
+                sliding_window,
+                out[rows],
+            )
+            continue
         kd = bucket.gather(k_cache, meta.block_size).transpose(1, 2)  # [b, Hkv, L, D]
         vd = bucket.gather(v_cache, meta.block_size).transpose(1, 2)
+        b, hkv = kd.shape[0], kd.shape[1]
+        # The Hq / Hkv query heads that share a KV head are that head's query rows: one
+        # [G, L] score block per (sequence, KV head) instead of G separate [1, L] rows
+        # (query head h reads KV head h // G, HF's `repeat_kv` order).
         od = F.scaled_dot_product_attention(
-            q[rows, :, None, :],  # [b, Hq, 1, D]
+            q[rows].view(b, hkv, -1, q.shape[-1]),  # [b, Hkv, G, D]
             kd,
             vd,
             attn_mask=meta.decode_mask(bucket, sliding_window),  # [b, 1, 1, L]
             scale=scale,
-            enable_gqa=True,
         )
-        out[rows] = od[:, :, 0, :]
+        out[rows] = od.reshape(b, -1, q.shape[-1])
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         qs = q[sl].transpose(0, 1)  # [Hq, n, D]

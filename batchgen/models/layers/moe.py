@@ -136,7 +136,7 @@ def fused_experts_reference(
 # Expert-parallel across CPU cores: below this many rows per expert on average, each expert's
 # GEMMs run single-threaded and the experts are split over `torch.get_num_threads()` worker
 # threads (see `fused_experts_per_expert`).
-CORE_PARALLEL_MAX_MEAN_ROWS = 32
+CORE_PARALLEL_MAX_MEAN_ROWS = 512
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _pool_lock = threading.Lock()
@@ -190,8 +190,10 @@ def fused_experts_per_expert(
     end in range order. MKL's two-thread GEMM barely beats one thread at a few rows (measured
     on the bench model's 512x512 expert GEMMs with cold weights: 245 vs 265 us at 4 rows), so
     two experts at once on two cores is faster: the bench MoE layer took 18.0 vs 28.6 ms at 24
-    tokens (3 rows per expert) and 30.2 vs 37.7 ms at 128 tokens; at 512 tokens and above it
-    was no better, hence `CORE_PARALLEL_MAX_MEAN_ROWS`. End to end, 24 sequences decoding on the
+    tokens (3 rows per expert) and 30.2 vs 37.7 ms at 128 tokens. With the host allocator tuned
+    (`batchgen.engine.host_allocator`) it also wins at larger batches: 55.9 vs 73.2 ms at 512
+    tokens, 73.8 vs 99.5 ms at 1,024, 126 vs 138 ms at 2,048, and loses slightly at 4,096 (252
+    vs 246 ms), hence `CORE_PARALLEL_MAX_MEAN_ROWS`. End to end, 24 sequences decoding on the
     bench model ran 1.10-1.17x faster (decode-only 186-200 vs 169-171 tokens/s, two rounds in
     one process). ``torch.set_num_threads(1)`` is in force for the whole process during the
     call and restored after.

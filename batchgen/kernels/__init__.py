@@ -1,0 +1,1 @@
+"""Hand-written kernels for paths where PyTorch has no fused operator (see each module)."""

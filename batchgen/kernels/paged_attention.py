@@ -1,0 +1,99 @@
+"""Paged decode attention for CPU float32 (``csrc/paged_decode_attention.cpp``).
+
+The pure-torch decode path gathers each sequence's whole context out of the paged cache into
+a padded ``[b, L, Hkv, D]`` copy and then runs SDPA over it: the context crosses memory three
+times (read, write, read again). This kernel reads each key and value once, straight through
+the block table: on the bench model (512 sequences x 448 positions, 2 KV heads x 64, 2 cores)
+one layer's decode attention took 90 ms on the torch path and about 20 ms here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from batchgen.kernels.cpu_build import kernels_enabled, load_library
+
+_SYMBOL = "batchgen_paged_decode_attention_f32"
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _function():
+    lib = load_library("paged_decode_attention")
+    if lib is None:
+        return None
+    fn = getattr(lib, _SYMBOL)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+    return fn
+
+
+def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when `paged_decode_attention` serves caches of ``dtype`` on ``device``: CPU,
+    float32, and the kernel built (see `batchgen.kernels.cpu_build`)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and kernels_enabled()
+        and _function() is not None
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """One decode token per sequence attends to its cached context; writes ``out``.
+
+    Args:
+        q: ``[B, Hq, D]`` float32 (the new tokens' queries, RoPE applied).
+        k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]`` float32, contiguous, the new
+            tokens' K/V already written.
+        block_tables: ``[B, n]`` int64 block ids (entries past a context are not read).
+        kv_lens: ``[B]`` int64 context lengths including the new token (>= 1).
+        block_size: tokens per KV block.
+        scale: softmax scale; sliding_window: HF's rule (key j visible iff ``pos - j <
+            window``) or None.
+        out: ``[B, Hq, D]`` float32, contiguous: receives the result.
+    Raises:
+        RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
+        Hkv).
+    """
+    fn = _function()
+    if fn is None:
+        raise RuntimeError("the CPU paged decode attention kernel is not available")
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    q = q.contiguous()
+    block_tables = block_tables.contiguous()
+    kv_lens = kv_lens.contiguous()
+    assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    rc = fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        kv_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        hq,
+        hkv,
+        d,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")

@@ -1,0 +1,102 @@
+"""The CPU paged decode attention kernel against a plain softmax attention, and its build's
+fallbacks (kernels off, no compiler)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from batchgen.kernels import cpu_build
+from batchgen.kernels.paged_attention import decode_kernel_available, paged_decode_attention
+
+needs_compiler = pytest.mark.skipif(
+    not shutil.which(os.environ.get("CXX", "c++")), reason="no C++ compiler to build the kernel"
+)
+
+
+def _reference(q, k_seq, v_seq, scale, window):
+    """``q [Hq, D]`` at position L - 1 over ``k_seq, v_seq [L, Hkv, D]``, HF's repeat_kv."""
+    hq, hkv = q.shape[0], k_seq.shape[1]
+    k = k_seq.repeat_interleave(hq // hkv, dim=1)
+    v = v_seq.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q.double(), k.double()) * scale
+    length = k.shape[0]
+    if window is not None:
+        visible = torch.arange(length) > length - 1 - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), v.double()).float()
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,window,threads",
+    [
+        (8, 2, 64, 16, None, 2),  # the bench model's GQA
+        (4, 4, 32, 4, None, 1),  # multi-head (G = 1), one thread
+        (6, 1, 16, 8, 7, 2),  # multi-query, sliding window shorter than most contexts
+        (8, 2, 128, 16, 1, 3),  # window 1: only the token itself; more threads than needed
+    ],
+)
+def test_kernel_matches_softmax_attention(hq, hkv, d, block_size, window, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    torch.manual_seed(0)
+    kv_lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 57, 200]
+    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 5
+    k_cache = torch.randn(num_blocks * block_size, hkv, d)
+    v_cache = torch.randn(num_blocks * block_size, hkv, d)
+    perm = torch.randperm(num_blocks).tolist()  # scattered blocks
+    tables, taken = [], 0
+    for n in kv_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[taken : taken + nb])
+        taken += nb
+    width = max(len(t) for t in tables)
+    # Padding entries point past the cache: the kernel must not read past a context.
+    block_tables = torch.tensor([t + [10**9] * (width - len(t)) for t in tables])
+    q = torch.randn(len(kv_lens), hq, d) * 3  # sharp softmax
+    out = torch.full((len(kv_lens), hq, d), float("nan"))
+    scale = d**-0.5
+    paged_decode_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(kv_lens), block_size, scale, window, out
+    )
+    for i, n in enumerate(kv_lens):
+        slots = torch.tensor(
+            [tables[i][p // block_size] * block_size + p % block_size for p in range(n)]
+        )
+        expect = _reference(q[i], k_cache[slots], v_cache[slots], scale, window)
+        torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_kernel_rejects_heads_not_divisible():
+    q = torch.randn(1, 3, 8)
+    cache = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="Hq=3, Hkv=2"):
+        paged_decode_attention(
+            q, cache, cache, torch.tensor([[0]]), torch.tensor([1]), 4, 1.0, None, q.clone()
+        )
+
+
+def test_kernels_off_by_env(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert not decode_kernel_available(torch.device("cpu"), torch.float32)
+    assert cpu_build.load_library("paged_decode_attention") is None
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="batchgen.kernels.cpu_build"):
+        assert cpu_build.load_library("paged_decode_attention") is None
+        assert cpu_build.load_library("paged_decode_attention") is None
+    assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+
+
+def test_only_cpu_float32_is_served():
+    assert not decode_kernel_available(torch.device("cpu"), torch.bfloat16)
+    assert not decode_kernel_available(torch.device("meta"), torch.float32)
