@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from batchgen.bench.runner import format_table, run
 from batchgen.bench.workloads import make_workloads
 
@@ -11,6 +13,8 @@ from batchgen.bench.workloads import make_workloads
 def test_workloads_follow_their_definitions():
     full = {w.name: w for w in make_workloads(512, quick=False)}
     assert set(full) == {"rollouts", "extraction", "search"}
+    assert len(full["rollouts"].requests) == 2048
+    assert len(make_workloads(512, quick=False, rollouts_requests=7)[0].requests) == 7
     for r in full["rollouts"].requests:
         assert 32 <= len(r.prompt_token_ids) <= 1024 and 16 <= r.output_len <= 512
     for r in full["extraction"].requests:
@@ -23,6 +27,8 @@ def test_workloads_follow_their_definitions():
     assert (
         make_workloads(512, quick=True)[0].requests == make_workloads(512, quick=True)[0].requests
     )  # deterministic
+    with pytest.raises(ValueError, match="rollouts_requests must be >= 1, got 0"):
+        make_workloads(512, quick=True, rollouts_requests=0)
 
 
 def test_bench_record_on_a_tiny_model(checkpoint_dir):

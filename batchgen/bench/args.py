@@ -15,6 +15,12 @@ def add_arguments(p) -> None:
     p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
     p.add_argument("--expert-coalesce-threshold", type=int, default=256)
     p.add_argument(
+        "--rollouts-requests",
+        type=int,
+        default=None,
+        help="requests in the rollouts workload (default 2048; 24 with --quick)",
+    )
+    p.add_argument(
         "--arch",
         default="mixtral",
         choices=["mixtral", "deepseek_v3"],

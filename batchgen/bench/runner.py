@@ -9,8 +9,9 @@ Modes:
   ``max_num_batched_tokens`` (512) and KV budget.
 
 Only useful tokens count (each sample's requested output length); padding and over-generation
-do not. With ``--quick`` the two `transformers` modes run on a sample of 64 sequences of each
-workload (their tokens/s is a rate; see `_hf_sample`). Greedy for ``n`` = 1, seeded sampling
+do not. The two `transformers` modes run on a sample of each workload, its first requests
+(128 / 64 sequences, 64 / 16 with ``--quick``): their tokens/s is a rate, and 2,048 rollouts
+would take `generate` over an hour (see `_hf_sample`). Greedy for ``n`` = 1, seeded sampling
 for the ``search`` workload's ``n`` = 16.
 """
 
@@ -77,7 +78,12 @@ BENCH_MODELS = {
     "deepseek_v3": ("bench-deepseek-v3-e64-top8-h512-l4-v1", BENCH_MODEL_DEEPSEEK_V3),
 }
 MAX_NUM_BATCHED_TOKENS = 512
-KV_CACHE_GB = 2.0  # the KV budget of both BatchGen modes (1 GiB with --quick)
+KV_CACHE_GB = 6.0  # the KV budget of both BatchGen modes
+QUICK_KV_CACHE_GB = 1.0
+# coalesce: the sequences that may run at once and the tokens of one step over all attention
+# micro-batches (16 of 512 tokens). lockstep runs at most MAX_NUM_BATCHED_TOKENS per step.
+MAX_ACTIVE_COROUTINES = 2048
+MAX_STEP_TOKENS = 16 * MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass
@@ -170,6 +176,8 @@ def run_batchgen(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_gb=kv_cache_gb,
         expert_coalesce_threshold=threshold,
+        max_active_coroutines=MAX_ACTIVE_COROUTINES,
+        max_step_tokens=MAX_STEP_TOKENS,
         max_model_len=4096,
         # lockstep may run as many sequences as its token budget can decode in one step
         # (vLLM's default of 256 would leave half of each decode step empty here).
@@ -328,20 +336,20 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
     )
 
 
-# Quick mode: sequences of each workload the `transformers` baselines run on.
-HF_QUICK_SEQUENCES = {"hf_generate": 64, "hf_generate_batch": 16}
+# Sequences of each workload the `transformers` baselines run on (full, quick).
+HF_SEQUENCES = {"hf_generate": (128, 64), "hf_generate_batch": (64, 16)}
 
 
 def _hf_sample(workload: Workload, quick: bool, mode: str) -> Workload:
-    """In quick mode the `transformers` baselines run on the first requests covering
-    `HF_QUICK_SEQUENCES` sequences (64 for ``generate``: one static batch; 16 for
-    ``generate_batch``, the slowest mode) and report their rate: tokens/s on a sample is
-    representative, and the full workload would take many minutes."""
-    if not quick:
-        return workload
+    """The `transformers` baselines run on the first requests covering `HF_SEQUENCES`
+    sequences (128 for ``generate``: two static batches of 64, one with ``--quick``; 64 for
+    ``generate_batch``, the slowest mode, 16 with ``--quick``) and report their rate: tokens/s
+    on a sample of the same distribution is representative, and the whole workload would take
+    hours (2,048 rollouts at ~67 tokens/s)."""
+    limit = HF_SEQUENCES[mode][1 if quick else 0]
     taken, seqs = [], 0
     for r in workload.requests:
-        if seqs >= HF_QUICK_SEQUENCES[mode]:
+        if seqs >= limit:
             break
         taken.append(r)
         seqs += r.n
@@ -358,6 +366,7 @@ def run(
     model: str | None = None,
     profile: bool = False,
     arch: str = "mixtral",
+    rollouts_requests: int | None = None,
 ) -> dict:
     """Run the benchmark; returns the ``--json`` record (see `format_table`)."""
     from batchgen.engine.llm_engine import resolve_device
@@ -375,6 +384,8 @@ def run(
         "quick": quick,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "expert_coalesce_threshold": threshold,
+        "max_active_coroutines": MAX_ACTIVE_COROUTINES,
+        "max_step_tokens": MAX_STEP_TOKENS,
         "torch_threads": torch.get_num_threads(),
         "profiled": profile,
         "workloads": {},
@@ -384,7 +395,7 @@ def run(
     from batchgen.models.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
-    kv_gb = KV_CACHE_GB / 2 if quick else KV_CACHE_GB
+    kv_gb = QUICK_KV_CACHE_GB if quick else KV_CACHE_GB
     record["kv_cache_memory_gb"] = kv_gb
     hf_cache: list = []
 
@@ -393,7 +404,7 @@ def run(
             hf_cache.append(_hf_model(path, torch_dtype, str(dev)))
         return hf_cache[0]
 
-    for workload in make_workloads(cfg.vocab_size, quick):
+    for workload in make_workloads(cfg.vocab_size, quick, rollouts_requests=rollouts_requests):
         if workloads and workload.name not in workloads:
             continue
         flops = _workload_flops(cfg, workload)
@@ -545,6 +556,8 @@ def run_from_args(args) -> int:
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; allowed {list(MODES)}")
     workloads = tuple(args.workloads.split(",")) if args.workloads else None
+    if args.rollouts_requests is not None and args.rollouts_requests < 1:
+        raise SystemExit(f"--rollouts-requests: must be >= 1, got {args.rollouts_requests}")
     record = run(
         quick=args.quick,
         dtype=args.dtype,
@@ -555,6 +568,7 @@ def run_from_args(args) -> int:
         model=args.model,
         profile=args.profile,
         arch=args.arch,
+        rollouts_requests=args.rollouts_requests,
     )
     print(json.dumps(record) if args.json else format_table(record))
     return 0

@@ -1,6 +1,11 @@
 """Benchmark workloads, scaled to a 2-core CPU from the seed paper's (DESIGN.md):
 
-- ``rollouts``: prompts 32-1024 tokens, outputs 16-512 tokens, both log-uniform (RL rollouts).
+- ``rollouts``: prompts 32-1024 tokens, outputs 16-512 tokens, both log-uniform (RL rollouts);
+  `ROLLOUTS_REQUESTS` requests (24 with prompts and outputs a quarter as long in quick mode).
+  RL rollout batches are large, and the count decides how full an expert GEMM can be: a
+  decode step carries one token per running sequence, so 128 requests cap experts at 16 rows
+  (top-8 of 64) however the executor batches, and the log-uniform tail leaves a few sequences
+  decoding alone for hundreds of steps at the end of any run.
 - ``extraction``: prompts 512-2048 tokens, outputs 16-64 tokens (document extraction).
 - ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (48 prompts and
   outputs 16-24 in quick mode) (test-time search).
@@ -47,9 +52,18 @@ def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     return [1] + [rng.randrange(5, vocab_size) for _ in range(length - 1)]
 
 
-def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload]:
+ROLLOUTS_REQUESTS = 2048
+QUICK_ROLLOUTS_REQUESTS = 24
+
+
+def make_workloads(
+    vocab_size: int, quick: bool, seed: int = 0, rollouts_requests: int | None = None
+) -> list[Workload]:
     """The three workloads; ``quick`` shrinks counts and lengths so that every mode of every
-    workload finishes in about a minute on 2 CPU cores."""
+    workload finishes in about a minute on 2 CPU cores. ``rollouts_requests`` overrides the
+    rollouts request count (`ROLLOUTS_REQUESTS`, `QUICK_ROLLOUTS_REQUESTS`)."""
+    if rollouts_requests is not None and rollouts_requests < 1:
+        raise ValueError(f"rollouts_requests must be >= 1, got {rollouts_requests}")
     rng = random.Random(seed)
     scale = 0.25 if quick else 1.0
 
@@ -57,7 +71,7 @@ def make_workloads(vocab_size: int, quick: bool, seed: int = 0) -> list[Workload
         return max(low, int(low * scale)), max(low, int(high * scale))
 
     out = []
-    num = 24 if quick else 128
+    num = rollouts_requests or (QUICK_ROLLOUTS_REQUESTS if quick else ROLLOUTS_REQUESTS)
     p_lo, p_hi = lengths(32, 1024)
     o_lo, o_hi = lengths(16, 512)
     out.append(
