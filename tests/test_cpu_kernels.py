@@ -100,3 +100,37 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
 def test_only_cpu_float32_is_served():
     assert not decode_kernel_available(torch.device("cpu"), torch.bfloat16)
     assert not decode_kernel_available(torch.device("meta"), torch.float32)
+
+
+@needs_compiler
+def test_kernel_checks_what_it_would_read():
+    q = torch.randn(2, 4, 8)
+    cache = torch.randn(3 * 4, 2, 8)  # 3 blocks of 4
+    tables = torch.tensor([[0, 1], [2, 10**9]])  # the second row's padding is never read
+    lens = torch.tensor([8, 3])
+    paged_decode_attention(q, cache, cache, tables, lens, 4, 1.0, None, torch.empty_like(q))
+    cases = [
+        (dict(kv_lens=torch.tensor([9, 3])), "kv_lens must be in \\[1, 8\\]"),
+        (dict(kv_lens=torch.tensor([0, 3])), "kv_lens must be in"),
+        (dict(block_tables=torch.tensor([[0, 3], [2, 0]])), "entries must be in \\[0, 3\\)"),
+        (dict(block_tables=torch.tensor([[0, -1], [2, 0]])), "entries must be in"),
+        (dict(q=q.double()), "q must be a float32 CPU tensor"),
+        (dict(k_cache=cache.transpose(0, 1)), "k_cache must be contiguous"),
+        (dict(kv_lens=lens.int()), "must be int64"),
+        (dict(block_tables=tables[:1]), "one row per query"),
+    ]
+    for change, message in cases:
+        args = dict(
+            q=q,
+            k_cache=cache,
+            v_cache=cache,
+            block_tables=tables,
+            kv_lens=lens,
+            block_size=4,
+            scale=1.0,
+            sliding_window=None,
+            out=torch.empty_like(q),
+        )
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention(**args)

@@ -67,17 +67,19 @@ def paged_decode_attention(
         out: ``[B, Hq, D]`` float32, contiguous: receives the result.
     Raises:
         RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
-        Hkv).
+        Hkv); ValueError (naming the argument) for a wrong dtype, a non-contiguous cache or
+        output, or a context or block id outside the cache: the kernel reads raw memory, so
+        these are checked first.
     """
     fn = _function()
     if fn is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
+    _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
-    assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -97,3 +99,37 @@ def paged_decode_attention(
     )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
+
+
+def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache "
+            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if block_tables.dtype != torch.int64 or kv_lens.dtype != torch.int64:
+        raise ValueError("block_tables and kv_lens must be int64")
+    if block_tables.shape[0] != q.shape[0] or kv_lens.shape != (q.shape[0],):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and kv_lens {tuple(kv_lens.shape)} "
+            f"must have one row per query ({q.shape[0]})"
+        )
+    if q.shape[0] == 0:
+        return
+    if kv_lens.min() < 1 or kv_lens.max() > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"kv_lens must be in [1, {block_tables.shape[1] * block_size}] (block_tables width "
+            f"x block_size), got [{int(kv_lens.min())}, {int(kv_lens.max())}]"
+        )
+    num_blocks = k_cache.shape[0] // block_size
+    # Only the entries a context reaches are read; padding past it may hold anything.
+    used = torch.arange(block_tables.shape[1]) < (kv_lens[:, None] + block_size - 1) // block_size
+    ids = block_tables[used]
+    if ids.numel() and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError(f"block_tables entries must be in [0, {num_blocks}) where read")

@@ -224,12 +224,14 @@ def paged_attention(
         out[rows] = od.reshape(b, -1, q.shape[-1])
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
-        qs = q[sl].transpose(0, 1)  # [Hq, n, D]
+        # 4-D [1, H, n, D] inputs: torch's CPU flash kernel takes only 4-D; 3-D inputs fall
+        # back to the math path (5.4 vs 22 ms for a 512-token chunk, 8 heads of 64, 2 cores).
+        qs = q[sl].transpose(0, 1)[None]  # [1, Hq, n, D]
         if span.is_first_chunk:
-            ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [Hkv, n, D]
+            ks, vs = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]  # [1, Hkv, n, D]
         else:
-            ks = k_cache.index_select(0, span.kv_slots).transpose(0, 1)  # [Hkv, L, D]
-            vs = v_cache.index_select(0, span.kv_slots).transpose(0, 1)
+            ks = k_cache.index_select(0, span.kv_slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            vs = v_cache.index_select(0, span.kv_slots).transpose(0, 1)[None]
         if span.is_first_chunk and sliding_window is None:
             os_ = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
@@ -239,7 +241,7 @@ def paged_attention(
             os_ = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
             )
-        out[sl] = os_.transpose(0, 1)
+        out[sl] = os_[0].transpose(0, 1)
     return out
 
 

@@ -206,15 +206,16 @@ class MLAAttention(nn.Module):
                 ctx_pe = rope_cache.index_select(0, span.kv_slots)  # [L, Dr]
             k, v = self._expand_kv(ctx_latent, ctx_pe)  # [L, N, Dq], [L, N, Dv]
             causal = span.is_first_chunk
+            # 4-D inputs: torch's CPU flash kernel takes only 4-D (see `paged_attention`).
             o = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1),  # [N, n, Dq]
-                k.transpose(0, 1),  # [N, L, Dq]
-                v.transpose(0, 1),  # [N, L, Dv]
+                q[sl].transpose(0, 1)[None],  # [1, N, n, Dq]
+                k.transpose(0, 1)[None],  # [1, N, L, Dq]
+                v.transpose(0, 1)[None],  # [1, N, L, Dv]
                 attn_mask=None if causal else span.mask(meta.positions[sl], None),
                 is_causal=causal,
                 scale=self.scale,
             )
-            out[sl] = o.transpose(0, 1)  # [n, N, Dv]
+            out[sl] = o[0].transpose(0, 1)  # [n, N, Dv]
         return self.o_proj(out.reshape(t, d.num_heads * d.v_head_dim))
 
     def _expand_kv(
