@@ -115,7 +115,7 @@ def test_kernel_checks_what_it_would_read():
         (dict(block_tables=torch.tensor([[0, 3], [2, 0]])), "entries must be in \\[0, 3\\)"),
         (dict(block_tables=torch.tensor([[0, -1], [2, 0]])), "entries must be in"),
         (dict(q=q.double()), "q must be a float32 CPU tensor"),
-        (dict(k_cache=cache.transpose(0, 1)), "k_cache must be contiguous"),
+        (dict(k_cache=torch.randn(12, 8, 2).transpose(1, 2)), "k_cache must be contiguous"),
         (dict(kv_lens=lens.int()), "must be int64"),
         (dict(block_tables=tables[:1]), "one row per query"),
     ]
@@ -134,3 +134,56 @@ def test_kernel_checks_what_it_would_read():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             paged_decode_attention(**args)
+
+
+@needs_compiler
+def test_loading_the_kernel_keeps_subnormals(tmp_path, monkeypatch):
+    """A shared library linked with -ffast-math turns on flush-to-zero in the thread that loads
+    it; the build links without it, so torch keeps IEEE subnormals after the kernel loads."""
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))  # a fresh build
+    assert cpu_build.load_library("paged_decode_attention") is not None
+    tiny = torch.tensor(1e-38) / 1e3  # 1e-41 is subnormal in float32
+    assert tiny.item() != 0.0
+
+
+@needs_compiler
+def test_kernel_rejects_wrong_ranks_and_windows():
+    q = torch.randn(2, 4, 8)
+    cache = torch.randn(12, 2, 8)
+    tables, lens = torch.tensor([[0, 1], [2, 0]]), torch.tensor([8, 3])
+    cases = [
+        (dict(block_tables=tables[:, :, None]), "block_tables must have 2 dimensions"),
+        (dict(q=q[0]), "q must have 3 dimensions"),
+        (dict(k_cache=cache[0]), "k_cache must have 3 dimensions"),
+        (dict(sliding_window=0), "sliding_window must be None or a positive int, got 0"),
+        (dict(block_size=5), "must be a multiple of block_size"),
+        (dict(block_size=4.0), "block_size must be a positive int"),
+    ]
+    for change, message in cases:
+        args = dict(
+            q=q,
+            k_cache=cache,
+            v_cache=cache,
+            block_tables=tables,
+            kv_lens=lens,
+            block_size=4,
+            scale=1.0,
+            sliding_window=None,
+            out=torch.empty_like(q),
+        )
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention(**args)
+
+
+@needs_compiler
+def test_kernel_turned_back_on_is_used_again(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert not decode_kernel_available(torch.device("cpu"), torch.float32)
+    with pytest.raises(RuntimeError, match="not available"):
+        q = torch.randn(1, 2, 4)
+        c = torch.randn(4, 2, 4)
+        paged_decode_attention(q, c, c, torch.tensor([[0]]), torch.tensor([1]), 4, 1.0, None, q)
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "1")
+    assert decode_kernel_available(torch.device("cpu"), torch.float32)

@@ -143,7 +143,11 @@ class ModelRunner:
         )
         kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         num_blocks = [-(-n // bs) for n in kv_lens]
-        for start, end in plan_decode_buckets(num_blocks, max_bucket_blocks=self.max_bucket_blocks):
+        if self.decode_in_place:  # the kernel reads each context in place: one bucket
+            plan = [(0, len(decodes))] if decodes else []
+        else:
+            plan = plan_decode_buckets(num_blocks, max_bucket_blocks=self.max_bucket_blocks)
+        for start, end in plan:
             width = num_blocks[end - 1]
             tables = [
                 s.seq.block_table[:n] + [0] * (width - n)

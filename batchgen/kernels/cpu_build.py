@@ -25,18 +25,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-CXX_FLAGS = [
-    "-O3",
-    "-march=native",
-    # Fast math lets GCC vectorize expf (glibc's libmvec) and the dot-product reductions; the
-    # kernels never produce or consume inf/NaN on valid input.
-    "-ffast-math",
-    "-fopenmp",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-]
+# Compile flags. Fast math lets GCC vectorize expf (glibc's libmvec) and the dot-product
+# reductions; the kernels never produce or consume inf/NaN on valid input. It is given to the
+# compile step only: linking a shared library with -ffast-math adds crtfastmath.o, which turns
+# on flush-to-zero for subnormals in the loading thread, changing every later torch op there.
+CXX_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-pthread", "-lm"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -65,7 +59,14 @@ def _build(source: Path, cxx: str) -> Path:
     text = source.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join([text, " ".join(CXX_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+        b"\0".join(
+            [
+                text,
+                " ".join(CXX_FLAGS + LINK_FLAGS).encode(),
+                version.encode(),
+                _cpu_flags().encode(),
+            ]
+        )
     ).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key}.so"
@@ -76,16 +77,17 @@ def _build(source: Path, cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run(
-            [cxx, *CXX_FLAGS, str(source), "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        obj = tmp + ".o"
+        for cmd in (
+            [cxx, *CXX_FLAGS, "-c", str(source), "-o", obj],
+            [cxx, obj, "-o", tmp, *LINK_FLAGS],
+        ):
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, tmp + ".o"):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

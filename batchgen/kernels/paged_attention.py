@@ -10,7 +10,6 @@ one layer's decode attention took 90 ms on the torch path and about 20 ms here.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -20,15 +19,22 @@ _SYMBOL = "batchgen_paged_decode_attention_f32"
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-@functools.cache
+_fn = None
+
+
 def _function():
-    lib = load_library("paged_decode_attention")
-    if lib is None:
-        return None
-    fn = getattr(lib, _SYMBOL)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-    return fn
+    """The configured kernel function, or None while it is unavailable (not cached then, so
+    turning ``BATCHGEN_CPU_KERNELS`` back on takes effect)."""
+    global _fn
+    if _fn is None:
+        lib = load_library("paged_decode_attention")
+        if lib is None:
+            return None
+        fn = getattr(lib, _SYMBOL)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+        _fn = fn
+    return _fn
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -71,12 +77,12 @@ def paged_decode_attention(
         output, or a context or block id outside the cache: the kernel reads raw memory, so
         these are checked first.
     """
-    fn = _function()
+    fn = _function() if kernels_enabled() else None
     if fn is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
+    _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
@@ -101,7 +107,19 @@ def paged_decode_attention(
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 
 
-def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out) -> None:
+def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window) -> None:
+    dims = (("q", q, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3), ("out", out, 3))
+    for name, t, want in (*dims, ("block_tables", block_tables, 2), ("kv_lens", kv_lens, 1)):
+        if t.dim() != want:
+            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if k_cache.shape[0] % block_size:
+        raise ValueError(
+            f"k_cache rows ({k_cache.shape[0]}) must be a multiple of block_size ({block_size})"
+        )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
