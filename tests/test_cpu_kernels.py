@@ -102,6 +102,26 @@ def test_only_cpu_float32_is_served():
     assert not decode_kernel_available(torch.device("meta"), torch.float32)
 
 
+def _expect_value_errors(q, cache, tables, lens, cases) -> None:
+    """Each ``(change, message)``: the valid call with ``change`` applied raises ValueError
+    matching ``message``."""
+    for change, message in cases:
+        args = dict(
+            q=q,
+            k_cache=cache,
+            v_cache=cache,
+            block_tables=tables,
+            kv_lens=lens,
+            block_size=4,
+            scale=1.0,
+            sliding_window=None,
+            out=torch.empty_like(q),
+        )
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            paged_decode_attention(**args)
+
+
 @needs_compiler
 def test_kernel_checks_what_it_would_read():
     q = torch.randn(2, 4, 8)
@@ -119,21 +139,7 @@ def test_kernel_checks_what_it_would_read():
         (dict(kv_lens=lens.int()), "must be int64"),
         (dict(block_tables=tables[:1]), "one row per query"),
     ]
-    for change, message in cases:
-        args = dict(
-            q=q,
-            k_cache=cache,
-            v_cache=cache,
-            block_tables=tables,
-            kv_lens=lens,
-            block_size=4,
-            scale=1.0,
-            sliding_window=None,
-            out=torch.empty_like(q),
-        )
-        args.update(change)
-        with pytest.raises(ValueError, match=message):
-            paged_decode_attention(**args)
+    _expect_value_errors(q, cache, tables, lens, cases)
 
 
 @needs_compiler
@@ -160,21 +166,7 @@ def test_kernel_rejects_wrong_ranks_and_windows():
         (dict(block_size=5), "must be a multiple of block_size"),
         (dict(block_size=4.0), "block_size must be a positive int"),
     ]
-    for change, message in cases:
-        args = dict(
-            q=q,
-            k_cache=cache,
-            v_cache=cache,
-            block_tables=tables,
-            kv_lens=lens,
-            block_size=4,
-            scale=1.0,
-            sliding_window=None,
-            out=torch.empty_like(q),
-        )
-        args.update(change)
-        with pytest.raises(ValueError, match=message):
-            paged_decode_attention(**args)
+    _expect_value_errors(q, cache, tables, lens, cases)
 
 
 @needs_compiler
