@@ -13,7 +13,7 @@ from batchgen.bench.workloads import make_workloads
 def test_workloads_follow_their_definitions():
     full = {w.name: w for w in make_workloads(512, quick=False)}
     assert set(full) == {"rollouts", "extraction", "search"}
-    assert len(full["rollouts"].requests) == 2048
+    assert len(full["rollouts"].requests) == 4096
     assert len(make_workloads(512, quick=False, rollouts_requests=7)[0].requests) == 7
     for r in full["rollouts"].requests:
         assert 32 <= len(r.prompt_token_ids) <= 1024 and 16 <= r.output_len <= 512

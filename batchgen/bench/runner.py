@@ -10,7 +10,7 @@ Modes:
 
 Only useful tokens count (each sample's requested output length); padding and over-generation
 do not. The two `transformers` modes run on a sample of each workload, its first requests
-(128 / 64 sequences, 64 / 16 with ``--quick``): their tokens/s is a rate, and 2,048 rollouts
+(128 / 64 sequences, 64 / 16 with ``--quick``): their tokens/s is a rate, and 4,096 rollouts
 would take `generate` over an hour (see `_hf_sample`). Greedy for ``n`` = 1, seeded sampling
 for the ``search`` workload's ``n`` = 16.
 """
@@ -78,12 +78,12 @@ BENCH_MODELS = {
     "deepseek_v3": ("bench-deepseek-v3-e64-top8-h512-l4-v1", BENCH_MODEL_DEEPSEEK_V3),
 }
 MAX_NUM_BATCHED_TOKENS = 512
-KV_CACHE_GB = 6.0  # the KV budget of both BatchGen modes
+KV_CACHE_GB = 8.0  # the KV budget of both BatchGen modes (4,096 rollouts need about 7.2 GB)
 QUICK_KV_CACHE_GB = 1.0
 # coalesce: the sequences that may run at once and the tokens of one step over all attention
-# micro-batches (16 of 512 tokens). lockstep runs at most MAX_NUM_BATCHED_TOKENS per step.
-MAX_ACTIVE_COROUTINES = 2048
-MAX_STEP_TOKENS = 16 * MAX_NUM_BATCHED_TOKENS
+# micro-batches (32 of 512 tokens). lockstep runs at most MAX_NUM_BATCHED_TOKENS per step.
+MAX_ACTIVE_COROUTINES = 4096
+MAX_STEP_TOKENS = 32 * MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass
@@ -345,7 +345,7 @@ def _hf_sample(workload: Workload, quick: bool, mode: str) -> Workload:
     sequences (128 for ``generate``: two static batches of 64, one with ``--quick``; 64 for
     ``generate_batch``, the slowest mode, 16 with ``--quick``) and report their rate: tokens/s
     on a sample of the same distribution is representative, and the whole workload would take
-    hours (2,048 rollouts at ~67 tokens/s)."""
+    hours (4,096 rollouts at ~67 tokens/s)."""
     limit = HF_SEQUENCES[mode][1 if quick else 0]
     taken, seqs = [], 0
     for r in workload.requests:
