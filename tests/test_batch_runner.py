@@ -187,6 +187,7 @@ def test_mixed_file_runs_every_good_line(tmp_path):
     }
     errors = [r["error"] for r in results if r["error"] is not None]
     assert sorted(e["line"] for e in errors) == [2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert by_id(results)["too-long"]["error"]["param"] == "prompt"
     assert all(e["message"].startswith(f"line {e['line']}: ") for e in errors)
     dup = next(r for r in results if r["error"] and r["error"]["code"] == "duplicate_custom_id")
     assert dup["custom_id"] == "ok-1" and "duplicate custom_id 'ok-1'" in dup["error"]["message"]

@@ -169,6 +169,8 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
     ]:
         assert needle in messages, needle
     assert len(errors) == 9
+    params = {r["custom_id"]: r["error"]["param"] for r in errors}
+    assert params["too-long"] == "prompt" and params["too-many-tokens"] == "max_tokens"
     chat = next(r for r in results if r["custom_id"] == "chat-ok")["response"]["body"]
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
     lp = next(r for r in results if r["custom_id"] == "ok-2")["response"]["body"]["choices"][0]

@@ -238,6 +238,7 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
     by_id = {r["custom_id"]: r["error"] for r in err}
     assert "does not match the batch's endpoint '/v1/completions'" in by_id["chat"]["message"]
     assert "did you mean 'max_tokens'" in by_id["typo"]["message"]
+    assert by_id["too-long"]["param"] == "prompt"
 
 
 def test_empty_input_file_fails_the_batch(server, sdk, tmp_path):

@@ -314,11 +314,13 @@ class LLMEngine:
             and params.max_tokens is not None
             and len(ids) + params.max_tokens > self.max_model_len
         ):
-            raise ValueError(
+            err = ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
                 f"max_tokens={params.max_tokens} for the completion); lower max_tokens"
             )
+            err.param = "max_tokens"  # the field to change (OpenAI error bodies' ``param``)
+            raise err
         request = Request(request_id, text, ids, params, self._arrivals)
         self._arrivals += 1
         for i in range(params.n):

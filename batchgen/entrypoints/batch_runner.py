@@ -37,6 +37,7 @@ from batchgen.entrypoints.openai_protocol import (
     error_line,
     error_line_from,
     parse_batch_line,
+    rejected_param,
     response_body,
     success_line,
 )
@@ -289,7 +290,12 @@ class _BatchRun:
             )
         except ValueError as err:
             message = f"line {request.line}: {err}"
-            self._fail(error_line(request.custom_id, INVALID_PROMPT, message, line=request.line))
+            param = rejected_param(api, err)
+            self._fail(
+                error_line(
+                    request.custom_id, INVALID_PROMPT, message, param=param, line=request.line
+                )
+            )
             return
         self.in_flight[request_id] = request
 

@@ -799,6 +799,13 @@ def error_line(
     }
 
 
+def rejected_param(request: ApiRequest, err: Exception) -> str:
+    """The ``param`` of the error line for a request the engine refused: the field the error
+    names (``max_tokens`` when prompt + max_tokens exceed the context), else the prompt's field
+    (``messages`` for chat, ``prompt`` for completions)."""
+    return getattr(err, "param", None) or ("messages" if request.is_chat else "prompt")
+
+
 def error_line_from(err: BatchLineError) -> dict[str, Any]:
     """The output line of a batch line that failed to parse."""
     return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)

@@ -44,6 +44,7 @@ from batchgen.entrypoints.openai_protocol import (
     error_line,
     error_line_from,
     parse_batch_line,
+    rejected_param,
     response_body,
     success_line,
 )
@@ -387,7 +388,10 @@ class EngineLoop:
             self.engine.add_request(request_id, prompt, api.sampling_params)
         except ValueError as err:
             message = f"line {pending.line}: {err}"
-            line = error_line(parsed.custom_id, INVALID_PROMPT, message, line=pending.line)
+            param = rejected_param(api, err)
+            line = error_line(
+                parsed.custom_id, INVALID_PROMPT, message, param=param, line=pending.line
+            )
             self._record_failure(pending.batch_id, pending.idx, line)
             return
         self._started.append((pending.batch_id, pending.idx))
