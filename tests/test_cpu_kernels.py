@@ -39,6 +39,8 @@ def _reference(q, k_seq, v_seq, scale, window):
         (4, 4, 32, 4, None, 1),  # multi-head (G = 1), one thread
         (6, 1, 16, 8, 7, 2),  # multi-query, sliding window shorter than most contexts
         (8, 2, 128, 16, 1, 3),  # window 1: only the token itself; more threads than needed
+        (4, 2, 12, 16, None, 2),  # head size not a multiple of 8: the generic (non-AVX2) loops
+        (8, 8, 8, 4, 5, 1),  # one __m256 per head; G = 1 with a window
     ],
 )
 def test_kernel_matches_softmax_attention(hq, hkv, d, block_size, window, threads, monkeypatch):

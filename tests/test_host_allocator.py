@@ -1,6 +1,11 @@
-"""The glibc allocator tuning is opt-out and never raises."""
+"""The glibc allocator tuning and the KV cache's huge-page advice are opt-out and never raise."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
 
 from batchgen.engine import host_allocator
 
@@ -17,3 +22,44 @@ def test_tuning_applies_once(monkeypatch):
     first = host_allocator.tune_glibc_malloc()
     assert host_allocator.tune_glibc_malloc() is False  # second call: nothing to do
     assert first in (True, False)  # False only off glibc
+
+
+def _smaps_huge_kb(start: int) -> int | None:
+    """AnonHugePages (kB) of the mapping holding address ``start``, from /proc/self/smaps."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_huge_pages_advise_whole_pages_inside_the_tensor(monkeypatch):
+    monkeypatch.delenv("BATCHGEN_HUGE_PAGES", raising=False)
+    page = host_allocator.HUGE_PAGE_BYTES
+    t = torch.empty(16 * page // 4, dtype=torch.float32)  # 16 huge pages' worth
+    advised = host_allocator.advise_huge_pages(t)
+    if sys.platform != "linux":
+        assert advised == 0
+        return
+    # 15 or 16 whole pages fit, depending on where the allocation starts
+    assert advised in (15 * page, 16 * page)
+    t.zero_()
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and "[never]" not in mode.read_text():
+        huge = _smaps_huge_kb(t.data_ptr() + page)
+        assert huge is None or huge > 0  # the kernel backed the advised range with huge pages
+
+
+def test_huge_pages_skip_small_tensors_and_can_be_disabled(monkeypatch):
+    monkeypatch.delenv("BATCHGEN_HUGE_PAGES", raising=False)
+    assert host_allocator.advise_huge_pages(torch.empty(1000)) == 0
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "0")
+    assert host_allocator.advise_huge_pages(torch.empty(16 << 20)) == 0

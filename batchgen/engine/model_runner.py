@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from batchgen.engine.host_allocator import advise_huge_pages
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.kernels.paged_attention import decode_kernel_available
 from batchgen.models.decoder import CausalLM, kv_cache_token_shapes
@@ -39,6 +40,16 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 CPU_DECODE_GATHER_BYTES = 16 << 20
 
 
+def _new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor; on CPU backed by transparent huge pages where the OS gives
+    them (`advise_huge_pages`: decode attention reads blocks scattered over the whole cache)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    cache = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(cache)
+    return cache.zero_()
+
+
 class ModelRunner:
     """Executes one engine step on the device.
 
@@ -62,7 +73,7 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         shapes = kv_cache_token_shapes(cfg)
         self.kv_caches = [
-            tuple(torch.zeros((num_slots, *s), dtype=dtype, device=device) for s in shapes)
+            tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
         # GQA caches on CPU in float32 go to the paged decode kernel, which reads the cache in

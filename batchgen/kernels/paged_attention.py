@@ -5,6 +5,13 @@ a padded ``[b, L, Hkv, D]`` copy and then runs SDPA over it: the context crosses
 times (read, write, read again). This kernel reads each key and value once, straight through
 the block table: on the bench model (512 sequences x 448 positions, 2 KV heads x 64, 2 cores)
 one layer's decode attention took 90 ms on the torch path and about 20 ms here.
+
+From memory the kernel is bandwidth-bound: this machine reads blocks of 8 KiB scattered over
+gigabytes at about 4.5 GB/s per core with two readers (a plain summing loop). One layer of
+2,048 sequences x 448 positions (1 KiB of K and V per position), medians of 8 alternating
+rounds in one process: generic loops 120 ms (7.6 GB/s), the AVX2 path 114 ms, and with the
+cache on transparent huge pages (`batchgen.engine.host_allocator.advise_huge_pages`) 104 ms
+and 95 ms (9.7 GB/s).
 """
 
 from __future__ import annotations
