@@ -63,3 +63,11 @@ def test_huge_pages_skip_small_tensors_and_can_be_disabled(monkeypatch):
     assert host_allocator.advise_huge_pages(torch.empty(1000)) == 0
     monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "0")
     assert host_allocator.advise_huge_pages(torch.empty(16 << 20)) == 0
+
+
+def test_huge_pages_refuse_what_is_not_one_dense_cpu_block():
+    big = torch.empty(4 << 20)
+    assert host_allocator.advise_huge_pages(big.to_sparse()) == 0  # no storage pointer
+    assert host_allocator.advise_huge_pages(torch.empty(2 << 20).expand(64, -1)) == 0  # stride 0
+    assert host_allocator.advise_huge_pages(big.view(2, -1).t()) == 0  # not contiguous
+    assert host_allocator.advise_huge_pages(5) == 0
