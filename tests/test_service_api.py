@@ -211,6 +211,7 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
         completion_line("too-long", "word " * 5000, max_tokens=2),
         "",
         completion_line("ok-2", "world", max_tokens=4, temperature=0.0),
+        completion_line("too-many-tokens", "hello", max_tokens=100000),
     ]
     file = _upload(sdk, tmp_path, "\n".join(lines) + "\n")
     batch = _wait(
@@ -220,8 +221,8 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
         ).id,
     )
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed) == (9, 2)
-    assert batch.request_counts.failed == 7
+    assert (batch.request_counts.total, batch.request_counts.completed) == (10, 2)
+    assert batch.request_counts.failed == 8
     out, err = _files(sdk, batch)
     assert [r["custom_id"] for r in out] == ["ok-1", "ok-2"]
     codes = {(r["custom_id"], r["error"]["line"]): r["error"]["code"] for r in err}
@@ -233,12 +234,15 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
         ("typo", 6): "unsupported_parameter",
         ("no-prompt", 7): "missing_required_parameter",
         ("too-long", 8): "invalid_prompt",
+        ("too-many-tokens", 11): "invalid_prompt",
     }
     assert all(r["response"] is None or r["response"]["status_code"] >= 400 for r in err)
     by_id = {r["custom_id"]: r["error"] for r in err}
     assert "does not match the batch's endpoint '/v1/completions'" in by_id["chat"]["message"]
     assert "did you mean 'max_tokens'" in by_id["typo"]["message"]
     assert by_id["too-long"]["param"] == "prompt"
+    # prompt + max_tokens beyond the context is refused, as the OpenAI API does
+    assert by_id["too-many-tokens"]["param"] == "max_tokens"
 
 
 def test_empty_input_file_fails_the_batch(server, sdk, tmp_path):

@@ -184,7 +184,7 @@ class FakeEngine:
     def apply_chat_template(self, messages):
         return [1, 2]
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, *, max_tokens_must_fit=False):
         if prompt == "bad":
             raise ValueError("bad prompt")
         self.added.append(prompt)

@@ -385,7 +385,9 @@ class EngineLoop:
         api = parsed.request
         try:
             prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
-            self.engine.add_request(request_id, prompt, api.sampling_params)
+            self.engine.add_request(
+                request_id, prompt, api.sampling_params, max_tokens_must_fit=True
+            )
         except ValueError as err:
             message = f"line {pending.line}: {err}"
             param = rejected_param(api, err)
@@ -404,7 +406,9 @@ class EngineLoop:
         api = request.api
         try:
             prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
-            self.engine.add_request(request.request_id, prompt, api.sampling_params)
+            self.engine.add_request(
+                request.request_id, prompt, api.sampling_params, max_tokens_must_fit=True
+            )
         except ValueError as err:
             self._emit_error(request, 400, str(err), INVALID_PROMPT)
             return
