@@ -53,6 +53,36 @@ inline void prefetch_row(const float* cache, const int64_t* table, int64_t p, in
   for (int64_t off = 0; off < row * 4; off += 64) __builtin_prefetch(r + off, 0, 0);
 }
 
+// Softmax of each query head's scores ``s[hq * stride + j]``, j < n, in place (unnormalised
+// exponentials), in float32; ``inv_sum[hq]`` receives 1 / their sum.
+inline void softmax_heads(float* scores, int64_t stride, int64_t n, int64_t hq_count,
+                          float* inv_sum) {
+  for (int64_t hq = 0; hq < hq_count; ++hq) {
+    float* s = scores + hq * stride;
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    inv_sum[hq] = 1.0f / sum;
+  }
+}
+
+// acc[hq] += w[hq * stride + j] * v[hq / G] for every query head: one cached value row.
+inline void add_value_row(float* acc, const float* w, int64_t stride, int64_t j, const float* v,
+                          int64_t hq_count, int64_t g_size, int64_t d) {
+  for (int64_t hq = 0; hq < hq_count; ++hq) {
+    const float wj = w[hq * stride + j];
+    const float* vh = v + (hq / g_size) * d;
+    float* o = acc + hq * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] += wj * vh[i];
+  }
+}
+
 void run_seqs_generic(const Args& a, int64_t seq_begin, int64_t seq_end) {
   const int64_t g_size = a.hq / a.hkv, row = a.hkv * a.d;
   std::vector<float> scores;  // [Hq, n]
@@ -85,32 +115,14 @@ void run_seqs_generic(const Args& a, int64_t seq_begin, int64_t seq_end) {
         scores[hq * n + j] = dot * a.scale;
       }
     }
-    // Softmax per query head, in float32.
-    for (int64_t hq = 0; hq < a.hq; ++hq) {
-      float* s = scores.data() + hq * n;
-      float m = s[0];
-      for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = std::exp(s[j] - m);
-        sum += s[j];
-      }
-      inv_sum[hq] = 1.0f / sum;
-    }
+    softmax_heads(scores.data(), n, n, a.hq, inv_sum.data());
     // Weighted sum of values.
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t p = start + j;
       const float* v = a.v_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
       prefetch_row(a.v_cache, table, p, len, a.block_size, row);
-      for (int64_t hq = 0; hq < a.hq; ++hq) {
-        const float w = scores[hq * n + j];
-        const float* vh = v + (hq / g_size) * a.d;
-        float* o = acc.data() + hq * a.d;
-#pragma omp simd
-        for (int64_t i = 0; i < a.d; ++i) o[i] += w * vh[i];
-      }
+      add_value_row(acc.data(), scores.data(), n, j, v, a.hq, g_size, a.d);
     }
     for (int64_t hq = 0; hq < a.hq; ++hq)
       for (int64_t i = 0; i < a.d; ++i) out[hq * a.d + i] = acc[hq * a.d + i] * inv_sum[hq];
@@ -187,33 +199,14 @@ void run_seqs_avx2(const Args& a, int64_t seq_begin, int64_t seq_end) {
         _mm256_storeu_ps(scores.data() + hq * n8 + j0, _mm256_mul_ps(hsum8(s), scale));
       }
     }
-    // Softmax per query head, in float32 (the padding past n is left out).
-    for (int64_t hq = 0; hq < a.hq; ++hq) {
-      float* s = scores.data() + hq * n8;
-      float m = s[0];
-      for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = std::exp(s[j] - m);
-        sum += s[j];
-      }
-      inv_sum[hq] = 1.0f / sum;
-    }
+    softmax_heads(scores.data(), n8, n, a.hq, inv_sum.data());  // the padding past n left out
     // Weighted sum of values, position by position (rows in order, which the hardware
     // prefetcher follows within a block), prefetching the row a block ahead.
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < n; ++j) {
       if (j + kValuePrefetch < n)
         for (int64_t off = 0; off < row; off += 16) __builtin_prefetch(v_rows[j + kValuePrefetch] + off, 0, 0);
-      const float* v = v_rows[j];
-      for (int64_t hq = 0; hq < a.hq; ++hq) {
-        const float w = scores[hq * n8 + j];
-        const float* vh = v + (hq / g_size) * d;
-        float* o = acc.data() + hq * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += w * vh[i];
-      }
+      add_value_row(acc.data(), scores.data(), n8, j, v_rows[j], a.hq, g_size, d);
     }
     for (int64_t hq = 0; hq < a.hq; ++hq)
       for (int64_t i = 0; i < d; ++i) out[hq * d + i] = acc[hq * d + i] * inv_sum[hq];
