@@ -238,6 +238,7 @@ def run_batchgen(
             "decode_only_tokens": m["decode_only_tokens"],
             "decode_only_seconds": m["decode_only_seconds"],
             "decode_only_mean_context": m["decode_only_mean_context"],
+            "decode_only_stage_time_share": m["decode_only_stage_time_share"],
             "shared_prefix_tokens": m["shared_prefix_tokens"],
             "prefill_tokens": m["prefill_tokens"],
         },
@@ -525,6 +526,16 @@ def format_table(record: dict) -> str:
                 f"{name:<11} {mode:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
                 f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
             )
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            extra = w.get(mode, {}).get("extra", {})
+            if extra.get("decode_only_seconds"):
+                shares = extra.get("decode_only_stage_time_share", {})
+                stages = ", ".join(f"{k} {v:.2f}" for k, v in shares.items() if v >= 0.005)
+                lines.append(
+                    f"decode-only {name}/{mode}: {extra['decode_only_tokens']} tokens in "
+                    f"{extra['decode_only_seconds']:.1f} s (stage shares: {stages})"
+                )
     for name, w in record["workloads"].items():
         for mode in MODES:
             top = w.get(mode, {}).get("extra", {}).get("profile_top_ops")

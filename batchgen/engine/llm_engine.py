@@ -390,6 +390,7 @@ class LLMEngine:
             return []
         m = self.metrics
         t0 = time.perf_counter()
+        stage_before = dict(m.stage_seconds)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
@@ -427,6 +428,8 @@ class LLMEngine:
             m.decode_only_tokens += len(sched.scheduled)
             m.decode_only_seconds += elapsed
             m.decode_only_context_tokens += context
+            for stage, seconds in m.stage_seconds.items():
+                m.decode_only_stage_seconds[stage] += seconds - stage_before.get(stage, 0.0)
         m.num_steps += 1
         m.busy_seconds += elapsed
         m.generated_tokens += len(sampling)

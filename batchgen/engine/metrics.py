@@ -67,6 +67,7 @@ class EngineMetrics:
     decode_only_tokens: int = 0
     decode_only_seconds: float = 0.0
     decode_only_context_tokens: int = 0  # sum of the decoded tokens' context lengths
+    decode_only_stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     shared_prefix_tokens: int = 0  # prompt positions taken from a sibling sample's KV blocks
     started_at: float = field(default_factory=time.perf_counter)
 
@@ -85,12 +86,17 @@ class EngineMetrics:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(rss if sys.platform == "darwin" else rss * 1024)
 
+    @staticmethod
+    def _shares(stage_seconds: dict[str, float], total: float) -> dict[str, float]:
+        """Each stage's share of ``total`` seconds; the unstaged rest is Python overhead."""
+        total = total or 1e-12
+        shares = {k: stage_seconds.get(k, 0.0) / total for k in STAGES}
+        shares["python_overhead"] = max(0.0, total - sum(stage_seconds.values())) / total
+        return shares
+
     def snapshot(self, device: torch.device) -> dict:
         """Throughput (tokens/s over busy time), expert GEMM stats, stage time shares."""
         busy = self.busy_seconds or 1e-12
-        staged = sum(self.stage_seconds.values())
-        shares = {k: self.stage_seconds.get(k, 0.0) / busy for k in STAGES}
-        shares["python_overhead"] = max(0.0, busy - staged) / busy
         processed = self.prefill_tokens + self.decode_tokens
         return {
             "num_steps": self.num_steps,
@@ -109,11 +115,14 @@ class EngineMetrics:
                 if self.decode_only_tokens
                 else 0.0
             ),
+            "decode_only_stage_time_share": self._shares(
+                self.decode_only_stage_seconds, self.decode_only_seconds
+            ),
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "num_expert_gemms": self.expert.num_gemms,
             "mean_rows_per_expert_gemm": self.expert.mean_rows_per_gemm,
             "tile_size": self.tile_size,
             "tile_density": self.expert.tile_density,
-            "stage_time_share": shares,
+            "stage_time_share": self._shares(self.stage_seconds, self.busy_seconds),
             "peak_memory_bytes": self.peak_memory_bytes(device),
         }

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels.fused_moe import fused_moe_available, fused_moe_silu, pack_expert_weights
 from batchgen.models.layers.mlp import GatedMLP, get_activation
 from batchgen.models.model_config import RouterConfig
 
@@ -287,6 +288,7 @@ class SparseMoeBlock(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
         self.stats = None  # the engine injects its `ExpertGemmStats` here
+        self._packed = None  # (key, w13 packed, w2 packed) for the CPU kernel, built on first use
         self.shared_experts = (
             GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
             if shared_intermediate_size
@@ -307,12 +309,29 @@ class SparseMoeBlock(nn.Module):
         bias = getattr(self.gate, "e_score_correction_bias", None)
         return select_experts(router_logits, self.top_k, self.router, bias)
 
+    def packed_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pack_expert_weights` of ``w13_weight`` and ``w2_weight`` for the CPU kernel: built
+        on first use and again whenever either weight is replaced or changed in place (keyed
+        on storage and version counter). Costs a second copy of the expert weights in memory."""
+        w13, w2 = self.w13_weight, self.w2_weight
+        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        if self._packed is None or self._packed[0] != key:
+            with torch.no_grad():
+                self._packed = (key, pack_expert_weights(w13), pack_expert_weights(w2))
+        return self._packed[1], self._packed[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
-        # Chosen by measurement on CPU (see `fused_experts_per_expert`); CUDA keeps the
-        # reference until it is measured there.
+        # Chosen by measurement on CPU (see `batchgen.kernels.fused_moe` and
+        # `fused_experts_per_expert`); CUDA keeps the reference until it is measured there.
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
-        if x.device.type == "cpu":
+        if fused_moe_available(x, self.w13_weight, self.w2_weight, self.act):
+            order, counts = sort_by_expert(topk_ids, self.num_experts)
+            if self.stats is not None:
+                self.stats.record(counts)
+            w13_packed, w2_packed = self.packed_expert_weights()
+            out = fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
+        elif x.device.type == "cpu":
             workers = cpu_expert_workers(x.shape[0], self.top_k, self.num_experts)
             out = fused_experts_per_expert(*args, num_workers=workers)
         else:

@@ -1,0 +1,136 @@
+"""The CPU fused MoE kernel (`batchgen.kernels.fused_moe`) against the plain torch experts
+(`fused_experts_reference`), its batch invariance, when it is (not) used, and its weight cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import fused_moe as fm
+from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference, sort_by_expert
+from batchgen.models.model_config import RouterConfig
+
+needs_kernel = pytest.mark.skipif(
+    not fm.fused_moe_available(
+        torch.zeros(1, 16), torch.zeros(1, 16, 16), torch.zeros(1, 16, 8), F.silu
+    ),
+    reason="the fused MoE kernel is not built here (no compiler or no AVX2/FMA)",
+)
+
+
+def _routing(num_tokens, num_experts, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _weights(num_experts, hidden, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    return w13, w2
+
+
+def _kernel(x, w13, w2, topk_weights, topk_ids):
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    return fm.fused_moe_silu(
+        x, fm.pack_expert_weights(w13), fm.pack_expert_weights(w2), topk_weights, order, counts
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,hidden,inter",
+    [
+        (1, 4, 2, 16, 8),  # one decode token
+        (5, 8, 3, 32, 24),  # 2I = 48: three panels; rows not a multiple of 6
+        (37, 4, 1, 48, 16),  # top-1
+        (300, 4, 2, 64, 32),  # ~150 rows per expert: two row chunks of the kernel
+        (64, 64, 8, 512, 256),  # the bench model's shapes
+    ],
+)
+def test_kernel_matches_reference_experts(num_tokens, num_experts, top_k, hidden, inter):
+    w13, w2 = _weights(num_experts, hidden, inter, seed=1)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = _routing(num_tokens, num_experts, top_k, seed=3)
+    got = _kernel(x, w13, w2, topk_weights, topk_ids)
+    want = fused_experts_reference(
+        x.double(), w13.double(), w2.double(), topk_weights.double(), topk_ids
+    ).float()
+    assert got.shape == (num_tokens, hidden) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_output_of_a_token_does_not_depend_on_the_batch():
+    """A token's result is bit-identical alone and among 200 others (lockstep and coalesce put
+    different tokens in one MoE call)."""
+    w13, w2 = _weights(8, 32, 16, seed=4)
+    x = torch.randn(201, 32, generator=torch.Generator().manual_seed(5))
+    topk_weights, topk_ids = _routing(201, 8, 2, seed=6)
+    batch = _kernel(x, w13, w2, topk_weights, topk_ids)
+    for t in (0, 77, 200):
+        alone = _kernel(x[t : t + 1], w13, w2, topk_weights[t : t + 1], topk_ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
+
+
+@needs_kernel
+def test_no_tokens_gives_an_empty_result():
+    w13, w2 = _weights(4, 16, 8, seed=7)
+    out = _kernel(
+        torch.zeros(0, 16), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int64)
+    )
+    assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize(
+    "x_dtype,hidden,inter,act,device",
+    [
+        (torch.bfloat16, 32, 16, F.silu, "cpu"),  # only float32
+        (torch.float32, 24, 16, F.silu, "cpu"),  # H not a multiple of 16
+        (torch.float32, 32, 12, F.silu, "cpu"),  # 2I = 24 not a multiple of 16
+        (torch.float32, 32, 16, F.gelu, "cpu"),  # only SiLU
+        (torch.float32, 32, 16, F.silu, "meta"),  # only CPU
+    ],
+)
+def test_kernel_declines_what_it_does_not_serve(x_dtype, hidden, inter, act, device):
+    x = torch.zeros(1, hidden, dtype=x_dtype, device=device)
+    w13 = torch.zeros(4, 2 * inter, hidden, device=device)
+    w2 = torch.zeros(4, hidden, inter, device=device)
+    assert not fm.fused_moe_available(x, w13, w2, act)
+
+
+def test_kernels_off_by_env_use_the_torch_path(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert not fm.fused_moe_available(
+        torch.zeros(1, 16), torch.zeros(1, 16, 16), torch.zeros(1, 16, 8), F.silu
+    )
+
+
+def test_pack_rejects_rows_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match="multiple of 16, got 24"):
+        fm.pack_expert_weights(torch.zeros(2, 24, 16))
+
+
+@needs_kernel
+def test_layer_repacks_after_its_weights_change():
+    torch.manual_seed(8)
+    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(9, 32)
+    topk_weights, topk_ids = layer.route(x)
+    args = (layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x), fused_experts_reference(x, *args), rtol=1e-5, atol=1e-5
+        )
+        packed = layer.packed_expert_weights()
+        assert layer.packed_expert_weights()[0] is packed[0]  # cached
+        layer.w2_weight.mul_(-2.0)  # in place: a new version
+        torch.testing.assert_close(
+            layer(x), fused_experts_reference(x, *args), rtol=1e-5, atol=1e-5
+        )
+        assert layer.packed_expert_weights()[0] is not packed[0]
