@@ -134,3 +134,32 @@ def test_layer_repacks_after_its_weights_change():
             layer(x), fused_experts_reference(x, *args), rtol=1e-5, atol=1e-5
         )
         assert layer.packed_expert_weights()[0] is not packed[0]
+
+
+@needs_kernel
+def test_layer_built_in_inference_mode_runs_the_kernel():
+    """Inference-mode tensors keep no version counter; the packed-weight cache still works."""
+    with torch.inference_mode():
+        layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
+        for p in layer.parameters():
+            p.normal_(std=0.2)
+        x = torch.randn(5, 32)
+        topk_weights, topk_ids = layer.route(x)
+        want = fused_experts_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_workspace_is_reused_and_grown(monkeypatch):
+    monkeypatch.setattr(fm, "_workspace_buffer", None)
+    w13, w2 = _weights(4, 16, 8, seed=9)
+    small = _routing(3, 4, 2, seed=10)
+    big = _routing(50, 4, 2, seed=11)
+    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(12))
+    a = _kernel(x[:3], w13, w2, *small)
+    buffer = fm._workspace_buffer
+    b = _kernel(x, w13, w2, *big)  # grows the buffer
+    assert fm._workspace_buffer.numel() >= 50 * 2 * 16 and fm._workspace_buffer is not buffer
+    again = _kernel(x[:3], w13, w2, *small)  # reuses the grown buffer, same result
+    assert torch.equal(a, again) and b.shape == (50, 16)

@@ -253,6 +253,14 @@ def cpu_expert_workers(num_tokens: int, top_k: int, num_experts: int) -> int:
     return max(1, torch.get_num_threads())
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference-mode tensor (which keeps no version counter)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ optional shared expert), for every MoE family.
 
@@ -314,7 +322,7 @@ class SparseMoeBlock(nn.Module):
         on first use and again whenever either weight is replaced or changed in place (keyed
         on storage and version counter). Costs a second copy of the expert weights in memory."""
         w13, w2 = self.w13_weight, self.w2_weight
-        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        key = (w13.data_ptr(), _version(w13), w2.data_ptr(), _version(w2))
         if self._packed is None or self._packed[0] != key:
             with torch.no_grad():
                 self._packed = (key, pack_expert_weights(w13), pack_expert_weights(w2))
