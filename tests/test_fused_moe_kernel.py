@@ -163,3 +163,105 @@ def test_workspace_is_reused_and_grown(monkeypatch):
     assert fm._workspace_buffer.numel() >= 50 * 2 * 16 and fm._workspace_buffer is not buffer
     again = _kernel(x[:3], w13, w2, *small)  # reuses the grown buffer, same result
     assert torch.equal(a, again) and b.shape == (50, 16)
+
+
+@needs_kernel
+def test_silu_of_very_negative_gates_is_zero_not_nan():
+    """exp(-g) overflows below g = -88.7; fast math once turned 1 / (1 + inf) into NaN."""
+    hidden, inter = 16, 8
+    w13 = torch.zeros(1, 2 * inter, hidden)
+    w13[0, :inter, 0] = 1.0  # gate = x[:, 0]
+    w13[0, inter:, 1] = 1.0  # up = x[:, 1]
+    w2 = torch.ones(1, hidden, inter)
+    gates = torch.tensor([-3e38, -1e4, -100.0, -89.0, -88.0, -5.0, 0.0, 5.0, 80.0, 1e4])
+    x = torch.zeros(len(gates), hidden)
+    x[:, 0], x[:, 1] = gates, 1.0
+    ids = torch.zeros(len(gates), 1, dtype=torch.int64)
+    out = _kernel(x, w13, w2, torch.ones(len(gates), 1), ids)
+    want = inter * F.silu(gates.double())
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[:, 0].double(), want, rtol=1e-5, atol=1e-30)
+
+
+@needs_kernel
+def test_writes_through_data_need_invalidation():
+    """``param.data.copy_`` bumps no version counter: `invalidate_packed_weights` repacks."""
+    torch.manual_seed(13)
+    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        layer(x)
+        layer.w2_weight.data.copy_(torch.randn_like(layer.w2_weight))
+        layer.invalidate_packed_weights()
+        topk_weights, topk_ids = layer.route(x)
+        want = fused_experts_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_reloading_weights_after_a_run_uses_the_new_weights(checkpoint_dir):
+    """`load_weights` writes through ``.data`` and drops the packed cache: after loading
+    checkpoint B into an engine that ran A, greedy tokens are B's (a weight-sync loop)."""
+    from batchgen import LLM, SamplingParams
+    from batchgen.models.loader import checkpoint_files, load_weights
+
+    b = checkpoint_dir("qwen2_moe")
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    llm_b = LLM(str(b), **kw)
+    want = llm_b.generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(str(b), **kw)
+    model = llm.llm_engine.runner.model
+    torch.manual_seed(17)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.add_(torch.randn_like(p))  # another model, as a checkpoint A would be
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids != want  # packs A's experts
+    with torch.no_grad():
+        load_weights(model, checkpoint_files(b))
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+
+
+def test_autograd_takes_the_torch_path():
+    torch.manual_seed(14)
+    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    out = layer(torch.randn(5, 32))
+    assert out.requires_grad
+    out.square().sum().backward()
+    assert layer.w13_weight.grad is not None and layer.w13_weight.grad.abs().sum() > 0
+    assert layer.gate.weight.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("counts_short", "one entry per expert"),
+        ("counts_sum", "must both cover"),
+        ("x_hidden", "x must be"),
+        ("weights_rows", "topk_weights must be"),
+    ],
+)
+def test_kernel_arguments_are_checked(change, match):
+    w13, w2 = _weights(4, 16, 8, seed=15)
+    x = torch.randn(3, 16)
+    topk_weights, topk_ids = _routing(3, 4, 2, seed=16)
+    order, counts = sort_by_expert(topk_ids, 4)
+    args = dict(x=x, topk_weights=topk_weights, order=order, counts=counts)
+    if change == "counts_short":
+        args["counts"] = counts[:3]
+    elif change == "counts_sum":
+        args["counts"] = [c + 1 for c in counts]
+    elif change == "x_hidden":
+        args["x"] = torch.randn(3, 32)
+    else:
+        args["topk_weights"] = topk_weights[:2]
+    with pytest.raises(ValueError, match=match):
+        fm.fused_moe_silu(
+            w13_packed=fm.pack_expert_weights(w13), w2_packed=fm.pack_expert_weights(w2), **args
+        )

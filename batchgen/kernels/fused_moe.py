@@ -10,9 +10,15 @@ rounds each): 31.6 -> 10.5 ms per layer at 64 tokens, 68 -> 37 at 512, 88 -> 59 
 alone matches MKL from 128 rows per expert and beats it below (one core: 29 vs 13-15 GFLOP/s
 at 8 rows, 57 vs 51 at 64), where MKL packs the weight on every call.
 
-The result equals `batchgen.models.layers.moe.fused_experts_reference` up to float32 rounding
-(the same sums, in the same top-k order; the GEMM's k order and SiLU's ``exp`` differ from
-MKL's), and a token's output does not depend on the other tokens in the call.
+The result equals `batchgen.models.layers.moe.fused_experts_reference` up to float32 rounding:
+the same sums in the same top-k order, but each GEMM output is summed over k in one sequential
+chain (relative error against float64 measured up to 2e-6 at K = 4,096 and 3e-6 at 7,168, 2-7x
+MKL's blocked sums) and SiLU's ``exp`` is glibc's vector one (4.6 ULP worst case against
+torch's 2.3). A token's output does not depend on the other tokens in the call.
+
+Memory: the packed weights are a second copy of the expert weights, and the per-(token, slot)
+scratch (`_workspace`) keeps the size of the largest call (T x top-k x H floats) for the life of
+the process.
 """
 
 from __future__ import annotations
@@ -110,11 +116,13 @@ def fused_moe_silu(
     Returns:
         ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``.
     Raises:
+        ValueError: when the arguments' shapes disagree (named in the message).
         RuntimeError: when the kernel is unavailable or rejects the shapes.
     """
     fn = _function()
     if fn is None:
         raise RuntimeError("the fused MoE CPU kernel is not available")
+    _check(x, w13_packed, w2_packed, topk_weights, order, counts)
     num_tokens, hidden = x.shape
     num_experts, top_k = len(counts), topk_weights.shape[1]
     inter = w2_packed.shape[2]
@@ -147,3 +155,34 @@ def fused_moe_silu(
     if rc != 0:
         raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc})")
     return out
+
+
+def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> None:
+    """ValueError unless the arguments describe one layer consistently (the kernel trusts them:
+    a wrong count would read past the weights or leave stale rows in the workspace)."""
+    if w13_packed.dim() != 4 or w2_packed.dim() != 4:
+        raise ValueError("w13_packed and w2_packed must come from pack_expert_weights (4-D)")
+    num_experts, hidden, inter = w13_packed.shape[0], w13_packed.shape[2], w2_packed.shape[2]
+    if w2_packed.shape[0] != num_experts or w2_packed.shape[1] * PANEL != hidden:
+        raise ValueError(
+            f"w2_packed {tuple(w2_packed.shape)} does not match w13_packed "
+            f"{tuple(w13_packed.shape)}"
+        )
+    if w13_packed.shape[1] * PANEL != 2 * inter:
+        raise ValueError(f"w13_packed rows {w13_packed.shape[1] * PANEL} != 2 x {inter}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_weights must be [{x.shape[0]}, top_k], got {tuple(topk_weights.shape)}"
+        )
+    if len(counts) != num_experts:
+        raise ValueError(
+            f"counts must have one entry per expert ({num_experts}), got {len(counts)}"
+        )
+    rows = topk_weights.numel()
+    if order.numel() != rows or sum(counts) != rows or min(counts, default=0) < 0:
+        raise ValueError(
+            f"order ({order.numel()}) and counts (sum {sum(counts)}) must both cover the "
+            f"{rows} (token, slot) rows"
+        )

@@ -274,12 +274,16 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                 f"{tuple(dest.shape)} for parameter {target.param!r}"
             )
-        dest.copy_(tensor)
+        dest.copy_(tensor)  # through .data: no version bump, hence the invalidation below
         pieces = remaining[target.param]
         if target.piece == "all":
             pieces.clear()
         else:
             pieces.discard(target.piece)
+    for module in model.modules():  # caches derived from the weights (the CPU MoE kernel's)
+        invalidate = getattr(module, "invalidate_packed_weights", None)
+        if invalidate is not None:
+            invalidate()
     missing = sorted(n for n, pieces in remaining.items() if pieces)
     if unexpected or missing:
         parts = []

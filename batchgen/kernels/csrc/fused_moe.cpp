@@ -102,9 +102,13 @@ extern "C" int batchgen_fused_moe_silu_f32(const float* x, const float* w13p, co
   num_threads = std::max<int64_t>(1, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> a_buf(kRowChunk * h), g_buf(kRowChunk * i2), act(kRowChunk * inter);
-    std::vector<float> scale(kRowChunk);
-    std::vector<float*> g_rows(kRowChunk), y_rows(kRowChunk);
+    // Per-thread scratch kept across calls (OpenMP reuses its threads): no fresh pages per call.
+    thread_local std::vector<float> a_buf, g_buf, act;
+    thread_local std::vector<float> scale(kRowChunk);
+    thread_local std::vector<float*> g_rows(kRowChunk), y_rows(kRowChunk);
+    if (a_buf.size() < static_cast<size_t>(kRowChunk * h)) a_buf.resize(kRowChunk * h);
+    if (g_buf.size() < static_cast<size_t>(kRowChunk * i2)) g_buf.resize(kRowChunk * i2);
+    if (act.size() < static_cast<size_t>(kRowChunk * inter)) act.resize(kRowChunk * inter);
     for (int64_t r = 0; r < kRowChunk; ++r) g_rows[r] = g_buf.data() + r * i2;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < num_experts; ++e) {
@@ -129,7 +133,12 @@ extern "C" int batchgen_fused_moe_silu_f32(const float* x, const float* w13p, co
           const float* g = g_buf.data() + r * i2;
           float* o = act.data() + r * inter;
 #pragma omp simd
-          for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * g[inter + j];
+          for (int64_t j = 0; j < inter; ++j) {
+            // exp's argument capped below float overflow (exp(88) = 1.65e38): under fast math
+            // 1 / (1 + inf) is computed as rcp(inf) plus a Newton step, which gives NaN, not 0.
+            const float e = std::exp(std::min(-g[j], 88.0f));
+            o[j] = g[j] / (1.0f + e) * g[inter + j];
+          }
         }
         gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data());  // weighted [m, H]
       }

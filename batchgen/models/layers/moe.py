@@ -131,7 +131,7 @@ def fused_experts_reference(
     y_sorted.mul_(topk_weights.reshape(-1).index_select(0, order)[:, None])
     # Un-sort (a permutation, so a gather with the inverse order), then sum over the top-k.
     y = y_sorted.index_select(0, torch.argsort(order))  # [T*A, H] in (token, slot) order
-    return y.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [T, H]
+    return y.view(num_tokens, top_k, x.shape[1]).sum(dim=1).to(x.dtype)  # [T, H]
 
 
 # Expert-parallel across CPU cores: below this many rows per expert on average, each expert's
@@ -317,10 +317,17 @@ class SparseMoeBlock(nn.Module):
         bias = getattr(self.gate, "e_score_correction_bias", None)
         return select_experts(router_logits, self.top_k, self.router, bias)
 
+    def invalidate_packed_weights(self) -> None:
+        """Drop the CPU kernel's packed expert weights; the next CPU forward packs again.
+        Needed after writes the version counter does not see: through ``param.data`` or on
+        inference-mode tensors (`batchgen.models.loader.load_weights` calls it)."""
+        self._packed = None
+
     def packed_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`pack_expert_weights` of ``w13_weight`` and ``w2_weight`` for the CPU kernel: built
-        on first use and again whenever either weight is replaced or changed in place (keyed
-        on storage and version counter). Costs a second copy of the expert weights in memory."""
+        on first use and again when either weight is replaced or changed in place through
+        autograd-visible ops (keyed on storage and version counter); other writes need
+        `invalidate_packed_weights`. Costs a second copy of the expert weights in memory."""
         w13, w2 = self.w13_weight, self.w2_weight
         key = (w13.data_ptr(), _version(w13), w2.data_ptr(), _version(w2))
         if self._packed is None or self._packed[0] != key:
@@ -333,7 +340,10 @@ class SparseMoeBlock(nn.Module):
         # Chosen by measurement on CPU (see `batchgen.kernels.fused_moe` and
         # `fused_experts_per_expert`); CUDA keeps the reference until it is measured there.
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
-        if fused_moe_available(x, self.w13_weight, self.w2_weight, self.act):
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.w13_weight.requires_grad or self.w2_weight.requires_grad
+        )  # the kernel has no backward: autograd takes the torch path
+        if not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act):
             order, counts = sort_by_expert(topk_ids, self.num_experts)
             if self.stats is not None:
                 self.stats.record(counts)
