@@ -33,6 +33,15 @@ def _weights(num_experts, hidden, inter, seed):
     return w13, w2
 
 
+def _layer(seed):
+    """A small Mixtral-style `SparseMoeBlock` (H 32, I 16, 4 experts, top-2), random weights."""
+    torch.manual_seed(seed)
+    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
 def _kernel(x, w13, w2, topk_weights, topk_ids):
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     return fm.fused_moe_silu(
@@ -116,10 +125,7 @@ def test_pack_rejects_rows_not_a_multiple_of_16():
 
 @needs_kernel
 def test_layer_repacks_after_its_weights_change():
-    torch.manual_seed(8)
-    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    layer = _layer(seed=8)
     x = torch.randn(9, 32)
     topk_weights, topk_ids = layer.route(x)
     args = (layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
@@ -186,10 +192,7 @@ def test_silu_of_very_negative_gates_is_zero_not_nan():
 @needs_kernel
 def test_writes_through_data_need_invalidation():
     """``param.data.copy_`` bumps no version counter: `invalidate_packed_weights` repacks."""
-    torch.manual_seed(13)
-    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    layer = _layer(seed=13)
     x = torch.randn(6, 32)
     with torch.no_grad():
         layer(x)
@@ -226,10 +229,7 @@ def test_reloading_weights_after_a_run_uses_the_new_weights(checkpoint_dir):
 
 
 def test_autograd_takes_the_torch_path():
-    torch.manual_seed(14)
-    layer = SparseMoeBlock(32, 16, num_experts=4, top_k=2, router=RouterConfig())
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    layer = _layer(seed=14)
     out = layer(torch.randn(5, 32))
     assert out.requires_grad
     out.square().sum().backward()
