@@ -24,8 +24,8 @@ def test_tuning_applies_once(monkeypatch):
     assert first in (True, False)  # False only off glibc
 
 
-def _smaps_huge_kb(start: int) -> int | None:
-    """AnonHugePages (kB) of the mapping holding address ``start``, from /proc/self/smaps."""
+def _smaps_vm_flags(start: int) -> list[str] | None:
+    """VmFlags of the mapping holding address ``start``, from /proc/self/smaps."""
     try:
         lines = open("/proc/self/smaps").read().splitlines()
     except OSError:
@@ -36,8 +36,8 @@ def _smaps_huge_kb(start: int) -> int | None:
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= start < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
     return None
 
 
@@ -54,8 +54,11 @@ def test_huge_pages_advise_whole_pages_inside_the_tensor(monkeypatch):
     t.zero_()
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if mode.exists() and "[never]" not in mode.read_text():
-        huge = _smaps_huge_kb(t.data_ptr() + page)
-        assert huge is None or huge > 0  # the kernel backed the advised range with huge pages
+        # The advice took: the range is marked MADV_HUGEPAGE ("hg"). Whether the kernel then
+        # backs it with huge pages (AnonHugePages) depends on free, unfragmented memory: it
+        # did on an idle machine and did not once during a CI-like run, so it is not asserted.
+        flags = _smaps_vm_flags(t.data_ptr() + page)
+        assert flags is None or "hg" in flags
 
 
 def test_huge_pages_skip_small_tensors_and_can_be_disabled(monkeypatch):
