@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,11 @@ from batchgen.entrypoints.batch_runner import (
     run_batch_file,
     truncate_partial_last_line,
 )
-from batchgen.entrypoints.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
+from batchgen.entrypoints.openai_protocol import (
+    CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
+    BlankLines,
+)
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -228,6 +233,45 @@ def test_success_bodies(tmp_path):
     assert (ok3["text"], ok3["finish_reason"]) == (REPLY, "stop")
 
 
+def test_blank_lines_between_requests_are_skipped_with_a_warning(tmp_path, caplog):
+    lines = ["", completion_line("a"), "", "  \t ", completion_line("b"), "", "   "]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.batch_runner"):
+        summary = run(FakeEngine(), src, tmp_path / "out.jsonl")
+    assert (summary.total, summary.succeeded, summary.failed) == (2, 2, 0)
+    assert summary.blank_lines == 3  # lines 1, 3, 4; the trailing lines 6 and 7 are not counted
+    assert sorted(r["custom_id"] for r in read_results(tmp_path / "out.jsonl")) == ["a", "b"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "skipped 3 blank lines (lines 1, 3, 4) between requests" in warnings[0]
+    assert "in.jsonl" in warnings[0]
+    assert "3 blank lines skipped" in summary.describe()
+
+
+@pytest.mark.parametrize("tail", ["\n", "\n\n", "\n  \n"])
+def test_a_trailing_newline_or_empty_last_line_is_silent(tmp_path, caplog, tail):
+    src = tmp_path / "in.jsonl"
+    src.write_text(completion_line("a") + "\n" + completion_line("b") + tail)
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.batch_runner"):
+        summary = run(FakeEngine(), src, tmp_path / "out.jsonl")
+    assert (summary.total, summary.succeeded, summary.blank_lines) == (2, 2, 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "blank" not in summary.describe()
+
+
+def test_blank_lines_listed_up_to_a_limit():
+    blank = BlankLines()
+    lines = ["x"] + [""] * 25 + ["x", ""]
+    assert [blank.skip(i, raw) for i, raw in enumerate(lines, start=1)] == [
+        False,
+        *[True] * 25,
+        False,
+        True,
+    ]
+    assert (blank.count, blank.lines) == (25, list(range(2, 22)))
+    assert blank.describe() == f"25 blank lines (lines {', '.join(map(str, range(2, 22)))}, ...)"
+
+
 def test_chat_goes_through_the_chat_template(tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [chat_line("c", content="Bonjour")])
     engine = FakeEngine()
@@ -421,7 +465,7 @@ def test_progress_bar_goes_to_stderr(tmp_path, capsys):
 
 
 def test_cli_run_with_a_fake_engine(tmp_path, monkeypatch, capsys):
-    src = write_lines(tmp_path / "in.jsonl", [completion_line("a"), "{bad"])
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a"), "", "{bad", ""])
     dst = tmp_path / "out.jsonl"
     given: dict = {}
 
@@ -435,7 +479,9 @@ def test_cli_run_with_a_fake_engine(tmp_path, monkeypatch, capsys):
     assert given == {"max_num_seqs": 8, "dtype": "float32", "kv_cache_memory_gb": 0.5}
     assert len(read_results(dst)) == 2
     err = capsys.readouterr().err
-    assert "1 ok, 1 failed of 2 requests" in err and "generated tokens/s" in err
+    assert "1 ok, 1 failed of 2 requests; 1 blank line skipped; " in err
+    assert "generated tokens/s" in err
+    assert "in.jsonl: skipped 1 blank line (line 2) between requests" in err
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ SQLite store on tmp, a fake engine that finishes each request after a fixed numb
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -144,6 +145,27 @@ def test_validation_rows_and_batch_level_failures(tmp_path):
     failed = store.get_batch(deleted["id"])
     assert failed["status"] == st.FAILED
     assert json.loads(failed["errors"])["data"][0]["code"] == "invalid_input_file"
+
+
+def test_validation_warns_about_blank_lines_between_requests(tmp_path, caplog):
+    store = st.Store(tmp_path)
+    text = "\n".join(["", _line("a"), " ", "", _line("b"), "", ""])
+    batch = _batch(store, text)
+    with caplog.at_level(logging.WARNING, logger="batchgen.service.jobs"):
+        _validate(store, batch["id"])
+    row = store.get_batch(batch["id"])
+    assert (row["total"], row["failed"]) == (2, 0)
+    assert [p.line for p in store.pending_requests(row["id"], -1, 9)] == [2, 5]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and batch["id"] in warnings[0]
+    assert "skipped 3 blank lines (lines 1, 3, 4) between requests" in warnings[0]
+
+    caplog.clear()
+    trailing = _batch(store, _line("c") + "\n\n")  # an empty last line: no warning
+    with caplog.at_level(logging.WARNING, logger="batchgen.service.jobs"):
+        _validate(store, trailing["id"])
+    assert store.get_batch(trailing["id"])["total"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 # ---------------------------------------------------------------------------------------------

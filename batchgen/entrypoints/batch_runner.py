@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from batchgen.entrypoints.openai_protocol import (
     REQUEST_FAILED,
     BatchLineError,
     BatchRequest,
+    BlankLines,
     dumps_line,
     error_line,
     error_line_from,
@@ -42,6 +44,8 @@ from batchgen.entrypoints.openai_protocol import (
     success_line,
 )
 from batchgen.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 # Results are flushed to the OS after every engine step; fsync'ed at most this often and at the
 # end (flush alone survives a killed process; fsync also survives a machine crash).
@@ -60,6 +64,8 @@ class BatchRunSummary:
         total: non-blank input lines seen.
         succeeded / failed: result lines written by this run (success / error).
         skipped: lines skipped because the output already held their result (``resume``).
+        blank_lines: blank lines between request lines, skipped (blank lines after the last
+            request line are not counted).
         prompt_tokens / generated_tokens: over the requests that succeeded in this run
             (generated tokens summed over all ``n`` samples).
         elapsed_s: wall-clock seconds of the run (after counting lines and reading the old
@@ -70,6 +76,7 @@ class BatchRunSummary:
     succeeded: int = 0
     failed: int = 0
     skipped: int = 0
+    blank_lines: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     elapsed_s: float = 0.0
@@ -81,8 +88,13 @@ class BatchRunSummary:
     def describe(self) -> str:
         """One human-readable line."""
         skipped = f", {self.skipped} skipped (already done)" if self.skipped else ""
+        blank = ""
+        if self.blank_lines:
+            noun = "line" if self.blank_lines == 1 else "lines"
+            blank = f"; {self.blank_lines} blank {noun} skipped"
         return (
-            f"{self.succeeded} ok, {self.failed} failed{skipped} of {self.total} requests; "
+            f"{self.succeeded} ok, {self.failed} failed{skipped} of {self.total} requests"
+            f"{blank}; "
             f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
             f"{self.elapsed_s:.1f} s ({self.generated_tokens_per_s:.1f} generated tokens/s)"
         )
@@ -220,6 +232,7 @@ class _BatchRun:
         self.summary = BatchRunSummary()
         self.in_flight: dict[str, BatchRequest] = {}  # engine request id -> request
         self.seen_ids: set[str] = set()
+        self.blank = BlankLines()
         self._start = time.perf_counter()
 
     def run(self, lines: Iterator[tuple[int, bytes]]) -> BatchRunSummary:
@@ -230,6 +243,7 @@ class _BatchRun:
             raise
         finally:
             self.summary.elapsed_s = time.perf_counter() - self._start
+            self.summary.blank_lines = self.blank.count
         return self.summary
 
     def _loop(self, lines: Iterator[tuple[int, bytes]]) -> None:
@@ -248,7 +262,7 @@ class _BatchRun:
 
     def _admit(self, line: int, raw: bytes) -> None:
         """Parse one input line and add it to the engine, or record why not."""
-        if not raw.strip():
+        if self.blank.skip(line, raw):
             return
         self.summary.total += 1
         if line in self.resume.done_lines:
@@ -371,7 +385,7 @@ def run_batch_file(
         engine: an `LLMEngine` (``add_request``, ``apply_chat_template``, ``step``,
             ``has_unfinished_requests``, ``abort_request``, ``tokenizer``, ``model_name``).
         input_path: JSONL input, one request per line (see `parse_batch_line`); blank lines are
-            ignored.
+            skipped, with a warning naming those before the last request line.
         output_path: JSONL output, written in completion order (not input order); match lines
             by ``custom_id``. Overwritten unless ``resume``.
         resume: keep the results already in ``output_path`` (cutting a half-written last line),
@@ -410,10 +424,15 @@ def run_batch_file(
         tqdm(total=total, unit="req", disable=not progress, file=sys.stderr) as bar,
     ):
         writer = _ResultWriter(sink)
+        batch_run = _BatchRun(engine, writer, state, max_in_flight, bar)
         try:
-            summary = _BatchRun(engine, writer, state, max_in_flight, bar).run(
-                enumerate(source, start=1)
-            )
+            summary = batch_run.run(enumerate(source, start=1))
         finally:
             writer.flush(fsync=True)
+    if batch_run.blank.count:
+        logger.warning(
+            "%s: skipped %s between requests (a batch file holds one request per line)",
+            input_path,
+            batch_run.blank.describe(),
+        )
     return summary

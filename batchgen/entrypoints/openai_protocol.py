@@ -480,6 +480,49 @@ def _flatten_content(content: Any, where: str) -> str:
 # Batch input lines
 
 
+class BlankLines:
+    """Counts the blank (empty or whitespace-only) lines inside a batch input file.
+
+    Blank lines are skipped, but one between requests is worth telling the user about (a
+    damaged or badly concatenated file). Blank lines after the last request line (a trailing
+    newline, an empty final line) are normal and never counted: a blank line counts only once a
+    request line follows it. Feed every line in order to `skip`.
+
+    Attributes:
+        count: blank lines seen before the last request line so far.
+        lines: their 1-based line numbers, the first `MAX_LISTED` of them.
+    """
+
+    MAX_LISTED = 20
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lines: list[int] = []
+        self._pending_count = 0  # blank lines since the last request line
+        self._pending: list[int] = []
+
+    def skip(self, line: int, raw: str | bytes) -> bool:
+        """True when ``raw`` (line number ``line``) is blank and must be skipped."""
+        if raw.strip():
+            room = self.MAX_LISTED - len(self.lines)
+            self.lines.extend(self._pending[:room])
+            self.count += self._pending_count
+            self._pending_count = 0
+            self._pending.clear()
+            return False
+        self._pending_count += 1
+        if len(self._pending) < self.MAX_LISTED:
+            self._pending.append(line)
+        return True
+
+    def describe(self) -> str:
+        """E.g. ``"2 blank lines (lines 3, 7)"``; the list ends with ``...`` when cut."""
+        more = ", ..." if self.count > len(self.lines) else ""
+        listed = ", ".join(map(str, self.lines))
+        noun = "line" if self.count == 1 else "lines"
+        return f"{self.count} blank {noun} ({noun} {listed}{more})"
+
+
 def _strict_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 

@@ -2,7 +2,8 @@
 finalizing a batch into its output and error files. One background thread, one job at a time.
 
 Validation reads the input file line by line (never whole) and stores one row per non-blank
-line: a ``pending`` request, or, for a line that cannot run, its error line right away. Per-line
+line: a ``pending`` request, or, for a line that cannot run, its error line right away (blank
+lines between requests are skipped with a warning naming them; trailing ones silently). Per-line
 errors are `batchgen run`'s (invalid JSON, missing custom_id, unknown url, bad fields,
 ``stream: true``...) plus two batch-level ones: a duplicate ``custom_id`` (the first occurrence
 runs, later ones get ``duplicate_custom_id``) and a ``url`` other than the batch's ``endpoint``
@@ -29,6 +30,7 @@ from batchgen.entrypoints.openai_protocol import (
     DUPLICATE_CUSTOM_ID,
     INVALID_URL,
     BatchLineError,
+    BlankLines,
     dumps_line,
     error_line,
     error_line_from,
@@ -182,11 +184,12 @@ class JobWorker:
 
     def _insert_rows(self, batch_id: str, file_id: str, endpoint: str) -> int:
         validator = _LineValidator(endpoint)
+        blank = BlankLines()
         rows: list[st.InputRow] = []
         idx = 0
         with open(self.store.blob_path(file_id), "rb") as f:
             for line, raw in enumerate(f, start=1):
-                if not raw.strip():
+                if blank.skip(line, raw):
                     continue
                 rows.append(validator.row(idx, line, raw))
                 idx += 1
@@ -195,6 +198,13 @@ class JobWorker:
                     rows = []
         if rows:
             self.store.insert_requests(batch_id, rows)
+        if blank.count:
+            logger.warning(
+                "batch %s: input file %s: skipped %s between requests",
+                batch_id,
+                file_id,
+                blank.describe(),
+            )
         return idx
 
     def _fail(
