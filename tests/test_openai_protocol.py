@@ -288,6 +288,26 @@ def test_unparseable_lines(raw, words):
     assert str(err).startswith("line 7: ") and words in str(err)
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        # the newline ends the line, it is not a second line of JSON
+        (b'{"custom_id": "a" "url": 1}\n', "not valid JSON at column 19: Expecting ',' delimiter"),
+        (b'{"prompt": "x"\n', "not valid JSON at column 15: Expecting ',' delimiter"),
+        (b"{not json\r\n", "not valid JSON at column 2: Expecting property name enclosed in"),
+        ('{"prompt": "\u00e9\u00e9" 1}\n', "not valid JSON at column 17: Expecting ','"),
+        ('\ufeff{"a" 1}\n', "not valid JSON at column 6: Expecting ':' delimiter"),
+        (b'{"a": 1} {"b": 2}\n', "not valid JSON at column 10: Extra data"),
+        (b'{"prompt": NaN}\n', "not valid JSON: NaN is not a JSON value"),
+    ],
+)
+def test_invalid_json_names_the_line_and_the_column_in_it(raw, message):
+    err = line_error(raw, line=8)
+    assert (err.code, err.param, err.line) == (INVALID_JSON_LINE, None, 8)
+    assert str(err).startswith(f"line 8: {message}")
+    assert "line 2" not in str(err) and "(char" not in str(err)
+
+
 def test_envelope_errors():
     missing = line_error(json.dumps({"url": COMPLETIONS_URL, "body": completion()}))
     assert missing.custom_id is None and missing.code == MISSING_REQUIRED_PARAMETER

@@ -524,7 +524,7 @@ class BlankLines:
 
 
 def _strict_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
@@ -546,14 +546,25 @@ def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
     """
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        obj = json.loads(text.lstrip("\ufeff"), parse_constant=_strict_constant)
+        # Without its newline, json's error position is a position in this line.
+        text = text.lstrip("\ufeff").rstrip("\r\n")
+        obj = json.loads(text, parse_constant=_strict_constant)
     except UnicodeDecodeError:
         raise BatchLineError(
             "not valid UTF-8", line=line, custom_id=None, code=INVALID_JSON_LINE
         ) from None
-    except ValueError as err:
+    except json.JSONDecodeError as err:
+        # err.pos: 0-based character offset in the line (a column past the end: the line ended
+        # too early).
         raise BatchLineError(
-            f"not valid JSON ({err})", line=line, custom_id=None, code=INVALID_JSON_LINE
+            f"not valid JSON at column {err.pos + 1}: {err.msg}",
+            line=line,
+            custom_id=None,
+            code=INVALID_JSON_LINE,
+        ) from None
+    except ValueError as err:  # NaN / Infinity (`_strict_constant`)
+        raise BatchLineError(
+            f"not valid JSON: {err}", line=line, custom_id=None, code=INVALID_JSON_LINE
         ) from None
     if not isinstance(obj, dict):
         raise BatchLineError(
