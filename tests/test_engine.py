@@ -213,10 +213,11 @@ def test_engine_config_errors_name_the_field(field, value, message):
 
 def test_max_tokens_must_fit_on_the_openai_path(llm):
     engine = llm.llm_engine
-    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens") as info:
         engine.add_request(
             "too-big", "hello", SamplingParams(max_tokens=1000), max_tokens_must_fit=True
         )
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
     assert not engine.has_unfinished_requests()
     # Offline default: runs and stops at max_model_len.
     out = llm.generate(
@@ -224,3 +225,38 @@ def test_max_tokens_must_fit_on_the_openai_path(llm):
     )[0]
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 256
+
+
+def test_batch_file_errors_for_prompts_that_do_not_fit(llm, tmp_path):
+    """The engine's refusals become error lines with OpenAI's codes and the field to change."""
+    import json
+
+    from batchgen.entrypoints.batch_runner import run_batch_file
+
+    def line(custom_id, url, **body):
+        return json.dumps({"custom_id": custom_id, "url": url, "body": body})
+
+    chat = [{"role": "user", "content": "word " * 300}]
+    lines = [
+        line("long-prompt", "/v1/completions", prompt="word " * 300, max_tokens=2),
+        line("long-chat", "/v1/chat/completions", messages=chat, max_tokens=2),
+        line("big-max-tokens", "/v1/completions", prompt="hello", max_tokens=1000),
+        line("ok", "/v1/completions", prompt="hello", max_tokens=2),
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    run_batch_file(llm.llm_engine, src, out, progress=False)
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    errors = {
+        custom_id: (r["error"]["code"], r["error"]["param"])
+        for custom_id, r in results.items()
+        if r["error"] is not None
+    }
+    assert errors == {
+        "long-prompt": ("invalid_prompt", "prompt"),
+        "long-chat": ("invalid_prompt", "messages"),
+        "big-max-tokens": ("context_length_exceeded", "max_tokens"),
+    }
+    body = results["big-max-tokens"]["response"]["body"]["error"]
+    assert (body["type"], body["code"]) == ("invalid_request_error", "context_length_exceeded")

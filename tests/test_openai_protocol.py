@@ -24,6 +24,7 @@ from batchgen.entrypoints.openai_protocol import (
     error_line,
     parse_batch_line,
     parse_request_body,
+    rejected_error,
     success_line,
 )
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -455,3 +456,15 @@ def test_dumps_line_is_compact_utf8_and_survives_lone_surrogates():
     text = dumps_line({"t": "a\ud800"})
     text.encode("utf-8")
     assert json.loads(text) == {"t": "a\ud800"}
+
+
+def test_rejected_error_names_the_code_and_the_field_to_change():
+    completion = parse_request_body(COMPLETIONS_URL, {"prompt": "hi"})
+    messages = [{"role": "user", "content": "x"}]
+    chat = parse_request_body(CHAT_COMPLETIONS_URL, {"messages": messages})
+    too_long = ValueError("prompt has 300 tokens, which leaves no room to generate")
+    assert rejected_error(completion, too_long) == ("invalid_prompt", "prompt")
+    assert rejected_error(chat, too_long) == ("invalid_prompt", "messages")
+    does_not_fit = ValueError("this model's maximum context length is 256 tokens, but ...")
+    does_not_fit.param, does_not_fit.code = "max_tokens", "context_length_exceeded"
+    assert rejected_error(chat, does_not_fit) == ("context_length_exceeded", "max_tokens")

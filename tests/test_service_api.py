@@ -234,7 +234,7 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
         ("typo", 6): "unsupported_parameter",
         ("no-prompt", 7): "missing_required_parameter",
         ("too-long", 8): "invalid_prompt",
-        ("too-many-tokens", 11): "invalid_prompt",
+        ("too-many-tokens", 11): "context_length_exceeded",
     }
     assert all(r["response"] is None or r["response"]["status_code"] >= 400 for r in err)
     by_id = {r["custom_id"]: r["error"] for r in err}
@@ -405,7 +405,8 @@ def test_oversized_uploads_get_413(server, sdk, http, tmp_path):
         ("POST", "/v1/completions", {"json": {"max_tokens": 3}}, "prompt"),
         ("POST", "/v1/chat/completions", {"json": {"messages": "hi"}}, "messages"),
         ("POST", "/v1/completions", {"json": {"prompt": "x", "stream": "yes"}}, "stream"),
-        ("POST", "/v1/completions", {"json": {"prompt": [999999]}}, None),
+        # token ids outside the vocabulary: the engine refuses the prompt
+        ("POST", "/v1/completions", {"json": {"prompt": [999999]}}, "prompt"),
     ],
 )
 def test_malformed_requests_get_400_error_objects(http, method, path, kwargs, param):
@@ -580,7 +581,16 @@ def test_online_completions_and_sse_streaming(server, sdk):
 def test_online_request_errors(server, sdk):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model="any", prompt="word " * 5000, max_tokens=2)
-    assert info.value.code == "invalid_prompt"
+    assert (info.value.code, info.value.param) == ("invalid_prompt", "prompt")
+    with pytest.raises(openai.BadRequestError) as info:
+        messages = [{"role": "user", "content": "word " * 5000}]
+        sdk.chat.completions.create(model="any", messages=messages, max_tokens=2)
+    assert (info.value.code, info.value.param) == ("invalid_prompt", "messages")
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model="any", prompt="hello", max_tokens=100000)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
+    assert info.value.type == "invalid_request_error"
+    assert "maximum context length" in info.value.message
     with pytest.raises(openai.BadRequestError):
         sdk.completions.create(model="any", prompt="x", stream=True, logprobs=2)
 

@@ -319,7 +319,9 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
                 f"max_tokens={params.max_tokens} for the completion); lower max_tokens"
             )
-            err.param = "max_tokens"  # the field to change (OpenAI error bodies' ``param``)
+            # The field to change and the error code, as the OpenAI API reports them.
+            err.param = "max_tokens"
+            err.code = "context_length_exceeded"
             raise err
         request = Request(request_id, text, ids, params, self._arrivals)
         self._arrivals += 1

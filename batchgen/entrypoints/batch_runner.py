@@ -30,7 +30,6 @@ from tqdm import tqdm
 
 from batchgen.entrypoints.openai_protocol import (
     DUPLICATE_CUSTOM_ID,
-    INVALID_PROMPT,
     REQUEST_FAILED,
     BatchLineError,
     BatchRequest,
@@ -39,7 +38,7 @@ from batchgen.entrypoints.openai_protocol import (
     error_line,
     error_line_from,
     parse_batch_line,
-    rejected_param,
+    rejected_error,
     response_body,
     success_line,
 )
@@ -304,12 +303,8 @@ class _BatchRun:
             )
         except ValueError as err:
             message = f"line {request.line}: {err}"
-            param = rejected_param(api, err)
-            self._fail(
-                error_line(
-                    request.custom_id, INVALID_PROMPT, message, param=param, line=request.line
-                )
-            )
+            code, param = rejected_error(api, err)
+            self._fail(error_line(request.custom_id, code, message, param=param, line=request.line))
             return
         self.in_flight[request_id] = request
 

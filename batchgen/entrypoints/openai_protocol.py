@@ -67,6 +67,7 @@ INVALID_URL = "invalid_url"
 INVALID_METHOD = "invalid_method"
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 INVALID_PROMPT = "invalid_prompt"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 REQUEST_FAILED = "request_failed"
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -853,11 +854,18 @@ def error_line(
     }
 
 
-def rejected_param(request: ApiRequest, err: Exception) -> str:
-    """The ``param`` of the error line for a request the engine refused: the field the error
-    names (``max_tokens`` when prompt + max_tokens exceed the context), else the prompt's field
-    (``messages`` for chat, ``prompt`` for completions)."""
-    return getattr(err, "param", None) or ("messages" if request.is_chat else "prompt")
+def rejected_error(request: ApiRequest, err: Exception) -> tuple[str, str]:
+    """``(code, param)`` of the error for a request the engine refused with ``err``.
+
+    The code and field the error carries (``err.code``, ``err.param``: e.g.
+    ``context_length_exceeded`` and ``max_tokens`` when prompt + max_tokens exceed the
+    context), else ``invalid_prompt`` and the prompt's field (``messages`` for chat, ``prompt``
+    for completions): empty, too long, ids outside the vocabulary, text that cannot be
+    tokenized.
+    """
+    code = getattr(err, "code", None) or INVALID_PROMPT
+    param = getattr(err, "param", None) or ("messages" if request.is_chat else "prompt")
+    return code, param
 
 
 def error_line_from(err: BatchLineError) -> dict[str, Any]:

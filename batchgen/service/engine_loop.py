@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.entrypoints.openai_protocol import (
-    INVALID_PROMPT,
     REQUEST_FAILED,
     ApiRequest,
     BatchLineError,
@@ -44,7 +43,7 @@ from batchgen.entrypoints.openai_protocol import (
     error_line,
     error_line_from,
     parse_batch_line,
-    rejected_param,
+    rejected_error,
     response_body,
     success_line,
 )
@@ -78,7 +77,7 @@ class OnlineEvent:
     ``kind`` is ``"admitted"`` (streaming requests only: the engine accepted the request),
     ``"delta"`` (``deltas`` set; streaming requests only), ``"done"`` (``output`` and ``body``
     set: the finished `RequestOutput` and its OpenAI response object) or ``"error"``
-    (``status``, ``message``, ``code`` set; the request is over).
+    (``status``, ``message``, ``code`` and maybe ``param`` set; the request is over).
     """
 
     kind: str
@@ -89,6 +88,7 @@ class OnlineEvent:
     status: int = 0
     message: str = ""
     code: str | None = None
+    param: str | None = None
 
 
 @dataclass
@@ -390,10 +390,8 @@ class EngineLoop:
             )
         except ValueError as err:
             message = f"line {pending.line}: {err}"
-            param = rejected_param(api, err)
-            line = error_line(
-                parsed.custom_id, INVALID_PROMPT, message, param=param, line=pending.line
-            )
+            code, param = rejected_error(api, err)
+            line = error_line(parsed.custom_id, code, message, param=param, line=pending.line)
             self._record_failure(pending.batch_id, pending.idx, line)
             return
         self._started.append((pending.batch_id, pending.idx))
@@ -410,7 +408,8 @@ class EngineLoop:
                 request.request_id, prompt, api.sampling_params, max_tokens_must_fit=True
             )
         except ValueError as err:
-            self._emit_error(request, 400, str(err), INVALID_PROMPT)
+            code, param = rejected_error(api, err)
+            self._emit_error(request, 400, str(err), code, param)
             return
         self._online[request.request_id] = request
         if request.stream:
@@ -476,10 +475,18 @@ class EngineLoop:
         self._counts["online", "succeeded"] += 1
         request.emit(OnlineEvent("done", output=output, body=body, sent=sent))
 
-    def _emit_error(self, request: OnlineRequest, status: int, message: str, code: str) -> None:
+    def _emit_error(
+        self,
+        request: OnlineRequest,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+    ) -> None:
         self._counts["online", "failed"] += 1
+        event = OnlineEvent("error", status=status, message=message, code=code, param=param)
         with contextlib.suppress(Exception):  # the client may be gone
-            request.emit(OnlineEvent("error", status=status, message=message, code=code))
+            request.emit(event)
 
     def _stream_deltas(self) -> None:
         for request_id, sent in self._sent.items():

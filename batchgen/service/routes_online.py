@@ -71,7 +71,7 @@ async def _online(svc: Service, request: Request, url: str) -> Response:
         svc.loop.abort_online(online.request_id)
         raise
     if first.kind == "error":
-        raise APIError(first.status, first.message, code=first.code)
+        raise APIError(first.status, first.message, param=first.param, code=first.code)
     if not stream:
         return JSONResponse(first.body)
     formatter = StreamFormatter(is_chat=api.is_chat, model=svc.model, include_usage=include_usage)
