@@ -260,3 +260,31 @@ def test_batch_file_errors_for_prompts_that_do_not_fit(llm, tmp_path):
     }
     body = results["big-max-tokens"]["response"]["body"]["error"]
     assert (body["type"], body["code"]) == ("invalid_request_error", "context_length_exceeded")
+
+
+def test_chat_without_a_chat_template_names_the_model(llm, tmp_path):
+    import json
+
+    from batchgen.entrypoints.batch_runner import run_batch_file
+
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = None
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        out = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        src = tmp_path / "in.jsonl"
+        body = {"messages": messages, "max_tokens": 2}
+        src.write_text(json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": body}))
+        run_batch_file(llm.llm_engine, src, tmp_path / "out.jsonl", progress=False)
+    finally:
+        tok.chat_template = saved
+    assert "tokenizer has no chat template" in out.error and "/v1/completions" in out.error
+    error = json.loads((tmp_path / "out.jsonl").read_text())["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "model")
+    assert error["message"] == (
+        "line 1: this model's tokenizer has no chat template, so it cannot take chat messages; "
+        "send the text as a 'prompt' to /v1/completions (LLM.generate) instead, or give the "
+        "engine a tokenizer that has one (--tokenizer / LLM(tokenizer=...), or a "
+        "'chat_template' in the model's tokenizer_config.json)"
+    )

@@ -253,7 +253,8 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation with the generation prompt appended.
 
-        Raises ValueError when messages are malformed or the tokenizer has no chat template.
+        Raises ValueError when messages are malformed or the tokenizer has no chat template
+        (that error has ``param`` ``"model"``: the messages are fine, the model cannot take them).
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
@@ -267,7 +268,16 @@ class LLMEngine:
                     f"messages[{i}] must be an object with string 'role' and 'content'"
                 )
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat_template; use completions")
+            err = ValueError(
+                "this model's tokenizer has no chat template, so it cannot take chat messages; "
+                "send the text as a 'prompt' to /v1/completions (LLM.generate) instead, or give "
+                "the engine a tokenizer that has one (--tokenizer / LLM(tokenizer=...), or a "
+                "'chat_template' in the model's tokenizer_config.json)"
+            )
+            # As the OpenAI API answers a chat request to a model that is not a chat model.
+            err.param = "model"
+            err.code = "invalid_request"
+            raise err
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
