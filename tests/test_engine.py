@@ -3,6 +3,7 @@ logprobs, chat, length limits."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -27,6 +28,29 @@ def test_bad_prompts_fail_alone(llm):
     assert "[0, 512)" in outs[3].error
     assert len(outs[0].outputs[0].token_ids) == 5 and len(outs[4].outputs[0].token_ids) == 5
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_failed_prompts_are_logged_by_their_index_in_the_callers_list(llm, caplog):
+    llm.generate("warm up the request counter", SamplingParams(max_tokens=1), use_tqdm=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.llm"):
+        outs = llm.generate(["hello", "", "world", "x" * 400], sp, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, True, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"prompt 1 of 4 (request_id {outs[1].request_id!r}) failed: {outs[1].error}",
+        f"prompt 3 of 4 (request_id {outs[3].request_id!r}) failed: {outs[3].error}",
+    ]
+    assert outs[1].request_id != "1"  # the engine's running number differs from the index
+
+    caplog.clear()
+    good = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.llm"):
+        outs = llm.chat([good, [{"role": "user"}]], sp, use_tqdm=False)
+    assert outs[0].error is None and "messages[0]" in outs[1].error
+    # the chat's own error, not the empty prompt that stands in for the conversation
+    assert [r.getMessage() for r in caplog.records] == [
+        f"conversation 1 of 2 (request_id {outs[1].request_id!r}) failed: {outs[1].error}"
+    ]
 
 
 def test_seeded_request_is_independent_of_batch_mates(llm):

@@ -62,7 +62,8 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt; default `SamplingParams()`.
         Returns:
             One `RequestOutput` per prompt. A prompt that cannot run on its own (empty, longer
-            than ``max_model_len``...) gets ``error`` set and no outputs; the others still run.
+            than ``max_model_len``...) gets ``error`` set and no outputs, and a warning naming
+            its index in ``prompts`` is logged; the others still run.
         Raises:
             ValueError: a list of sampling params whose length differs from the prompts'.
         """
@@ -71,18 +72,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(params)} sampling_params for {len(prompts)} prompts; "
-                    "pass one, or one per prompt"
-                )
-        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+        return self._run(prompts, _params_per_prompt(sampling_params, len(prompts)), use_tqdm)
 
     def chat(
         self,
@@ -91,7 +81,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations, applying the
-        tokenizer's chat template with the generation prompt."""
+        tokenizer's chat template with the generation prompt.
+
+        A conversation that cannot run gets ``error`` set, as in `generate`; the warning names
+        its index in the list of conversations.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         engine = self.llm_engine
         prompts: list[PromptType] = []
@@ -105,32 +99,50 @@ class LLM:
             except ValueError as exc:
                 errors[i] = str(exc)
                 prompts.append({"prompt_token_ids": []})
-        outs = self.generate(prompts, sampling_params, use_tqdm)
-        for i, msg in errors.items():
-            outs[i].error = msg
-        return outs
+        params = _params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm, errors=errors, what="conversation")
 
     def _run(
-        self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        *,
+        errors: dict[int, str] | None = None,
+        what: str = "prompt",
     ) -> list[RequestOutput]:
+        """Run ``prompts[i]`` with ``params[i]``; ``errors[i]``: fail item i with that message
+        instead. A failure is logged with the item's index in the caller's list (``what`` i)."""
         engine = self.llm_engine
-        for _, sp in items:
+        errors = errors or {}
+        for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for prompt, sp in items:
+            for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"{self._counter}"
                 self._counter += 1
                 order.append(request_id)
-                try:
-                    engine.add_request(request_id, prompt, sp)
-                except ValueError as exc:
-                    logger.warning("request %s failed: %s", request_id, exc)
-                    results[request_id] = _failed_output(request_id, prompt, str(exc))
+                error = errors.get(index)
+                if error is None:
+                    try:
+                        engine.add_request(request_id, prompt, sp)
+                    except ValueError as exc:
+                        error = str(exc)
+                if error is not None:
+                    logger.warning(
+                        "%s %d of %d (request_id %r) failed: %s",
+                        what,
+                        index,
+                        len(prompts),
+                        request_id,
+                        error,
+                    )
+                    results[request_id] = _failed_output(request_id, prompt, error)
             with tqdm(
-                total=len(items),
+                total=len(prompts),
                 desc="Processed prompts",
                 disable=not use_tqdm,
                 dynamic_ncols=True,
@@ -147,6 +159,23 @@ class LLM:
                 if request_id not in results:
                     engine.abort_request(request_id)
         return [results[r] for r in order]
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt (the default, or one given for all, repeated)."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"got {len(params)} sampling_params for {num_prompts} prompts; "
+            "pass one, or one per prompt"
+        )
+    return params
 
 
 def _failed_output(request_id: str, prompt: PromptType, error: str) -> RequestOutput:
