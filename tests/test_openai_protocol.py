@@ -468,3 +468,33 @@ def test_rejected_error_names_the_code_and_the_field_to_change():
     does_not_fit = ValueError("this model's maximum context length is 256 tokens, but ...")
     does_not_fit.param, does_not_fit.code = "max_tokens", "context_length_exceeded"
     assert rejected_error(chat, does_not_fit) == ("context_length_exceeded", "max_tokens")
+
+
+def test_completion_top_logprobs_keep_the_best_of_tokens_with_the_same_text(tmp_path):
+    """The offline byte-level tokenizer decodes the lone bytes 0x80, 0x81 and 0x82 (ids 133,
+    134, 135) each to U+FFFD: one key, with the highest of their logprobs."""
+    from transformers import AutoTokenizer
+
+    from batchgen.models.tokenizer_factory import bytes_to_unicode, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    byte_tokens = [bytes_to_unicode()[b] for b in (0x80, 0x81, 0x82)]
+    a, b0, b1, b2 = tok.convert_tokens_to_ids(["a", *byte_tokens])
+    assert [tok.decode([t]) for t in (a, b0, b1, b2)] == ["a", "\ufffd", "\ufffd", "\ufffd"]
+    steps = [
+        # the sampled token (b0) ranks below another token with its text
+        {b0: Logprob(-2.5, 4), a: Logprob(-0.5, 1), b1: Logprob(-1.0, 2), b2: Logprob(-1.2, 3)},
+        # the sampled token (b1) is the best of its text
+        {b1: Logprob(-0.7, 1), a: Logprob(-0.9, 2), b2: Logprob(-3.0, 3), b0: Logprob(-4.0, 4)},
+    ]
+    sample = CompletionOutput(0, "", [b0, b1], None, steps, "length")
+    body = completion_response_body(
+        RequestOutput("r", "p", [1], [sample], finished=True), model="m", tokenizer=tok
+    )
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["\ufffd", "\ufffd"] and lp["token_logprobs"] == [-2.5, -0.7]
+    assert [list(top.items()) for top in lp["top_logprobs"]] == [
+        [("a", -0.5), ("\ufffd", -1.0)],
+        [("\ufffd", -0.7), ("a", -0.9)],
+    ]

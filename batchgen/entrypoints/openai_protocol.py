@@ -654,7 +654,10 @@ def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, A
     """OpenAI completions ``logprobs``: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
     ``top_logprobs[i]`` maps token text -> logprob for the top-N tokens plus the sampled one
-    (so up to N+1 entries, as OpenAI documents). ``text_offset[i]`` is the character offset of
+    (so up to N+1 entries, as OpenAI documents), most likely first. Different tokens can
+    decode to the same text (e.g. lone bytes of a multi-byte character all decode to U+FFFD);
+    such a text keeps the highest of their logprobs, so the sampled token's text is always a
+    key, with at least its own logprob. ``text_offset[i]`` is the character offset of
     token i in the generated text (0 = start of the completion). Log-probabilities are natural
     logs, -inf clamped to ``MIN_LOGPROB``. None when the request did not ask for logprobs.
     """
@@ -667,9 +670,7 @@ def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, A
         text = _token_text(token_id, chosen, tokenizer)
         tokens.append(text)
         token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
-        top_logprobs.append(
-            {_token_text(t, lp, tokenizer): _finite(lp.logprob) for t, lp in _by_rank(step)}
-        )
+        top_logprobs.append(_top_logprobs_by_text(step, tokenizer))
         text_offset.append(offset)
         offset += len(text)
     return {
@@ -678,6 +679,16 @@ def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, A
         "top_logprobs": top_logprobs,
         "text_offset": text_offset,
     }
+
+
+def _top_logprobs_by_text(step: dict[int, Logprob], tokenizer: Any) -> dict[str, float]:
+    """Token text -> logprob, by rank; a text that several tokens decode to keeps the highest."""
+    top: dict[str, float] = {}
+    for token_id, lp in _by_rank(step):
+        text, logprob = _token_text(token_id, lp, tokenizer), _finite(lp.logprob)
+        if text not in top or logprob > top[text]:
+            top[text] = logprob
+    return top
 
 
 def _chat_token(token_id: int, lp: Logprob | None, tokenizer: Any) -> dict[str, Any]:
