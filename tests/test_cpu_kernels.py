@@ -4,7 +4,6 @@ fallbacks (kernels off, no compiler)."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 
 import pytest
@@ -14,7 +13,7 @@ from batchgen.kernels import cpu_build
 from batchgen.kernels.paged_attention import decode_kernel_available, paged_decode_attention
 
 needs_compiler = pytest.mark.skipif(
-    not shutil.which(os.environ.get("CXX", "c++")), reason="no C++ compiler to build the kernel"
+    not shutil.which(cpu_build.cxx_command()[0]), reason="no C++ compiler to build the kernel"
 )
 
 
@@ -97,6 +96,34 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
         assert cpu_build.load_library("paged_decode_attention") is None
         assert cpu_build.load_library("paged_decode_attention") is None
     assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+
+
+@needs_compiler
+def test_cxx_with_a_compiler_wrapper_is_split_like_a_command_line(monkeypatch, tmp_path, caplog):
+    """``CXX="wrapper c++"`` (as ccache is used) runs the wrapper with the compiler as its
+    first argument, instead of looking for a program named "wrapper c++"."""
+    log = tmp_path / "calls.txt"
+    wrapper = tmp_path / "my wrapper"  # a space in the path: quoted in CXX
+    wrapper.write_text(f'#!/bin/sh\necho "$1" >> "{log}"\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    compiler = shutil.which(cpu_build.cxx_command()[0])
+    monkeypatch.setenv("CXX", f"'{wrapper}' {compiler}")
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert cpu_build.cxx_command() == [str(wrapper), compiler]
+    with caplog.at_level(logging.WARNING, logger="batchgen.kernels.cpu_build"):
+        assert cpu_build.load_library("paged_decode_attention") is not None
+    assert not caplog.records
+    assert log.read_text().splitlines() == [compiler] * 3  # --version, compile, link
+
+
+def test_cxx_unset_or_empty_is_cpp(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    assert cpu_build.cxx_command() == ["c++"]
+    monkeypatch.setenv("CXX", " ")
+    assert cpu_build.cxx_command() == ["c++"]
+    monkeypatch.setenv("CXX", "ccache g++ -fno-plt")
+    assert cpu_build.cxx_command() == ["ccache", "g++", "-fno-plt"]
 
 
 def test_only_cpu_float32_is_served():

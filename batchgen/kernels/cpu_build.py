@@ -1,9 +1,11 @@
 """Build a C++ source of ``csrc/`` into a shared library on first use and load it with ctypes.
 
-The library is compiled with the system C++ compiler (``$CXX``, else ``c++``) for this
+The library is compiled with the system C++ compiler (``$CXX``, else ``c++``; split like a
+shell command line, as make does, so a wrapper such as ``CXX="ccache c++"`` works) for this
 machine's CPU (``-march=native``) and cached in ``<cache dir>/kernels`` (``$BATCHGEN_CACHE_DIR``
-or ``~/.cache/batchgen``) under a key that hashes the source, the flags, the compiler and the
-CPU's feature flags, so a changed source or a different machine never loads a stale build.
+or ``~/.cache/batchgen``) under a key that hashes the source, the flags, the compiler command
+and version and the CPU's feature flags, so a changed source or a different machine never
+loads a stale build.
 ctypes (not a torch C++ extension) keeps the build to one small file that compiles in about a
 second with no torch headers, and ctypes releases the GIL during each call.
 
@@ -17,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -55,14 +58,25 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build(source: Path, cxx: str) -> Path:
+def cxx_command() -> list[str]:
+    """The C++ compiler command: ``$CXX`` split like a shell command line (a wrapper such as
+    ``ccache c++`` or a compiler with options), ``["c++"]`` when unset or empty.
+
+    Raises:
+        ValueError: ``$CXX`` has unbalanced quotes.
+    """
+    return shlex.split(os.environ.get("CXX", "")) or ["c++"]
+
+
+def _build(source: Path, cxx: list[str]) -> Path:
     text = source.read_bytes()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(
             [
                 text,
                 " ".join(CXX_FLAGS + LINK_FLAGS).encode(),
+                shlex.join(cxx).encode(),
                 version.encode(),
                 _cpu_flags().encode(),
             ]
@@ -79,8 +93,8 @@ def _build(source: Path, cxx: str) -> Path:
     try:
         obj = tmp + ".o"
         for cmd in (
-            [cxx, *CXX_FLAGS, "-c", str(source), "-o", obj],
-            [cxx, obj, "-o", tmp, *LINK_FLAGS],
+            [*cxx, *CXX_FLAGS, "-c", str(source), "-o", obj],
+            [*cxx, obj, "-o", tmp, *LINK_FLAGS],
         ):
             subprocess.run(cmd, capture_output=True, text=True, check=True)
         os.replace(tmp, target)
@@ -98,10 +112,9 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return None
     with _lock:
         if name not in _loaded:
-            cxx = os.environ.get("CXX", "c++")
             try:
-                _loaded[name] = ctypes.CDLL(str(_build(CSRC / f"{name}.cpp", cxx)))
-            except (OSError, subprocess.CalledProcessError) as exc:
+                _loaded[name] = ctypes.CDLL(str(_build(CSRC / f"{name}.cpp", cxx_command())))
+            except (OSError, ValueError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
                 logger.warning(
                     "CPU kernel %s not built (%s); using the pure-torch path", name, detail
