@@ -3,8 +3,13 @@ fallbacks (kernels off, no compiler)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +213,63 @@ def test_kernel_turned_back_on_is_used_again(monkeypatch):
         paged_decode_attention(q, c, c, torch.tensor([[0]]), torch.tensor([1]), 4, 1.0, None, q)
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "1")
     assert decode_kernel_available(torch.device("cpu"), torch.float32)
+
+
+# Loads the kernel in a fresh process and checks one decode against plain softmax attention.
+_LOAD_AND_RUN = """
+import torch
+from batchgen.kernels import cpu_build
+from batchgen.kernels.paged_attention import paged_decode_attention
+
+assert cpu_build.load_library("paged_decode_attention") is not None, "kernel not built"
+torch.manual_seed(0)
+q, cache = torch.randn(1, 2, 8), torch.randn(8, 2, 8)
+out = torch.empty_like(q)
+paged_decode_attention(
+    q, cache, cache, torch.tensor([[1]]), torch.tensor([3]), 4, 0.5, None, out
+)
+k = cache[4:7]  # block 1, first 3 slots: [L, H, D]
+weights = torch.softmax(torch.einsum("hd,lhd->hl", q[0], k) * 0.5, -1)
+torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", weights, k))
+print("kernel ok")
+"""
+
+
+@needs_compiler
+def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A cached library cut short (a crash mid-write, a disk fault) used to be mapped as is and
+    end the process with SIGBUS; it must be rebuilt. The load runs in its own process."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    source = cpu_build.CSRC / "paged_decode_attention.cpp"
+
+    def build() -> Path:  # what load_library does before dlopen
+        return cpu_build._build(source, cpu_build.cxx_command())
+
+    def stamp_of(library: Path) -> str:
+        data = library.read_bytes()
+        return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+    library = build()
+    stamp = library.with_name(library.name + ".stamp")
+    assert stamp.read_text() == stamp_of(library)
+    size, inode = library.stat().st_size, library.stat().st_ino
+    assert build() == library and library.stat().st_ino == inode  # intact: not rebuilt
+
+    with open(library, "r+b") as f:  # cut short in place, as a crash mid-write leaves it
+        f.truncate(size // 2)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN],
+        env={**os.environ, "BATCHGEN_CPU_KERNELS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -7: SIGBUS
+    assert proc.stdout.strip() == "kernel ok"
+    assert "does not match its stamp; rebuilding" in proc.stderr
+    assert library.stat().st_size == size and stamp.read_text() == stamp_of(library)
+
+    inode = library.stat().st_ino
+    stamp.unlink()  # e.g. a cache written before stamps: rebuilt, then stamped
+    assert build() == library and library.stat().st_ino != inode
+    assert stamp.read_text() == stamp_of(library)

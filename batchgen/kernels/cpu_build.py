@@ -6,6 +6,10 @@ machine's CPU (``-march=native``) and cached in ``<cache dir>/kernels`` (``$BATC
 or ``~/.cache/batchgen``) under a key that hashes the source, the flags, the compiler command
 and version and the CPU's feature flags, so a changed source or a different machine never
 loads a stale build.
+A build is written to a temporary name, fsync'ed and renamed into place; then a stamp file
+beside it (``<name>.so.stamp``) records its size and SHA-256. A cached library is loaded only
+when it matches its stamp: a library cut short (a crash mid-write, a disk fault) or without a
+stamp is rebuilt instead of being mapped, which would end the process with SIGBUS.
 ctypes (not a torch C++ extension) keeps the build to one small file that compiles in about a
 second with no torch headers, and ctypes releases the GIL during each call.
 
@@ -84,8 +88,10 @@ def _build(source: Path, cxx: list[str]) -> Path:
     ).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key}.so"
-    if target.exists():
+    if _matches_stamp(target):
         return target
+    if target.exists() and _stamp_path(target).exists():
+        logger.warning("cached CPU kernel %s does not match its stamp; rebuilding it", target)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Build into a temporary name and rename: concurrent builders never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
@@ -97,12 +103,54 @@ def _build(source: Path, cxx: list[str]) -> Path:
             [*cxx, obj, "-o", tmp, *LINK_FLAGS],
         ):
             subprocess.run(cmd, capture_output=True, text=True, check=True)
+        stamp = _fingerprint(tmp, sync=True)
         os.replace(tmp, target)
     finally:
         for path in (tmp, tmp + ".o"):
             if os.path.exists(path):
                 os.unlink(path)
+    # Written after the library is in place: a stamp never vouches for a file not yet there.
+    _write_atomically(_stamp_path(target), stamp)
     return target
+
+
+def _stamp_path(library: Path) -> Path:
+    return library.with_name(library.name + ".stamp")
+
+
+def _fingerprint(path: str | Path, *, sync: bool = False) -> str:
+    """``"<size> <sha256>"`` of a file; ``sync``: fsync it too (its data is on disk)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return f"{size} {digest.hexdigest()}"
+
+
+def _matches_stamp(library: Path) -> bool:
+    """True when ``library`` exists and has the size and SHA-256 its stamp file records."""
+    try:
+        return _stamp_path(library).read_text().strip() == _fingerprint(library)
+    except OSError:  # no library or no stamp
+        return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_library(name: str) -> ctypes.CDLL | None:
