@@ -595,23 +595,44 @@ def test_online_request_errors(server, sdk):
         sdk.completions.create(model="any", prompt="x", stream=True, logprobs=2)
 
 
-def test_models_health_and_metrics(server, sdk, tiny_model):
+def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
+    # Its own completed batch, so that the counters below are not left to earlier tests.
+    lines = [completion_line(f"m-{i}", "Metrics", max_tokens=4, temperature=0.0) for i in range(2)]
+    file = _upload(sdk, tmp_path, "".join(line + "\n" for line in lines))
+    batch = _wait(
+        sdk,
+        sdk.batches.create(
+            input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+        ).id,
+    )
+    assert batch.status == "completed" and batch.request_counts.completed == 2
     assert [m.id for m in sdk.models.list()] == [str(tiny_model)]
     assert sdk.models.retrieve(str(tiny_model)).owned_by == "batchgen"
-    r = httpx.get(server.url + "/metrics", timeout=10)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
-    assert samples[("batchgen_generation_tokens_total", ())] > 0
-    assert (
-        samples[
-            ("batchgen_requests_finished_total", (("outcome", "succeeded"), ("source", "batch")))
-        ]
-        > 0
+    finished_ok = (
+        "batchgen_requests_finished_total",
+        (("outcome", "succeeded"), ("source", "batch")),
     )
+    # The engine thread refreshes the gauges every iteration and tile density every second, so
+    # the batch's work may show up a moment after the batch reads completed.
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.get(server.url + "/metrics", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+        }
+        seen = [
+            samples.get(("batchgen_generation_tokens_total", ()), 0),
+            samples.get(finished_ok, 0),
+            samples.get(("batchgen_tile_density", ()), 0),
+        ]
+        if all(value > 0 for value in seen) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert samples[("batchgen_generation_tokens_total", ())] > 0
+    assert samples[finished_ok] > 0
     assert samples[("batchgen_batches", (("status", "completed"),))] >= 1
     assert samples[("batchgen_engine_up", ())] == 1
     for name in (
