@@ -93,6 +93,34 @@ def test_kernels_off_by_env(monkeypatch):
     assert cpu_build.load_library("paged_decode_attention") is None
 
 
+@pytest.mark.parametrize(
+    "value, attention, moe",
+    [
+        ("paged_decode_attention", True, False),
+        ("fused_moe", False, True),
+        (" fused_moe , paged_decode_attention ", True, True),
+        ("1", True, True),
+        ("", True, True),
+        ("No", False, False),
+    ],
+)
+def test_kernels_chosen_by_name(monkeypatch, value, attention, moe):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", value)
+    assert cpu_build.kernels_enabled("paged_decode_attention") is attention
+    assert cpu_build.kernels_enabled("fused_moe") is moe
+    if not attention:
+        assert cpu_build.load_library("paged_decode_attention") is None
+    if not moe:
+        assert cpu_build.load_library("fused_moe") is None
+
+
+def test_unknown_kernel_name_is_refused_naming_the_allowed_values(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "fused_moe,flash_attn")
+    with pytest.raises(ValueError, match="unknown kernel flash_attn; allowed: 0, 1 or") as err:
+        cpu_build.kernels_enabled("fused_moe")
+    assert "fused_moe, paged_decode_attention" in str(err.value)
+
+
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))

@@ -312,3 +312,23 @@ def test_chat_without_a_chat_template_names_the_model(llm, tmp_path):
         "engine a tokenizer that has one (--tokenizer / LLM(tokenizer=...), or a "
         "'chat_template' in the model's tokenizer_config.json)"
     )
+
+
+def test_unknown_cpu_kernel_name_fails_the_engine_at_start(checkpoint_dir, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "fused_moe,flashinfer")
+    with pytest.raises(ValueError, match="BATCHGEN_CPU_KERNELS: unknown kernel flashinfer"):
+        LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05)
+
+
+def test_greedy_tokens_do_not_depend_on_which_cpu_kernels_run(checkpoint_dir, monkeypatch):
+    prompts = [[1, 7, 8, 9, 10], [1, 42] * 20]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for value in ("1", "0", "fused_moe", "paged_decode_attention"):
+        monkeypatch.setenv("BATCHGEN_CPU_KERNELS", value)
+        llm = LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05)
+        tokens[value] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert all(len(t) == 12 for t in tokens["1"])
+    assert tokens["0"] == tokens["1"]
+    assert tokens["fused_moe"] == tokens["1"]
+    assert tokens["paged_decode_attention"] == tokens["1"]

@@ -25,6 +25,7 @@ from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request, SequenceCoroutine
+from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
@@ -61,7 +62,8 @@ class LLMEngine:
     """The engine: owns the model, KV cache, scheduler, sampler and the request table.
 
     Raises ValueError on construction for invalid settings (unknown architecture, missing
-    model, ``max_model_len`` above the model's limit).
+    model, ``max_model_len`` above the model's limit, an unknown kernel name in
+    ``BATCHGEN_CPU_KERNELS``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -82,6 +84,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
         if self.device.type == "cpu":
             tune_glibc_malloc()
+            kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         model = load_model(path, cfg, self.device, self.dtype)

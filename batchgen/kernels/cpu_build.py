@@ -14,7 +14,9 @@ ctypes (not a torch C++ extension) keeps the build to one small file that compil
 second with no torch headers, and ctypes releases the GIL during each call.
 
 ``BATCHGEN_CPU_KERNELS=0`` turns every such kernel off (the engine then uses its pure-torch
-path). A build that fails logs one warning and the engine falls back the same way.
+path); a comma-separated list of kernel names (`KERNEL_NAMES`, e.g.
+``BATCHGEN_CPU_KERNELS=paged_decode_attention``) turns on only those, for A/B measurements.
+A build that fails logs one warning and the engine falls back the same way.
 """
 
 from __future__ import annotations
@@ -42,9 +44,31 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def kernels_enabled() -> bool:
-    """False when ``BATCHGEN_CPU_KERNELS`` is ``0`` (or ``false``/``no``)."""
-    return os.environ.get("BATCHGEN_CPU_KERNELS", "1").lower() not in ("0", "false", "no")
+KERNEL_NAMES = ("fused_moe", "paged_decode_attention")  # the sources in csrc/
+
+
+def kernels_enabled(name: str | None = None) -> bool:
+    """Whether ``BATCHGEN_CPU_KERNELS`` lets the kernel ``name`` (None: any kernel) run.
+
+    The variable is ``1`` (default; also ``true``/``yes``/empty), ``0`` (``false``/``no``: all
+    off), or a comma-separated list of names from `KERNEL_NAMES` (only those on).
+
+    Raises:
+        ValueError: a listed name that is not in `KERNEL_NAMES`, naming the allowed values.
+    """
+    value = os.environ.get("BATCHGEN_CPU_KERNELS", "1").strip().lower()
+    if value in ("1", "true", "yes", ""):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = sorted(names - set(KERNEL_NAMES))
+    if unknown:
+        raise ValueError(
+            f"BATCHGEN_CPU_KERNELS: unknown kernel {', '.join(unknown)}; allowed: 0, 1 or a "
+            f"comma-separated list of {', '.join(KERNEL_NAMES)}"
+        )
+    return name is None or name in names
 
 
 def _cache_dir() -> Path:
@@ -154,9 +178,9 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def load_library(name: str) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.cpp``, or None when kernels are off or the build failed
-    (logged once per process)."""
-    if not kernels_enabled():
+    """The compiled ``csrc/<name>.cpp``, or None when ``BATCHGEN_CPU_KERNELS`` turns it off or
+    the build failed (logged once per process)."""
+    if not kernels_enabled(name):
         return None
     with _lock:
         if name not in _loaded:

@@ -28,6 +28,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
@@ -80,7 +81,7 @@ def fused_moe_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ac
         and act is F.silu
         and w13.shape[1] % PANEL == 0
         and w2.shape[1] % PANEL == 0
-        and kernels_enabled()
+        and kernels_enabled("fused_moe")
         and _function() is not None
     )
 
@@ -134,7 +135,9 @@ def fused_moe_silu(
     order = order.to(torch.int64).contiguous()
     starts = torch.zeros(num_experts + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=starts[1:])
-    with _workspace_lock:
+    # The ctypes call is no torch op: name it, so torch.profiler (`batchgen bench --profile`)
+    # shows its time instead of losing it.
+    with _workspace_lock, record_function("batchgen::fused_moe_silu"):
         y_slots = _workspace(num_tokens * top_k * hidden)
         rc = fn(
             x.data_ptr(),

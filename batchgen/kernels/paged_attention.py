@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
@@ -50,7 +51,7 @@ def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype == torch.float32
-        and kernels_enabled()
+        and kernels_enabled("paged_decode_attention")
         and _function() is not None
     )
 
@@ -84,7 +85,7 @@ def paged_decode_attention(
         output, or a context or block id outside the cache: the kernel reads raw memory, so
         these are checked first.
     """
-    fn = _function() if kernels_enabled() else None
+    fn = _function() if kernels_enabled("paged_decode_attention") else None
     if fn is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
     _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
@@ -93,23 +94,24 @@ def paged_decode_attention(
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
-    rc = fn(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        kv_lens.data_ptr(),
-        out.data_ptr(),
-        b,
-        hq,
-        hkv,
-        d,
-        block_size,
-        block_tables.shape[1],
-        scale,
-        sliding_window or 0,
-        torch.get_num_threads(),
-    )
+    with record_function("batchgen::paged_decode_attention"):  # named for torch.profiler
+        rc = fn(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            kv_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            hq,
+            hkv,
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            sliding_window or 0,
+            torch.get_num_threads(),
+        )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 
