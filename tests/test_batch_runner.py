@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -79,7 +80,9 @@ class FakeEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len 64")
+            err = ValueError(f"prompt has {len(ids)} tokens, more than max_model_len 64")
+            err.code = "context_length_exceeded"  # as `LLMEngine.add_request` marks it
+            raise err
         if max(ids) >= 256:
             raise ValueError(f"token id {max(ids)} is out of range [0, 256)")
         self.requests[request_id] = (ids, prompt if isinstance(prompt, str) else None, params)
@@ -187,7 +190,7 @@ def test_mixed_file_runs_every_good_line(tmp_path):
         "invalid_url": 1,
         "invalid_request": 1,
         "unsupported_parameter": 1,
-        "invalid_prompt": 1,
+        "context_length_exceeded": 1,
         "request_failed": 1,
     }
     errors = [r["error"] for r in results if r["error"] is not None]
@@ -509,3 +512,16 @@ def test_cli_engine_flags_follow_engine_config():
     assert cli.engine_kwargs(parser.parse_args(["run", "-i", "a", "-o", "b"])) == {}
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "-i", "a", "-o", "b", "--block-size", "x"])
+
+
+def test_output_to_dev_null_or_a_pipe_runs_without_fsync(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(completion_line("a", prompt="hi", max_tokens=2) + "\n")
+    summary = run_batch_file(FakeEngine(), src, "/dev/null", progress=False)
+    assert (summary.succeeded, summary.failed) == (1, 0)
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(read_fd, "rb") as reader:
+        summary = run_batch_file(FakeEngine(), src, f"/dev/fd/{write_fd}", progress=False)
+        os.close(write_fd)
+        (line,) = reader.read().decode().splitlines()
+    assert (summary.succeeded, json.loads(line)["custom_id"]) == (1, "a")

@@ -102,6 +102,9 @@ def test_kernels_off_by_env(monkeypatch):
         ("1", True, True),
         ("", True, True),
         ("No", False, False),
+        ("OFF", False, False),
+        ("on", True, True),
+        ("Fused_MoE", False, True),
     ],
 )
 def test_kernels_chosen_by_name(monkeypatch, value, attention, moe):
@@ -114,9 +117,12 @@ def test_kernels_chosen_by_name(monkeypatch, value, attention, moe):
         assert cpu_build.load_library("fused_moe") is None
 
 
-def test_unknown_kernel_name_is_refused_naming_the_allowed_values(monkeypatch):
-    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "fused_moe,flash_attn")
-    with pytest.raises(ValueError, match="unknown kernel flash_attn; allowed: 0, 1 or") as err:
+@pytest.mark.parametrize(
+    "value, bad", [("fused_moe,flash_attn", "'flash_attn'"), (",", "''"), ("fused_moe,0", "'0'")]
+)
+def test_unknown_kernel_name_is_refused_naming_the_allowed_values(monkeypatch, value, bad):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", value)
+    with pytest.raises(ValueError, match=f"unknown kernel name {bad}; allowed: 1/on") as err:
         cpu_build.kernels_enabled("fused_moe")
     assert "fused_moe, paged_decode_attention" in str(err.value)
 

@@ -37,8 +37,8 @@ def test_failed_prompts_are_logged_by_their_index_in_the_callers_list(llm, caplo
         outs = llm.generate(["hello", "", "world", "x" * 400], sp, use_tqdm=False)
     assert [o.error is None for o in outs] == [True, False, True, False]
     assert [r.getMessage() for r in caplog.records] == [
-        f"prompt 1 of 4 (request_id {outs[1].request_id!r}) failed: {outs[1].error}",
-        f"prompt 3 of 4 (request_id {outs[3].request_id!r}) failed: {outs[3].error}",
+        f"prompt at index 1 (of 4; request_id {outs[1].request_id!r}) failed: {outs[1].error}",
+        f"prompt at index 3 (of 4; request_id {outs[3].request_id!r}) failed: {outs[3].error}",
     ]
     assert outs[1].request_id != "1"  # the engine's running number differs from the index
 
@@ -49,7 +49,7 @@ def test_failed_prompts_are_logged_by_their_index_in_the_callers_list(llm, caplo
     assert outs[0].error is None and "messages[0]" in outs[1].error
     # the chat's own error, not the empty prompt that stands in for the conversation
     assert [r.getMessage() for r in caplog.records] == [
-        f"conversation 1 of 2 (request_id {outs[1].request_id!r}) failed: {outs[1].error}"
+        f"conversation at index 1 (of 2; request_id {outs[1].request_id!r}) failed: {outs[1].error}"
     ]
 
 
@@ -278,8 +278,8 @@ def test_batch_file_errors_for_prompts_that_do_not_fit(llm, tmp_path):
         if r["error"] is not None
     }
     assert errors == {
-        "long-prompt": ("invalid_prompt", "prompt"),
-        "long-chat": ("invalid_prompt", "messages"),
+        "long-prompt": ("context_length_exceeded", "prompt"),
+        "long-chat": ("context_length_exceeded", "messages"),
         "big-max-tokens": ("context_length_exceeded", "max_tokens"),
     }
     body = results["big-max-tokens"]["response"]["body"]["error"]
@@ -316,7 +316,7 @@ def test_chat_without_a_chat_template_names_the_model(llm, tmp_path):
 
 def test_unknown_cpu_kernel_name_fails_the_engine_at_start(checkpoint_dir, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "fused_moe,flashinfer")
-    with pytest.raises(ValueError, match="BATCHGEN_CPU_KERNELS: unknown kernel flashinfer"):
+    with pytest.raises(ValueError, match="unknown kernel name 'flashinfer'"):
         LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05)
 
 

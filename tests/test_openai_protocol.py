@@ -293,20 +293,52 @@ def test_unparseable_lines(raw, words):
     ("raw", "message"),
     [
         # the newline ends the line, it is not a second line of JSON
-        (b'{"custom_id": "a" "url": 1}\n', "not valid JSON at column 19: Expecting ',' delimiter"),
-        (b'{"prompt": "x"\n', "not valid JSON at column 15: Expecting ',' delimiter"),
-        (b"{not json\r\n", "not valid JSON at column 2: Expecting property name enclosed in"),
-        ('{"prompt": "\u00e9\u00e9" 1}\n', "not valid JSON at column 17: Expecting ','"),
-        ('\ufeff{"a" 1}\n', "not valid JSON at column 6: Expecting ':' delimiter"),
-        (b'{"a": 1} {"b": 2}\n', "not valid JSON at column 10: Extra data"),
+        (
+            b'{"custom_id": "a" "url": 1}\n',
+            "not valid JSON at column 19 (in characters): Expecting ',' delimiter",
+        ),
+        (
+            b'{"prompt": "x"\n',
+            "not valid JSON at column 15 (in characters): Expecting ',' delimiter",
+        ),
+        (
+            b"{not json\r\n",
+            "not valid JSON at column 2 (in characters): Expecting property name enclosed in",
+        ),
+        (
+            '{"prompt": "\u00e9\u00e9" 1}\n',
+            "not valid JSON at column 17 (in characters): Expecting ','",
+        ),
+        ('\ufeff{"a" 1}\n', "not valid JSON at column 6 (in characters): Expecting ':' delimiter"),
+        (b'{"a": 1} {"b": 2}\n', "not valid JSON at column 10 (in characters): Extra data"),
         (b'{"prompt": NaN}\n', "not valid JSON: NaN is not a JSON value"),
+        # json's messages that end in "at" lose it (a position follows in ours)
+        (
+            b'{"prompt": "abc\n',
+            "not valid JSON at column 12 (in characters): Unterminated string starting\n",
+        ),
+        (b"[" * 5000 + b"]" * 5000 + b"\n", "JSON nested too deeply"),
+        (
+            b'{"max_tokens": ' + b"9" * 5000 + b"}\n",
+            "not valid JSON: an integer has more than 4300 digits",
+        ),
     ],
 )
 def test_invalid_json_names_the_line_and_the_column_in_it(raw, message):
     err = line_error(raw, line=8)
     assert (err.code, err.param, err.line) == (INVALID_JSON_LINE, None, 8)
-    assert str(err).startswith(f"line 8: {message}")
+    assert (str(err) + "\n").startswith(f"line 8: {message}")
     assert "line 2" not in str(err) and "(char" not in str(err)
+
+
+def test_custom_id_with_a_lone_surrogate_fails_its_line_only():
+    for raw in (
+        '{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "x"}}',
+        '{"custom_id": "\\ud800", "prompt": "x"}',
+    ):
+        err = line_error(raw, line=4)
+        assert (err.code, err.param, err.custom_id) == ("invalid_request", "custom_id", None)
+        assert "lone surrogate" in str(err)
 
 
 def test_envelope_errors():
@@ -463,8 +495,20 @@ def test_rejected_error_names_the_code_and_the_field_to_change():
     messages = [{"role": "user", "content": "x"}]
     chat = parse_request_body(CHAT_COMPLETIONS_URL, {"messages": messages})
     too_long = ValueError("prompt has 300 tokens, which leaves no room to generate")
-    assert rejected_error(completion, too_long) == ("invalid_prompt", "prompt")
-    assert rejected_error(chat, too_long) == ("invalid_prompt", "messages")
+    too_long.code = "context_length_exceeded"
+    assert rejected_error(completion, too_long) == ("context_length_exceeded", "prompt")
+    assert rejected_error(chat, too_long) == ("context_length_exceeded", "messages")
+    unknown_ids = ValueError("prompt token ids must be integers in [0, 512)")
+    assert rejected_error(completion, unknown_ids) == ("invalid_prompt", "prompt")
+    by_completion_tokens = parse_request_body(
+        CHAT_COMPLETIONS_URL, {"messages": messages, "max_completion_tokens": 9}
+    )
+    past_context = ValueError("this model's maximum context length is 256 tokens, but ...")
+    past_context.code, past_context.param = "context_length_exceeded", "max_tokens"
+    assert rejected_error(by_completion_tokens, past_context) == (
+        "context_length_exceeded",
+        "max_completion_tokens",
+    )
     does_not_fit = ValueError("this model's maximum context length is 256 tokens, but ...")
     does_not_fit.param, does_not_fit.code = "max_tokens", "context_length_exceeded"
     assert rejected_error(chat, does_not_fit) == ("context_length_exceeded", "max_tokens")

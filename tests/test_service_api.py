@@ -25,7 +25,7 @@ from service_helpers import (
     slow_lines,
 )
 
-from batchgen.service.client import BatchGenClient, BatchGenError
+from batchgen.service.client import BatchGenClient, BatchGenError, split_by_endpoint
 
 UPLOAD_LIMIT = 64_000
 
@@ -233,7 +233,7 @@ def test_malformed_duplicate_mismatched_and_streaming_lines_fail_alone(server, s
         ("streamed", 5): "unsupported_parameter",
         ("typo", 6): "unsupported_parameter",
         ("no-prompt", 7): "missing_required_parameter",
-        ("too-long", 8): "invalid_prompt",
+        ("too-long", 8): "context_length_exceeded",
         ("too-many-tokens", 11): "context_length_exceeded",
     }
     assert all(r["response"] is None or r["response"]["status_code"] >= 400 for r in err)
@@ -581,11 +581,11 @@ def test_online_completions_and_sse_streaming(server, sdk):
 def test_online_request_errors(server, sdk):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model="any", prompt="word " * 5000, max_tokens=2)
-    assert (info.value.code, info.value.param) == ("invalid_prompt", "prompt")
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "prompt")
     with pytest.raises(openai.BadRequestError) as info:
         messages = [{"role": "user", "content": "word " * 5000}]
         sdk.chat.completions.create(model="any", messages=messages, max_tokens=2)
-    assert (info.value.code, info.value.param) == ("invalid_prompt", "messages")
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model="any", prompt="hello", max_tokens=100000)
     assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
@@ -674,6 +674,67 @@ def test_batchgen_submit_cli(server, tmp_path):
     results = jsonl(out.read_text())
     assert sorted(str(r["custom_id"]) for r in results) == ["None", "cli-0", "cli-1", "cli-2"]
     assert "completed: 3 ok, 1 failed" in proc.stderr
+
+
+def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server, tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    _mixed_endpoint_file(src)
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.run(
+        [*BATCHGEN, "submit", "-i", str(src), "-o", str(out), "--endpoint", server.url]
+        + ["--api-key", API_KEY, "--no-progress"],
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = jsonl(out.read_text())
+    assert sorted(str(r["custom_id"]) for r in results) == [
+        "None",
+        "chat-1",
+        "chat-2",
+        "mixed-a-0",
+        "mixed-b-0",
+    ]
+    assert "(/v1/completions)" in proc.stderr and "(/v1/chat/completions)" in proc.stderr
+    assert ": 4 ok, 1 failed" in proc.stderr
+
+
+def _mixed_endpoint_file(path):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    lines = [
+        slow_lines(1, 3, prefix="mixed-a").strip(),
+        json.dumps({"custom_id": "chat-1", "url": "/v1/chat/completions", "body": chat}),
+        "{bad",
+        json.dumps({"custom_id": "chat-2", **chat}),  # a plain line: chat by its messages
+        slow_lines(1, 3, prefix="mixed-b").strip(),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_submit_file_refuses_mixed_endpoints_and_splits_them_on_request(client, tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    _mixed_endpoint_file(src)
+    groups = split_by_endpoint(src)
+    assert {url: g.num_lines for url, g in groups.items()} == {
+        "/v1/completions": 3,  # two completions and the bad line, which goes with the first
+        "/v1/chat/completions": 2,
+    }
+    assert [len(g.data.splitlines()) for g in groups.values()] == [5, 5]  # numbering kept
+    with pytest.raises(ValueError, match=r"mixes endpoints: /v1/completions \(3 lines\), "):
+        client.submit_file(src)
+    jobs = client.submit_file_by_endpoint(src)
+    assert [j.batch["endpoint"] for j in jobs] == ["/v1/completions", "/v1/chat/completions"]
+    results = [r for j in jobs for r in j.results()]
+    assert sorted(str(r.custom_id) for r in results if r.ok) == [
+        "chat-1",
+        "chat-2",
+        "mixed-a-0",
+        "mixed-b-0",
+    ]
+    (bad,) = [r for r in results if not r.ok]
+    assert bad.result["error"]["message"].startswith("line 3: not valid JSON")
 
 
 def test_client_errors_are_typed(client):

@@ -318,10 +318,12 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            err = ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
             )
+            err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
+            raise err
         if (
             max_tokens_must_fit
             and params.max_tokens is not None
@@ -330,7 +332,8 @@ class LLMEngine:
             err = ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-                f"max_tokens={params.max_tokens} for the completion); lower max_tokens"
+                f"{params.max_tokens} for the completion); lower the completion's maximum "
+                "tokens"
             )
             # The field to change and the error code, as the OpenAI API reports them.
             err.param = "max_tokens"

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 import time
 import uuid
@@ -201,12 +202,16 @@ class _ResultWriter:
     def __init__(self, sink: IO[bytes]):
         self._sink = sink
         self._last_fsync = time.monotonic()
+        # fsync only makes sense for a regular file (``-o /dev/null`` or a pipe rejects it).
+        self._can_fsync = stat.S_ISREG(os.fstat(sink.fileno()).st_mode)
 
     def write(self, result: dict[str, Any]) -> None:
         self._sink.write((dumps_line(result) + "\n").encode("utf-8"))
 
     def flush(self, *, fsync: bool = False) -> None:
         self._sink.flush()
+        if not self._can_fsync:
+            return
         if fsync or time.monotonic() - self._last_fsync > FSYNC_INTERVAL_S:
             os.fsync(self._sink.fileno())
             self._last_fsync = time.monotonic()

@@ -288,7 +288,7 @@ def _submit(args: argparse.Namespace) -> int:
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
         raise CliError(f"output directory {str(out_dir)!r} does not exist")
-    job = None
+    jobs: list = []
     ok = failed = 0
     try:
         with (
@@ -298,26 +298,31 @@ def _submit(args: argparse.Namespace) -> int:
             open(args.output, "w", encoding="utf-8") as sink,
             tqdm(unit="req", disable=args.no_progress, file=sys.stderr) as bar,
         ):
-            job = client.submit_file(args.input, completion_window=args.completion_window)
-            print(f"{PROG} submit: batch {job.id}", file=sys.stderr)
-            for result in job.iter_results():
-                sink.write(dumps_line(result.result) + "\n")
-                sink.flush()
-                ok, failed = ok + result.ok, failed + (not result.ok)
-                bar.update(1)
-            batch = job.refresh()
+            jobs = client.submit_file_by_endpoint(
+                args.input, completion_window=args.completion_window
+            )
+            for job in jobs:
+                print(f"{PROG} submit: batch {job.id} ({job.batch['endpoint']})", file=sys.stderr)
+            statuses = []
+            for job in jobs:
+                for result in job.iter_results():
+                    sink.write(dumps_line(result.result) + "\n")
+                    sink.flush()
+                    ok, failed = ok + result.ok, failed + (not result.ok)
+                    bar.update(1)
+                statuses.append(job.refresh()["status"])
     except BatchGenError as err:
         raise CliError(str(err)) from err
     except KeyboardInterrupt:
-        if job is not None:
+        for job in jobs:
             print(f"{PROG} submit: batch {job.id} keeps running on the server", file=sys.stderr)
         raise
+    summary = ", ".join(f"batch {job.id} {status}" for job, status in zip(jobs, statuses))
     print(
-        f"{PROG} submit: batch {job.id} {batch['status']}: {ok} ok, {failed} failed; "
-        f"results in {args.output}",
+        f"{PROG} submit: {summary}: {ok} ok, {failed} failed; results in {args.output}",
         file=sys.stderr,
     )
-    return 0 if batch["status"] == "completed" else 1
+    return 0 if all(status == "completed" for status in statuses) else 1
 
 
 def _bench_args(parser: argparse.ArgumentParser) -> None:

@@ -133,7 +133,7 @@ class LLM:
                         error = str(exc)
                 if error is not None:
                     logger.warning(
-                        "%s %d of %d (request_id %r) failed: %s",
+                        "%s at index %d (of %d; request_id %r) failed: %s",
                         what,
                         index,
                         len(prompts),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -186,6 +187,8 @@ class ApiRequest:
         sampling_params: the generation settings. For chat, ``logprobs`` holds ``top_logprobs``
             (0 when only ``logprobs: true``) and None when log-probabilities were not asked.
         model: the body's ``model``, informational only.
+        max_tokens_field: the body field that set ``sampling_params.max_tokens``
+            (``max_completion_tokens`` when a chat request used it), named in errors.
     """
 
     url: str
@@ -193,6 +196,7 @@ class ApiRequest:
     messages: list[dict[str, Any]] | None
     sampling_params: SamplingParams
     model: str | None = None
+    max_tokens_field: str = "max_tokens"
 
     @property
     def is_chat(self) -> bool:
@@ -306,7 +310,15 @@ def parse_request_body(url: str, body: Any) -> ApiRequest:
     if is_chat:
         messages = parse_messages(body.get("messages"))
         kwargs.update(_chat_length_and_logprobs(body))
-        return ApiRequest(url, None, messages, _sampling_params(kwargs, is_chat), model)
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+        return ApiRequest(
+            url,
+            None,
+            messages,
+            _sampling_params(kwargs, is_chat),
+            model,
+            max_tokens_field=field or "max_tokens",
+        )
     prompt = _parse_prompt(body.get("prompt"))
     kwargs.update(_completion_length_and_logprobs(body, n=kwargs.get("n", 1)))
     return ApiRequest(url, prompt, None, _sampling_params(kwargs, is_chat), model)
@@ -556,16 +568,25 @@ def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
         ) from None
     except json.JSONDecodeError as err:
         # err.pos: 0-based character offset in the line (a column past the end: the line ended
-        # too early).
+        # too early). Some of json's messages end in "at" (they expect a position after them).
+        msg = err.msg.removesuffix(" at")
         raise BatchLineError(
-            f"not valid JSON at column {err.pos + 1}: {err.msg}",
+            f"not valid JSON at column {err.pos + 1} (in characters): {msg}",
             line=line,
             custom_id=None,
             code=INVALID_JSON_LINE,
         ) from None
-    except ValueError as err:  # NaN / Infinity (`_strict_constant`)
+    except RecursionError:
         raise BatchLineError(
-            f"not valid JSON: {err}", line=line, custom_id=None, code=INVALID_JSON_LINE
+            "JSON nested too deeply", line=line, custom_id=None, code=INVALID_JSON_LINE
+        ) from None
+    except ValueError as err:
+        # NaN / Infinity (`_strict_constant`), or an integer past Python's digit limit.
+        detail = str(err)
+        if "digits" in detail and "limit" in detail:
+            detail = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise BatchLineError(
+            f"not valid JSON: {detail}", line=line, custom_id=None, code=INVALID_JSON_LINE
         ) from None
     if not isinstance(obj, dict):
         raise BatchLineError(
@@ -597,6 +618,16 @@ def _custom_id(value: Any, line: int) -> str:
             code=MISSING_REQUIRED_PARAMETER if value is None else INVALID_REQUEST,
             param="custom_id",
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800": not storable text
+        raise BatchLineError(
+            "'custom_id' must be valid Unicode text (it contains a lone surrogate escape)",
+            line=line,
+            custom_id=None,
+            code=INVALID_REQUEST,
+            param="custom_id",
+        ) from None
     return value
 
 
@@ -870,12 +901,15 @@ def rejected_error(request: ApiRequest, err: Exception) -> tuple[str, str]:
 
     The code and field the error carries (``err.code``, ``err.param``: e.g.
     ``context_length_exceeded`` and ``max_tokens`` when prompt + max_tokens exceed the
-    context), else ``invalid_prompt`` and the prompt's field (``messages`` for chat, ``prompt``
+    context; ``max_tokens`` becomes ``max_completion_tokens`` when the request set that), else
+    ``invalid_prompt``; the field defaults to the prompt's (``messages`` for chat, ``prompt``
     for completions): empty, too long, ids outside the vocabulary, text that cannot be
     tokenized.
     """
     code = getattr(err, "code", None) or INVALID_PROMPT
     param = getattr(err, "param", None) or ("messages" if request.is_chat else "prompt")
+    if param == "max_tokens":
+        param = request.max_tokens_field
     return code, param
 
 

@@ -50,23 +50,27 @@ KERNEL_NAMES = ("fused_moe", "paged_decode_attention")  # the sources in csrc/
 def kernels_enabled(name: str | None = None) -> bool:
     """Whether ``BATCHGEN_CPU_KERNELS`` lets the kernel ``name`` (None: any kernel) run.
 
-    The variable is ``1`` (default; also ``true``/``yes``/empty), ``0`` (``false``/``no``: all
-    off), or a comma-separated list of names from `KERNEL_NAMES` (only those on).
+    The variable is ``1`` (default; also ``true``/``yes``/``on``/unset/empty: all on), ``0``
+    (``false``/``no``/``off``: all off), or a comma-separated list of names from
+    `KERNEL_NAMES` (only those on). Case and spaces around names do not matter.
 
     Raises:
-        ValueError: a listed name that is not in `KERNEL_NAMES`, naming the allowed values.
+        ValueError: any other value (a name not in `KERNEL_NAMES`, a list with no name),
+            naming the allowed values.
     """
     value = os.environ.get("BATCHGEN_CPU_KERNELS", "1").strip().lower()
-    if value in ("1", "true", "yes", ""):
+    if value in ("1", "true", "yes", "on", ""):
         return True
-    if value in ("0", "false", "no"):
+    if value in ("0", "false", "no", "off"):
         return False
-    names = {n.strip() for n in value.split(",") if n.strip()}
+    names = {n.strip() for n in value.split(",")}
     unknown = sorted(names - set(KERNEL_NAMES))
     if unknown:
+        shown = ", ".join(repr(n) for n in unknown)
         raise ValueError(
-            f"BATCHGEN_CPU_KERNELS: unknown kernel {', '.join(unknown)}; allowed: 0, 1 or a "
-            f"comma-separated list of {', '.join(KERNEL_NAMES)}"
+            f"BATCHGEN_CPU_KERNELS={os.environ['BATCHGEN_CPU_KERNELS']!r}: unknown kernel "
+            f"name {shown}; allowed: 1/on (all kernels), 0/off (none), or a comma-separated "
+            f"list of kernel names from: {', '.join(KERNEL_NAMES)}"
         )
     return name is None or name in names
 
@@ -91,9 +95,13 @@ def cxx_command() -> list[str]:
     ``ccache c++`` or a compiler with options), ``["c++"]`` when unset or empty.
 
     Raises:
-        ValueError: ``$CXX`` has unbalanced quotes.
+        ValueError: ``$CXX`` has unbalanced quotes (the message names ``CXX``).
     """
-    return shlex.split(os.environ.get("CXX", "")) or ["c++"]
+    value = os.environ.get("CXX", "")
+    try:
+        return shlex.split(value) or ["c++"]
+    except ValueError as err:  # shlex's "No closing quotation"
+        raise ValueError(f"CXX={value!r} is not a valid command line ({err})") from None
 
 
 def _build(source: Path, cxx: list[str]) -> Path:

@@ -264,20 +264,65 @@ class BatchGenClient:
     ) -> BatchJob:
         """Upload an OpenAI Batch input file (JSONL) and start a batch on it.
 
+        A batch has one endpoint, as in the OpenAI Batch API: a line whose ``url`` is another
+        endpoint fails alone. `submit_file_by_endpoint` starts one batch per endpoint instead.
+
         Args:
-            endpoint: the batch's endpoint; default: the ``url`` of the file's first line
-                (``/v1/chat/completions`` for a plain line with ``messages``, else
-                ``/v1/completions``).
+            endpoint: the batch's endpoint; default: the endpoint of the file's lines (a
+                line's ``url``, else ``/v1/chat/completions`` for a line with ``messages``,
+                else ``/v1/completions``).
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
+            ValueError: ``endpoint`` is None and the lines name more than one endpoint (the
+                message counts the lines of each).
             BatchGenError: the server refused the file or the batch.
         """
         path = Path(path)
         if endpoint is None:
-            endpoint = infer_endpoint(path)
+            groups = split_by_endpoint(path)
+            if len(groups) > 1:
+                counts = ", ".join(f"{url} ({g.num_lines} lines)" for url, g in groups.items())
+                raise ValueError(
+                    f"{str(path)!r} mixes endpoints: {counts}; a batch has one endpoint. Pass "
+                    "endpoint=..., or use submit_file_by_endpoint (one batch per endpoint)"
+                )
+            endpoint = next(iter(groups), COMPLETIONS_URL)
         file = self.upload_file(path)
         return self.create_batch(file["id"], endpoint, completion_window, metadata)
+
+    def submit_file_by_endpoint(
+        self,
+        path: str | os.PathLike,
+        *,
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> list[BatchJob]:
+        """Start one batch per endpoint that the lines of ``path`` name (see
+        `split_by_endpoint`), so a file that `batchgen run` takes whole (completions and chat
+        lines mixed) runs whole on the server too. Each batch's input keeps the file's line
+        numbers (other endpoints' lines are blanked), so a line's error names the same line as
+        `batchgen run` would. A file of one endpoint gives one batch, as `submit_file`.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            BatchGenError: the server refused a file or a batch (batches already started keep
+                running).
+        """
+        path = Path(path)
+        groups = split_by_endpoint(path)
+        if len(groups) <= 1:
+            endpoint = next(iter(groups), COMPLETIONS_URL)
+            return [
+                self.submit_file(
+                    path, endpoint=endpoint, completion_window=completion_window, metadata=metadata
+                )
+            ]
+        jobs = []
+        for url, group in groups.items():
+            file = self.upload_file(group.data, filename=path.name)
+            jobs.append(self.create_batch(file["id"], url, completion_window, metadata))
+        return jobs
 
     def upload_file(self, source: str | os.PathLike | bytes, filename: str | None = None) -> dict:
         """Upload a batch input file (a path, or its bytes); returns the ``file`` object."""
@@ -421,3 +466,57 @@ def infer_endpoint(path: str | os.PathLike) -> str:
                 return obj["url"]
             return CHAT_COMPLETIONS_URL if "messages" in obj else COMPLETIONS_URL
     return COMPLETIONS_URL
+
+
+@dataclass
+class EndpointLines:
+    """The lines of a batch input file that go to one endpoint (`split_by_endpoint`).
+
+    Attributes:
+        data: the file's bytes with every other endpoint's line blanked (an empty line), so
+            line numbers stay those of the file.
+        num_lines: how many lines (not blank) go to this endpoint.
+    """
+
+    data: bytes
+    num_lines: int
+
+
+def line_endpoint(raw: bytes) -> str | None:
+    """The endpoint of one batch input line: its ``url`` when a string, else
+    ``/v1/chat/completions`` for a line with ``messages``, else ``/v1/completions``; None for
+    a line that is not a JSON object (the server reports its error)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("url"), str):
+        return obj["url"]
+    return CHAT_COMPLETIONS_URL if "messages" in obj else COMPLETIONS_URL
+
+
+def split_by_endpoint(path: str | os.PathLike) -> dict[str, EndpointLines]:
+    """Group the lines of a batch input file by endpoint (`line_endpoint`), in order of first
+    appearance. A line with no endpoint (not JSON) goes with the first endpoint, whose batch
+    reports its error; a file of such lines only goes to ``/v1/completions``. Blank lines are
+    kept in every group (the server skips them)."""
+    lines = Path(path).read_bytes().splitlines(keepends=True)
+    ends = [None if not raw.strip() else line_endpoint(raw) for raw in lines]
+    urls = list(dict.fromkeys(e for e in ends if e is not None))
+    if not urls and any(raw.strip() for raw in lines):
+        urls = [COMPLETIONS_URL]
+    groups = {}
+    for url in urls:
+        keep = [
+            raw if not raw.strip() or e == url or (e is None and url == urls[0]) else b"\n"
+            for raw, e in zip(lines, ends)
+        ]
+        count = sum(
+            1
+            for raw, e in zip(lines, ends)
+            if raw.strip() and (e == url or (e is None and url == urls[0]))
+        )
+        groups[url] = EndpointLines(b"".join(keep), count)
+    return groups
