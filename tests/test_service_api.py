@@ -647,38 +647,8 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
     assert 0.0 < samples[("batchgen_tile_density", ())] <= 1.0  # a Mixtral ran expert GEMMs
 
 
-def test_batchgen_submit_cli(server, tmp_path):
-    src = tmp_path / "requests.jsonl"
-    src.write_text(slow_lines(3, 4, prefix="cli") + "{bad\n")
-    out = tmp_path / "results.jsonl"
-    proc = subprocess.run(
-        [
-            *BATCHGEN,
-            "submit",
-            "-i",
-            str(src),
-            "-o",
-            str(out),
-            "--endpoint",
-            server.url,
-            "--api-key",
-            API_KEY,
-            "--no-progress",
-        ],
-        env=env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    results = jsonl(out.read_text())
-    assert sorted(str(r["custom_id"]) for r in results) == ["None", "cli-0", "cli-1", "cli-2"]
-    assert "completed: 3 ok, 1 failed" in proc.stderr
-
-
-def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server, tmp_path):
-    src = tmp_path / "mixed.jsonl"
-    _mixed_endpoint_file(src)
+def _submit_cli(server, tmp_path, src):
+    """Run ``batchgen submit`` on ``src``; returns the process and its result lines."""
     out = tmp_path / "results.jsonl"
     proc = subprocess.run(
         [*BATCHGEN, "submit", "-i", str(src), "-o", str(out), "--endpoint", server.url]
@@ -689,7 +659,21 @@ def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    results = jsonl(out.read_text())
+    return proc, jsonl(out.read_text())
+
+
+def test_batchgen_submit_cli(server, tmp_path):
+    src = tmp_path / "requests.jsonl"
+    src.write_text(slow_lines(3, 4, prefix="cli") + "{bad\n")
+    proc, results = _submit_cli(server, tmp_path, src)
+    assert sorted(str(r["custom_id"]) for r in results) == ["None", "cli-0", "cli-1", "cli-2"]
+    assert "completed: 3 ok, 1 failed" in proc.stderr
+
+
+def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server, tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    _mixed_endpoint_file(src)
+    proc, results = _submit_cli(server, tmp_path, src)
     assert sorted(str(r["custom_id"]) for r in results) == [
         "None",
         "chat-1",

@@ -447,27 +447,6 @@ def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-def infer_endpoint(path: str | os.PathLike) -> str:
-    """The endpoint of a batch input file from its first non-blank line: its ``url``, or
-    ``/v1/chat/completions`` for a plain line with ``messages``, else ``/v1/completions``.
-    A first line that is not a JSON object yields ``/v1/completions`` (the server then
-    reports that line's error)."""
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                return COMPLETIONS_URL
-            if not isinstance(obj, dict):
-                return COMPLETIONS_URL
-            if isinstance(obj.get("url"), str):
-                return obj["url"]
-            return CHAT_COMPLETIONS_URL if "messages" in obj else COMPLETIONS_URL
-    return COMPLETIONS_URL
-
-
 @dataclass
 class EndpointLines:
     """The lines of a batch input file that go to one endpoint (`split_by_endpoint`).
@@ -507,16 +486,10 @@ def split_by_endpoint(path: str | os.PathLike) -> dict[str, EndpointLines]:
     urls = list(dict.fromkeys(e for e in ends if e is not None))
     if not urls and any(raw.strip() for raw in lines):
         urls = [COMPLETIONS_URL]
+    # Each non-blank line's batch: its own endpoint, or the first one for a line without.
+    owners = [None if not raw.strip() else (e or urls[0]) for raw, e in zip(lines, ends)]
     groups = {}
     for url in urls:
-        keep = [
-            raw if not raw.strip() or e == url or (e is None and url == urls[0]) else b"\n"
-            for raw, e in zip(lines, ends)
-        ]
-        count = sum(
-            1
-            for raw, e in zip(lines, ends)
-            if raw.strip() and (e == url or (e is None and url == urls[0]))
-        )
-        groups[url] = EndpointLines(b"".join(keep), count)
+        keep = [raw if owner in (None, url) else b"\n" for raw, owner in zip(lines, owners)]
+        groups[url] = EndpointLines(b"".join(keep), owners.count(url))
     return groups
