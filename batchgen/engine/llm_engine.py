@@ -20,6 +20,12 @@ from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
+from batchgen.engine.input_processor import (
+    InputProcessor,
+    ProcessedPrompt,
+    eos_token_ids,
+    load_tokenizer,
+)
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -67,7 +73,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         self.config = config
         if config.model is None:
@@ -95,11 +101,8 @@ class LLMEngine:
             self.device,
             time.perf_counter() - t0,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
-        # Length limits are the engine's to enforce (per request, with a clear error); without
-        # this, transformers warns about "indexing errors" on every long prompt.
-        self.tokenizer.model_max_length = 1 << 62
-        self.eos_token_ids = self._eos_ids(path, cfg)
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.eos_token_ids = eos_token_ids(path, cfg)
 
         num_blocks = self._num_kv_blocks(cfg)
         capacity = num_blocks * config.block_size
@@ -115,6 +118,7 @@ class LLMEngine:
             )
             max_len = capacity
         self.max_model_len = max_len
+        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.scheduler = Scheduler(
@@ -196,98 +200,10 @@ class LLMEngine:
         logits = 4 * 4 * min(c.max_num_seqs, c.max_num_batched_tokens) * cfg.vocab_size
         return c.max_num_batched_tokens * per_token + logits + _GiB
 
-    @staticmethod
-    def _eos_ids(path, cfg: ModelConfig) -> frozenset[int]:
-        """EOS ids from config.json and generation_config.json (which may list several)."""
-        ids = set(cfg.eos_token_ids)
-        try:
-            from transformers import GenerationConfig
-
-            gen = GenerationConfig.from_pretrained(path)
-            eos = gen.eos_token_id
-            ids.update(
-                eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-            )
-        except OSError:
-            pass
-        return frozenset(int(i) for i in ids)
-
     # ---- requests ---------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("prompt dict must have 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token")
-            return prompt, self._encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
-        raise ValueError(
-            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize, turning text the tokenizer cannot take (e.g. lone UTF-16 surrogates from
-        JSON escapes like "\\ud800") into a ValueError for this request alone."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"prompt is not valid Unicode text ({exc.reason} at character {exc.start})"
-            ) from None
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as exc:  # tokenizers raises TypeError/Exception on odd input
-            raise ValueError(f"prompt could not be tokenized: {exc}") from None
-
-    def _check_ids(self, ids) -> list[int]:
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-        return list(ids)
-
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation with the generation prompt appended.
-
-        Raises ValueError when messages are malformed or the tokenizer has no chat template
-        (that error has ``param`` ``"model"``: the messages are fine, the model cannot take them).
-        """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ValueError(
-                    f"messages[{i}] must be an object with string 'role' and 'content'"
-                )
-        if not getattr(self.tokenizer, "chat_template", None):
-            err = ValueError(
-                "this model's tokenizer has no chat template, so it cannot take chat messages; "
-                "send the text as a 'prompt' to /v1/completions (LLM.generate) instead, or give "
-                "the engine a tokenizer that has one (--tokenizer / LLM(tokenizer=...), or a "
-                "'chat_template' in the model's tokenizer_config.json)"
-            )
-            # As the OpenAI API answers a chat request to a model that is not a chat model.
-            err.param = "model"
-            err.code = "invalid_request"
-            raise err
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja2 TemplateError from `raise_exception`, and the like
-            raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
-        return self._encode(text, add_special_tokens=False)
+        """See `InputProcessor.apply_chat_template`."""
+        return self.input_processor.apply_chat_template(messages)
 
     def add_request(
         self,
@@ -314,31 +230,23 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if len(ids) >= self.max_model_len:
-            err = ValueError(
-                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
-            )
-            err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
-            raise err
-        if (
-            max_tokens_must_fit
-            and params.max_tokens is not None
-            and len(ids) + params.max_tokens > self.max_model_len
-        ):
-            err = ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-                f"{params.max_tokens} for the completion); lower the completion's maximum "
-                "tokens"
-            )
-            # The field to change and the error code, as the OpenAI API reports them.
-            err.param = "max_tokens"
-            err.code = "context_length_exceeded"
-            raise err
+        processed = self.input_processor.process(
+            prompt, params, max_tokens_must_fit=max_tokens_must_fit
+        )
+        self.add_processed_request(request_id, processed, params)
+
+    def add_processed_request(
+        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams
+    ) -> None:
+        """Queue a request whose prompt `InputProcessor.process` has already validated (the
+        data-parallel ranks get requests this way from the frontend).
+
+        Raises:
+            ValueError: duplicate ``request_id``.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = processed.prompt, processed.prompt_token_ids
         request = Request(request_id, text, ids, params, self._arrivals)
         self._arrivals += 1
         for i in range(params.n):
