@@ -159,3 +159,175 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
+DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
+
+
+@dataclass
+class ParallelConfig:
+    """How a job spreads over processes and machines (DESIGN.md, phase-specific parallelism).
+
+    Flag names follow vLLM's (``--data-parallel-size``, ``--enable-expert-parallel``,
+    ``--data-parallel-size-local``, ``--data-parallel-address``, ``--data-parallel-rpc-port``);
+    the rest are BatchGen's. `batchgen.distributed.layout.resolve_layout` turns the sizes into
+    the rank grid. Validation raises `ValueError` naming the field and its allowed values.
+    """
+
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "ranks (processes), each running attention on its own requests with its own KV "
+            "cache (vLLM's flag); with --enable-expert-parallel all of them form one "
+            "expert-parallel group, as in vLLM"
+        ),
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=_help(
+            "shard the routed experts over the ranks (tokens dispatched to their experts' "
+            "ranks and combined back with all-to-all) instead of replicating them"
+        ),
+    )
+    expert_parallel_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "ranks per expert-parallel group (implies expert parallelism; must divide "
+            "data_parallel_size; data_parallel_size / expert_parallel_size groups hold one "
+            "copy of the experts each). Default: all ranks with --enable-expert-parallel, else 1"
+        ),
+    )
+    prefill_strategy: str = field(
+        default="expert_parallel",
+        metadata=_help(
+            f"one of {PREFILL_STRATEGIES}: expert_parallel dispatches prefill tokens like "
+            "decode tokens; data_parallel_offload runs a large prefill's experts on its own "
+            "rank, streaming the experts it does not hold from the checkpoint, layer by layer"
+        ),
+    )
+    decode_strategy: str | None = field(
+        default=None,
+        metadata=_help(
+            f"one of {DECODE_STRATEGIES}: data-parallel attention with expert-parallel MoE, "
+            "or pure data parallelism with replicated experts (default: dp_attention_ep_moe "
+            "with expert parallelism, else data_parallel)"
+        ),
+    )
+    prefill_stream_min_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "data_parallel_offload: a rank streams experts in a step with at least this many "
+            "prefill tokens (default: where dispatching them would move as many bytes as "
+            "streaming the experts it lacks)"
+        ),
+    )
+    stream_buffer_layers: int = field(
+        default=2,
+        metadata=_help("data_parallel_offload: layers of streamed experts held at once (>= 1)"),
+    )
+    distributed_timeout_s: float = field(
+        default=300.0,
+        metadata=_help(
+            "seconds a rank may stay silent (stuck) before the job fails naming it; a rank "
+            "that dies is reported at once"
+        ),
+    )
+    data_parallel_size_local: int | None = field(
+        default=None,
+        metadata=_help(
+            "ranks to start on this machine (default: all); the others connect from other "
+            "machines (`python -m batchgen.distributed.launch`, or torchrun)"
+        ),
+    )
+    data_parallel_address: str = field(
+        default="127.0.0.1",
+        metadata=_help("address the frontend listens on for ranks (and their rendezvous)"),
+    )
+    data_parallel_rpc_port: int | None = field(
+        default=None,
+        metadata=_help(
+            "port the frontend listens on for ranks (default: a free port; needed when ranks "
+            "start on other machines)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+            )
+        for name in ("expert_parallel_size", "prefill_stream_min_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.data_parallel_size_local is not None and (
+            not _is_int(self.data_parallel_size_local)
+            or not 0 <= self.data_parallel_size_local <= self.data_parallel_size
+        ):
+            raise ValueError(
+                f"data_parallel_size_local must be an integer in [0, data_parallel_size="
+                f"{self.data_parallel_size}], got {self.data_parallel_size_local!r}"
+            )
+        if not _is_int(self.stream_buffer_layers) or self.stream_buffer_layers < 1:
+            raise ValueError(
+                f"stream_buffer_layers must be an integer >= 1, got {self.stream_buffer_layers!r}"
+            )
+        if not (_is_number(self.distributed_timeout_s) and 0 < self.distributed_timeout_s):
+            raise ValueError(
+                f"distributed_timeout_s must be a number > 0 (seconds), got "
+                f"{self.distributed_timeout_s!r}"
+            )
+        if self.data_parallel_rpc_port is not None and (
+            not _is_int(self.data_parallel_rpc_port) or not 0 < self.data_parallel_rpc_port < 65536
+        ):
+            raise ValueError(
+                f"data_parallel_rpc_port must be in [1, 65535], got {self.data_parallel_rpc_port!r}"
+            )
+        if self.prefill_strategy not in PREFILL_STRATEGIES:
+            raise ValueError(
+                f"prefill_strategy must be one of {PREFILL_STRATEGIES}, got "
+                f"{self.prefill_strategy!r}"
+            )
+        if self.decode_strategy is not None and self.decode_strategy not in DECODE_STRATEGIES:
+            raise ValueError(
+                f"decode_strategy must be one of {DECODE_STRATEGIES}, got {self.decode_strategy!r}"
+            )
+        ep = self.resolved_expert_parallel_size
+        if self.data_parallel_size % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide data_parallel_size="
+                f"{self.data_parallel_size}"
+            )
+        if self.decode_strategy == "data_parallel" and ep > 1:
+            raise ValueError(
+                "decode_strategy='data_parallel' replicates the experts, which contradicts "
+                "--enable-expert-parallel / expert_parallel_size > 1; drop one of them"
+            )
+        if self.prefill_strategy == "data_parallel_offload" and ep == 1:
+            raise ValueError(
+                "prefill_strategy='data_parallel_offload' streams the experts a rank does not "
+                "hold, so it needs expert parallelism (--enable-expert-parallel or "
+                "expert_parallel_size > 1)"
+            )
+
+    @property
+    def resolved_expert_parallel_size(self) -> int:
+        """Ranks per expert-parallel group after defaults (see the field's help)."""
+        if self.expert_parallel_size is not None:
+            return self.expert_parallel_size
+        if self.enable_expert_parallel or self.decode_strategy == "dp_attention_ep_moe":
+            return self.data_parallel_size
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when the job runs in rank processes (more than one rank, or ranks elsewhere)."""
+        return self.data_parallel_size > 1 or self.data_parallel_size_local == 0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

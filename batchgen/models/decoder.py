@@ -54,7 +54,7 @@ def _make_attention(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     )
 
 
-def _make_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+def _make_ffn(cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None) -> nn.Module:
     if not cfg.layer_is_moe[layer_idx]:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
     return SparseMoeBlock(
@@ -67,6 +67,7 @@ def _make_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
         shared_intermediate_size=cfg.shared_expert_intermediate_size,
         shared_gate=cfg.shared_expert_gate,
         correction_bias=cfg.router.topk_method == "noaux_tc",
+        expert_ids=expert_ids,
     )
 
 
@@ -77,20 +78,21 @@ class DecoderLayer(nn.Module):
     a `SparseMoeBlock`, per layer as `ModelConfig.layer_is_moe` says.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _make_attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _make_ffn(cfg, layer_idx)
+        self.mlp = _make_ffn(cfg, layer_idx, expert_ids)
 
     def attention_stage(
         self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         return h + self.self_attn(self.input_layernorm(h), meta, kv_cache)
 
-    def ffn_stage(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def ffn_stage(self, h: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x) if local_rows is None else self.mlp(x, local_rows))
 
 
 class CausalLM(nn.Module):
@@ -98,13 +100,17 @@ class CausalLM(nn.Module):
 
     Parameter names are this module's own; `batchgen.models.loader` maps checkpoint names onto
     them. With ``tie_word_embeddings`` the LM head shares ``embed_tokens.weight``.
+    ``expert_ids``: the routed experts every MoE layer holds (logical ids; default all of them,
+    an expert-parallel rank holds its shard).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, expert_ids) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -127,8 +133,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.layers[layer].attention_stage(h, meta, kv_cache)
 
-    def ffn_stage(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        return self.layers[layer].ffn_stage(h)
+    def ffn_stage(
+        self, layer: int, h: torch.Tensor, local_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``h [T, H]`` -> ``[T, H]``; ``local_rows`` see `SparseMoeBlock.forward`."""
+        return self.layers[layer].ffn_stage(h, local_rows)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [B, H]`` (the rows to sample from) -> logits ``[B, V]`` float32."""

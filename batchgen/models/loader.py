@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +95,23 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` lazily, one tensor at a time (memory-mapped reads)."""
+    for name, read in iter_checkpoint_lazy(files):
+        yield name, read()
+
+
+def iter_checkpoint_lazy(files: list[Path]) -> Iterator[tuple[str, Callable]]:
+    """Yield ``(name, read)``: ``read()`` returns the tensor, ``read(start, stop)`` only rows
+    ``[start, stop)`` of its first dimension; nothing is read for a name nobody reads."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+
+                def read(start: int | None = None, stop: int | None = None, _n=name, _f=f):
+                    if start is None:
+                        return _f.get_tensor(_n)
+                    return _f.get_slice(_n)[start:stop]
+
+                yield name, read
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,8 @@ class Target:
 
 
 def expected_pieces(name: str, param: torch.Tensor, cfg: ModelConfig) -> set:
-    """The pieces that must all be filled for parameter ``name``."""
+    """The pieces that must all be filled for parameter ``name`` (expert weights: one per held
+    slot, see `SparseMoeBlock.expert_ids`)."""
     if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
         return {"q", "k", "v"}
     if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
@@ -235,8 +249,21 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     return [(re.compile(pattern + "$"), fn) for pattern, fn in rules]
 
 
+def _held_experts(model: CausalLM) -> list[int] | None:
+    """The logical experts every MoE layer of ``model`` holds, or None when it holds all."""
+    for module in model.modules():
+        ids = getattr(module, "expert_ids", None)
+        if ids is not None:
+            return None if ids == list(range(module.num_experts)) else ids
+    return None
+
+
 def load_weights(model: CausalLM, files: list[Path]) -> None:
     """Fill ``model``'s parameters from safetensors ``files``.
+
+    A model that holds a shard of the routed experts (expert parallelism) reads only those:
+    per-expert tensors of other experts are skipped unread, fused ``[E, ...]`` tensors are
+    sliced.
 
     Raises:
         WeightLoadError: naming tensors that are unexpected or mis-shaped, and parameters that
@@ -246,8 +273,10 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     remaining = {n: expected_pieces(n, p, cfg) for n, p in params.items()}
     rules = checkpoint_rules(cfg)
+    held = _held_experts(model)
+    slot_of = None if held is None else {e: i for i, e in enumerate(held)}
     unexpected: list[str] = []
-    for name, tensor in iter_checkpoint(files):
+    for name, read in iter_checkpoint_lazy(files):
         if _IGNORED.search(name):
             continue
         for pattern, fn in rules:
@@ -263,10 +292,19 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         if target.param not in params:
             unexpected.append(name)
             continue
+        expert = target.expert
+        if slot_of is not None and expert is not None:
+            if expert not in slot_of:
+                continue  # another rank's expert
+            expert = slot_of[expert]
+        if slot_of is not None and target.expert is None and _is_expert_param(target.param):
+            tensor = _read_experts(read, held)  # a fused [E, ...] tensor: this rank's rows
+        else:
+            tensor = read()
         param = params[target.param]
         dest = param.data
-        if target.expert is not None:
-            dest = dest[target.expert]
+        if expert is not None:
+            dest = dest[expert]
         if target.row_start is not None:
             dest = dest.narrow(0, target.row_start, tensor.shape[0])
         if tuple(dest.shape) != tuple(tensor.shape):
@@ -279,7 +317,8 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         if target.piece == "all":
             pieces.clear()
         else:
-            pieces.discard(target.piece)
+            renamed = slot_of is not None and target.expert is not None
+            pieces.discard(_slot_piece(target, slot_of) if renamed else target.piece)
     for module in model.modules():  # caches derived from the weights (the CPU MoE kernel's)
         invalidate = getattr(module, "invalidate_packed_weights", None)
         if invalidate is not None:
@@ -300,16 +339,48 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         raise WeightLoadError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(parts))
 
 
-def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def _is_expert_param(param: str) -> bool:
+    return param.endswith("mlp.w13_weight") or param.endswith("mlp.w2_weight")
+
+
+def _slot_piece(target: Target, slot_of: dict[int, int]):
+    """A per-expert piece (``e`` or ``(e, "gate")``) renamed to the expert's held slot."""
+    if isinstance(target.piece, tuple):
+        return (slot_of[target.piece[0]], target.piece[1])
+    return slot_of[target.piece]
+
+
+def _read_experts(read: Callable, experts: list[int]) -> torch.Tensor:
+    """Rows ``experts`` of a fused ``[E, ...]`` expert tensor, reading only contiguous runs."""
+    runs: list[torch.Tensor] = []
+    start = prev = experts[0]
+    for e in [*experts[1:], None]:
+        if e is not None and e == prev + 1:
+            prev = e
+            continue
+        runs.append(read(start, prev + 1))
+        if e is not None:
+            start = prev = e
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+
+def load_model(
+    path: Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    expert_ids: list[int] | None = None,
+) -> CausalLM:
     """Build `CausalLM` on the meta device, materialise it on ``device`` in ``dtype`` and load
-    the safetensors weights of ``path``."""
+    the safetensors weights of ``path``; ``expert_ids``: hold (and read) only these routed
+    experts (an expert-parallel rank's shard; default all)."""
     files = checkpoint_files(path)
     _refuse_quantized(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, expert_ids)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)

@@ -282,6 +282,7 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int = 0,
         shared_gate: bool = False,
         correction_bias: bool = False,
+        expert_ids: list[int] | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -289,13 +290,20 @@ class SparseMoeBlock(nn.Module):
                 f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}"
             )
         self.num_experts, self.top_k, self.router = num_experts, top_k, router
+        # The routed experts held here (logical ids, in slot order): all of them, or this
+        # rank's shard under expert parallelism (`batchgen.distributed`).
+        self.expert_ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
+        held = len(self.expert_ids)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         if correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_weight = nn.Parameter(torch.empty(held, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(held, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
         self.stats = None  # the engine injects its `ExpertGemmStats` here
+        # Under expert parallelism: a callable ``(block, x, local_rows) -> [T, H]`` that routes,
+        # dispatches, runs the held experts and combines (`ExpertParallelMoE`).
+        self.expert_parallel = None
         self._packed = None  # (key, w13 packed, w2 packed) for the CPU kernel, built on first use
         self.shared_experts = (
             GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
@@ -335,25 +343,45 @@ class SparseMoeBlock(nn.Module):
                 self._packed = (key, pack_expert_weights(w13), pack_expert_weights(w2))
         return self._packed[1], self._packed[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(x)
-        # Chosen by measurement on CPU (see `batchgen.kernels.fused_moe` and
-        # `fused_experts_per_expert`); CUDA keeps the reference until it is measured there.
-        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """True when the fused CPU kernel runs this block's experts for activations like ``x``
+        (never under autograd: the kernel has no backward)."""
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or self.w13_weight.requires_grad or self.w2_weight.requires_grad
-        )  # the kernel has no backward: autograd takes the torch path
-        if not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act):
-            order, counts = sort_by_expert(topk_ids, self.num_experts)
+        )
+        return not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act)
+
+    def experts(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The held routed experts: ``x [T, H]``, ``topk_weights [T, A]`` float32 and
+        ``topk_ids [T, A]`` *slots* of this block (equal to the logical ids unless the experts
+        are sharded) -> ``[T, H]`` (float32 on the kernel path, else x's dtype):
+        ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in slot order on the kernel
+        path. The fast path is chosen here, by measurement on CPU (see
+        `batchgen.kernels.fused_moe` and `fused_experts_per_expert`); CUDA keeps the reference
+        until it is measured there."""
+        if self.uses_kernel(x):
+            order, counts = sort_by_expert(topk_ids, self.w13_weight.shape[0])
             if self.stats is not None:
                 self.stats.record(counts)
             w13_packed, w2_packed = self.packed_expert_weights()
-            out = fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
-        elif x.device.type == "cpu":
-            workers = cpu_expert_workers(x.shape[0], self.top_k, self.num_experts)
-            out = fused_experts_per_expert(*args, num_workers=workers)
+            return fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
+        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
+        if x.device.type == "cpu":
+            workers = cpu_expert_workers(x.shape[0], self.top_k, self.w13_weight.shape[0])
+            return fused_experts_per_expert(*args, num_workers=workers)
+        return fused_experts_reference(*args)
+
+    def forward(self, x: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``. ``local_rows`` (expert parallelism only): rows whose
+        experts all run on this rank, the ones it does not hold streamed in (the
+        ``data_parallel_offload`` prefill)."""
+        if self.expert_parallel is not None:
+            out = self.expert_parallel(self, x, local_rows)
         else:
-            out = fused_experts_reference(*args)
+            topk_weights, topk_ids = self.route(x)
+            out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:

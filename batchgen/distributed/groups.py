@@ -1,0 +1,102 @@
+"""Process groups of one rank: the data path and the control path (DESIGN.md).
+
+- ``world`` (default group): the data path, on the device's backend (gloo on CPU, NCCL on
+  CUDA); ``ep_group``: this rank's expert-parallel group on the same backend, where dispatch and
+  combine run.
+- ``control``: a gloo group with an explicit timeout for the per-step control exchange, so a
+  rank that dies or stalls fails the others' exchange with an error instead of hanging them (a
+  dead rank hangs NCCL forever: vLLM RFC #39942).
+
+No module-level state: everything a rank needs is in the `ProcessGroups` it is handed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from batchgen.distributed.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+# Start-up may wait for the slowest rank to load its weights (minutes for a large model).
+INIT_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class ProcessGroups:
+    """A rank's groups and coordinates.
+
+    Attributes:
+        rank / world_size: global.
+        layout: the rank grid.
+        world: the default (data) group; control: gloo with the control timeout; ep_group:
+            this rank's expert-parallel group (None when experts are replicated).
+    """
+
+    rank: int
+    world_size: int
+    layout: ParallelLayout
+    world: object
+    control: object
+    ep_group: object | None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.ep_rank(self.rank)
+
+
+def init_process_groups(
+    rank: int,
+    layout: ParallelLayout,
+    init_method: str,
+    device: torch.device,
+    control_timeout_s: float,
+) -> ProcessGroups:
+    """Join the job: the default group on the device's backend, the gloo control group, and
+    every expert-parallel group (all ranks create all groups, in the same order, as
+    ``torch.distributed.new_group`` requires).
+
+    Args:
+        init_method: ``tcp://host:port`` (or ``env://`` under torchrun).
+        control_timeout_s: timeout of control-group collectives.
+    Raises:
+        RuntimeError / DistNetworkError: the rendezvous failed or timed out.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=layout.world_size,
+        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
+    )
+    control = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)
+    )
+    ep_group = None
+    if layout.expert_parallel:
+        for ranks in layout.all_ep_groups():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                ep_group = group
+    logger.info(
+        "rank %d of %d joined (%s data path, gloo control group, expert-parallel group %s)",
+        rank,
+        layout.world_size,
+        backend,
+        layout.ep_group_ranks(rank) if layout.expert_parallel else "none",
+    )
+    return ProcessGroups(rank, layout.world_size, layout, dist.group.WORLD, control, ep_group)
+
+
+def destroy_process_groups() -> None:
+    """Leave the job (safe to call when not initialised)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
