@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_helpers import run_ranks
 
 H = 32

@@ -119,4 +119,6 @@ def run_streamed_experts(
         if block.stats is not None:
             block.stats.record(counts)
         return fused_moe_silu(x, w13, w2, weights[:, None], order, counts)
-    return fused_experts_reference(x, w13, w2, weights[:, None], slots[:, None], block.act, block.stats)
+    return fused_experts_reference(
+        x, w13, w2, weights[:, None], slots[:, None], block.act, block.stats
+    )

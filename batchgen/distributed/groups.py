@@ -77,9 +77,7 @@ def init_process_groups(
         world_size=layout.world_size,
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
     )
-    control = dist.new_group(
-        backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s)
-    )
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
     ep_group = None
     if layout.expert_parallel:
         for ranks in layout.all_ep_groups():
