@@ -3,9 +3,10 @@
 - ``world`` (default group): the data path, on the device's backend (gloo on CPU, NCCL on
   CUDA); ``ep_group``: this rank's expert-parallel group on the same backend, where dispatch and
   combine run.
-- ``control``: a gloo group with an explicit timeout for the per-step control exchange, so a
-  rank that dies or stalls fails the others' exchange with an error instead of hanging them (a
-  dead rank hangs NCCL forever: vLLM RFC #39942).
+- ``control``: a gloo group over the same expert-parallel group, with an explicit timeout, for
+  the per-step control exchange, so a rank that dies or stalls fails the others' exchange with
+  an error instead of hanging them (a dead rank hangs NCCL forever: vLLM RFC #39942). Ranks of
+  different expert-parallel groups (replicas) never wait for each other.
 
 No module-level state: everything a rank needs is in the `ProcessGroups` it is handed.
 """
@@ -34,16 +35,17 @@ class ProcessGroups:
     Attributes:
         rank / world_size: global.
         layout: the rank grid.
-        world: the default (data) group; control: gloo with the control timeout; ep_group:
-            this rank's expert-parallel group (None when experts are replicated).
+        world: the default (data) group; ep_group: this rank's expert-parallel group and
+            control: the same ranks on gloo with the control timeout (both None when experts
+            are replicated: then ranks never synchronise per step).
     """
 
     rank: int
     world_size: int
     layout: ParallelLayout
     world: object
-    control: object
     ep_group: object | None
+    control: object | None
 
     @property
     def ep_rank(self) -> int:
@@ -57,9 +59,9 @@ def init_process_groups(
     device: torch.device,
     control_timeout_s: float,
 ) -> ProcessGroups:
-    """Join the job: the default group on the device's backend, the gloo control group, and
-    every expert-parallel group (all ranks create all groups, in the same order, as
-    ``torch.distributed.new_group`` requires).
+    """Join the job: the default group on the device's backend, and every expert-parallel
+    group twice, on the device's backend and on gloo with ``control_timeout_s`` (all ranks
+    create all groups, in the same order, as ``torch.distributed.new_group`` requires).
 
     Args:
         init_method: ``tcp://host:port`` (or ``env://`` under torchrun).
@@ -77,21 +79,22 @@ def init_process_groups(
         world_size=layout.world_size,
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
     )
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
-    ep_group = None
+    ep_group = control = None
     if layout.expert_parallel:
+        timeout = datetime.timedelta(seconds=control_timeout_s)
         for ranks in layout.all_ep_groups():
             group = dist.new_group(ranks)
+            gloo = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if rank in ranks:
-                ep_group = group
+                ep_group, control = group, gloo
     logger.info(
-        "rank %d of %d joined (%s data path, gloo control group, expert-parallel group %s)",
+        "rank %d of %d joined (%s data path; expert-parallel group %s)",
         rank,
         layout.world_size,
         backend,
         layout.ep_group_ranks(rank) if layout.expert_parallel else "none",
     )
-    return ProcessGroups(rank, layout.world_size, layout, dist.group.WORLD, control, ep_group)
+    return ProcessGroups(rank, layout.world_size, layout, dist.group.WORLD, ep_group, control)
 
 
 def destroy_process_groups() -> None:

@@ -18,10 +18,18 @@ the experts fewer than ``expert_coalesce_threshold`` rows on average; otherwise 
 every group waiting there. The executor always advances the most advanced runnable group, and
 an attention stage is always runnable, so some group moves on every iteration: no deadlock, and
 every group finishes the step (no starvation).
+
+Under expert parallelism (``expert_parallel=True``) every MoE layer's FFN stage runs exactly
+once per step, over every group (it waits until no group is behind it), because each run is a
+dispatch / combine pair that every rank must issue the same number of times (DESIGN.md); and
+`execute_dummy` lets a rank without tokens take part in every layer's pair with zero rows.
+With ``local_prefill`` a step's prefill rows are marked ``local_rows`` for the MoE layers (the
+``data_parallel_offload`` strategy: their experts run on this rank).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -100,6 +108,7 @@ class StageExecutor:
         max_num_batched_tokens: tokens per attention micro-batch.
         expert_coalesce_threshold: see `ExpertBatchCoalescer`.
         metrics: receives stage times.
+        expert_parallel: one FFN stage per MoE layer per step (see the module docstring).
     """
 
     def __init__(
@@ -109,6 +118,7 @@ class StageExecutor:
         max_num_batched_tokens: int,
         expert_coalesce_threshold: int,
         metrics: EngineMetrics,
+        expert_parallel: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {policy!r}")
@@ -116,8 +126,11 @@ class StageExecutor:
         self.model = runner.model
         self.max_group_tokens = max_num_batched_tokens
         cfg = self.model.config
+        self.expert_parallel = expert_parallel
         self.coalescer = ExpertBatchCoalescer(
-            expert_coalesce_threshold, cfg.num_local_experts, cfg.num_experts_per_tok
+            math.inf if expert_parallel else expert_coalesce_threshold,
+            cfg.num_local_experts,
+            cfg.num_experts_per_tok,
         )
         self.layer_is_moe = cfg.layer_is_moe
         self._sync = runner.device.type == "cuda"
@@ -146,9 +159,11 @@ class StageExecutor:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+    def execute(
+        self, scheduled: list[ScheduledSeq], local_prefill: bool = False
+    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Run a step. Returns the entries that sample a token (row order) and their logits
-        ``[B, V]`` float32."""
+        ``[B, V]`` float32. ``local_prefill``: see the module docstring."""
         groups = []
         for entries in self.form_groups(scheduled):
             input_ids, meta, ordered, sample_indices = self.runner.prepare(entries)
@@ -156,7 +171,7 @@ class StageExecutor:
             for e in ordered:
                 e.seq.group = group
             groups.append(group)
-        self.run_stages(groups)
+        self.run_stages(groups, local_prefill)
         sampling: list[ScheduledSeq] = []
         rows = []
         for group in groups:
@@ -169,7 +184,29 @@ class StageExecutor:
         self.metrics.stage_seconds["lm_head"] += self._clock() - t0
         return sampling, logits
 
-    def run_stages(self, groups: list[CoroutineGroup]) -> None:
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """A step without tokens: every MoE layer's FFN stage on zero rows, so that this rank
+        issues the same collectives as the ranks that have tokens (expert parallelism)."""
+        t0 = self._clock()
+        empty = torch.empty(0, self.model.config.hidden_size, device=self.runner.device)
+        empty = empty.to(self.model.embed_tokens.weight.dtype)
+        for layer in range(self.model.num_layers):
+            if self.layer_is_moe[layer]:
+                self.model.ffn_stage(layer, empty)
+        self.metrics.stage_seconds["moe"] += self._clock() - t0
+
+    @staticmethod
+    def _prefill_rows(peers: list[CoroutineGroup]) -> torch.Tensor:
+        """Row indices of the prefill tokens in ``cat(peers' hidden)`` (each group's rows are
+        its decode tokens, then its prefill chunks: `ModelRunner.prepare`)."""
+        rows, offset = [], 0
+        for g in peers:
+            rows.append(torch.arange(offset + g.meta.num_decode_tokens, offset + g.num_tokens))
+            offset += g.num_tokens
+        return torch.cat(rows).to(peers[0].input_ids.device)
+
+    def run_stages(self, groups: list[CoroutineGroup], local_prefill: bool = False) -> None:
         """Advance every group through every layer (see the module docstring for the order)."""
         num_layers = self.model.num_layers
         kv = self.runner.kv_caches
@@ -189,10 +226,13 @@ class StageExecutor:
                 stage_seconds["attention"] += self._clock() - t0
                 continue
             peers = [g for g in active if g.cursor == group.cursor]
+            rows = None
+            if local_prefill and self.layer_is_moe[layer]:
+                rows = self._prefill_rows(peers)
             if len(peers) == 1:
-                group.hidden = self.model.ffn_stage(layer, group.hidden)
+                group.hidden = self.model.ffn_stage(layer, group.hidden, rows)
             else:  # coalesced: one FFN call over every waiting group's tokens
-                merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]))
+                merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]), rows)
                 for g, h in zip(peers, merged.split([g.num_tokens for g in peers]), strict=True):
                     g.hidden = h
             stage_seconds["moe" if self.layer_is_moe[layer] else "dense_ffn"] += self._clock() - t0

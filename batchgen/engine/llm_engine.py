@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,7 @@ from batchgen.engine.input_processor import (
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, SequenceCoroutine
 from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.layers.moe import SparseMoeBlock
@@ -37,6 +38,9 @@ from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchgen.distributed.rank import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ class LLMEngine:
     ``BATCHGEN_CPU_KERNELS``).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: RankContext | None = None) -> None:
         from transformers import AutoConfig
 
         self.config = config
@@ -86,14 +90,15 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
-        self.device = resolve_device(config.device)
+        self.device = rank.device if rank is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
         if self.device.type == "cpu":
             tune_glibc_malloc()
             kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        model = load_model(path, cfg, self.device, self.dtype)
+        held = rank.held_experts(cfg) if rank is not None else None
+        model = load_model(path, cfg, self.device, self.dtype, held)
         logger.info(
             "loaded %s (%s) on %s in %.1f s",
             path,
@@ -132,12 +137,18 @@ class LLMEngine:
         for module in model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
+        # Under expert parallelism: the rank's dispatcher (and streamer) on every MoE layer.
+        self.rank = rank
+        self.expert_parallel = (
+            rank.install(model, path, self.device, self.dtype) if rank is not None else None
+        )
         self.executor = StageExecutor(
             self.runner,
             config.scheduler_policy,
             config.max_num_batched_tokens,
             config.expert_coalesce_threshold,
             self.metrics,
+            expert_parallel=self.expert_parallel is not None,
         )
         logger.info(
             "scheduler: %s, %d tokens per attention micro-batch, %d tokens and %d sequences "
@@ -152,6 +163,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._next_seq_id = 0
         self._arrivals = 0
+        self.num_dummy_steps = 0
 
     # ---- set-up helpers ---------------------------------------------------------------
     def _num_kv_blocks(self, cfg: ModelConfig) -> int:
@@ -286,6 +298,10 @@ class LLMEngine:
         snap["num_preemptions"] = self.scheduler.num_preemptions
         snap["scheduler_policy"] = self.config.scheduler_policy
         snap["coalescer_holds"] = self.executor.coalescer.num_holds
+        snap["routed_expert_bytes"] = self.runner.model.routed_expert_bytes()
+        snap["dummy_steps"] = self.num_dummy_steps
+        if self.expert_parallel is not None:
+            snap.update(self.expert_parallel.metrics())
         return snap
 
     def reset_metrics(self) -> None:
@@ -314,17 +330,36 @@ class LLMEngine:
         """Run one step; return the outputs of requests that finished in it."""
         if not self.requests:
             return []
-        m = self.metrics
-        t0 = time.perf_counter()
-        stage_before = dict(m.stage_seconds)
-        sched = self.scheduler.schedule()
+        sched = self.schedule()
         if sched.is_empty:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
-        m.stage_seconds["scheduling"] += time.perf_counter() - t0
+        return self.execute(sched)
+
+    def schedule(self) -> SchedulerOutput:
+        """The first half of `step`: admission, chunking, preemption. (A data-parallel rank
+        tells the other ranks its token counts between the two halves.)"""
+        self._step_started = time.perf_counter()
+        self._stage_before = dict(self.metrics.stage_seconds)
+        sched = self.scheduler.schedule()
+        self.metrics.stage_seconds["scheduling"] += time.perf_counter() - self._step_started
+        return sched
+
+    def execute(self, sched: SchedulerOutput, local_prefill: bool = False) -> list[RequestOutput]:
+        """The second half of `step`: run the model on ``sched`` (from `schedule`), sample,
+        and return the requests that finished. ``local_prefill``: the prefill rows' experts run
+        on this rank (``data_parallel_offload``, see `batchgen.distributed`)."""
+        m = self.metrics
+        t0, stage_before = self._step_started, self._stage_before
         if sched.block_copies:
             self.runner.copy_blocks(sched.block_copies)
         m.shared_prefix_tokens += sched.num_shared_prefix_tokens
-        sampling, logits = self.executor.execute(sched.scheduled)
+        if local_prefill:
+            self.expert_parallel.begin_streamed_step()
+        try:
+            sampling, logits = self.executor.execute(sched.scheduled, local_prefill)
+        finally:
+            if local_prefill:
+                self.expert_parallel.end_streamed_step()
         decode_only, context = True, 0
         for entry in sched.scheduled:
             seq = entry.seq
@@ -367,6 +402,14 @@ class LLMEngine:
             del self.requests[request.request_id]
             results.append(self._make_output(request))
         return results
+
+    def execute_dummy(self) -> None:
+        """A step without tokens, for an expert-parallel rank whose peers have some: every MoE
+        layer's dispatch and combine with zero rows (`StageExecutor.execute_dummy`)."""
+        t0 = time.perf_counter()
+        self.executor.execute_dummy()
+        self.num_dummy_steps += 1
+        self.metrics.busy_seconds += time.perf_counter() - t0
 
     def _sampling_row(self, seq: SequenceCoroutine) -> SamplingRow:
         p = seq.params

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.entrypoints.openai_protocol import parse_messages
 from batchgen.outputs import RequestOutput
@@ -24,7 +24,11 @@ class LLM:
     Args:
         model: local HF checkpoint directory or hub id; None uses the embedded default model.
         **kwargs: any `EngineConfig` field (``dtype``, ``device``, ``max_model_len``,
-            ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_gb``, ...).
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_gb``, ...) or
+            `ParallelConfig` field (``data_parallel_size``, ``enable_expert_parallel``,
+            ``prefill_strategy``, ...). With more than one rank the engine is a
+            `DPEngineClient` driving rank processes; call `shutdown` (or let the object go) to
+            stop them.
 
     Raises:
         ValueError: invalid settings (the message names the field), unsupported architecture,
@@ -32,13 +36,30 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        unknown = set(kwargs) - set(EngineConfig.field_names())
+        engine_fields, parallel_fields = EngineConfig.field_names(), ParallelConfig.field_names()
+        unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
         if unknown:
             raise ValueError(
-                f"unknown LLM arguments {sorted(unknown)}; allowed: {EngineConfig.field_names()}"
+                f"unknown LLM arguments {sorted(unknown)}; allowed: "
+                f"{engine_fields + parallel_fields}"
             )
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(
+            model=model, **{k: v for k, v in kwargs.items() if k in engine_fields}
+        )
+        parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
+        if parallel.is_distributed:
+            from batchgen.distributed.frontend import DPEngineClient
+
+            self.llm_engine = DPEngineClient(config, parallel)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the rank processes of a data-parallel engine (a no-op for one process)."""
+        shutdown = getattr(self.llm_engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

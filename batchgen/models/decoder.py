@@ -139,6 +139,16 @@ class CausalLM(nn.Module):
         """``h [T, H]`` -> ``[T, H]``; ``local_rows`` see `SparseMoeBlock.forward`."""
         return self.layers[layer].ffn_stage(h, local_rows)
 
+    def routed_expert_bytes(self) -> int:
+        """Bytes of the routed expert parameters held (not counting the CPU kernel's packed
+        copy, which doubles them once the kernel has run)."""
+        return sum(
+            p.numel() * p.element_size()
+            for layer in self.layers
+            if isinstance(layer.mlp, SparseMoeBlock)
+            for p in (layer.mlp.w13_weight, layer.mlp.w2_weight)
+        )
+
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [B, H]`` (the rows to sample from) -> logits ``[B, V]`` float32."""
         return self.lm_head(self.norm(h)).float()

@@ -1,0 +1,106 @@
+"""Messages between the frontend and its ranks.
+
+They travel as pickles over `multiprocessing.connection` sockets authenticated with a shared
+key (HMAC challenge on connect, Python's stdlib), local or across machines alike:
+
+    rank -> frontend: Hello, Ready, Outputs, Metrics, Heartbeat, Failed
+    frontend -> rank: Setup, AddRequests, Abort, GetMetrics, ResetMetrics, Shutdown
+
+A rank sends `Hello` on connecting, gets `Setup` (the engine and parallel settings and where
+the ranks meet for ``torch.distributed``), answers `Ready` once its engine is built, then
+streams `Outputs` as requests finish and a `Heartbeat` every `HEARTBEAT_S` seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.engine.input_processor import ProcessedPrompt
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+HEARTBEAT_S = 1.0
+AUTHKEY_ENV = "BATCHGEN_DP_AUTHKEY"
+
+
+@dataclass
+class Hello:
+    """A rank connected. ``store_port``: a free port on its machine (rank 0's hosts the
+    ``torch.distributed`` rendezvous unless ``torchrun`` already set one up)."""
+
+    rank: int
+    pid: int
+    host: str
+    torchrun: bool
+    store_port: int
+
+
+@dataclass
+class Setup:
+    engine: EngineConfig
+    parallel: ParallelConfig
+    init_method: str
+
+
+@dataclass
+class Ready:
+    rank: int
+    max_model_len: int
+    held_experts: int | None
+
+
+@dataclass
+class AddRequests:
+    requests: list[tuple[str, ProcessedPrompt, SamplingParams]]
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class GetMetrics:
+    token: int
+
+
+@dataclass
+class ResetMetrics:
+    pass
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Outputs:
+    """Finished requests; ``num_unfinished``: requests the rank still holds."""
+
+    rank: int
+    outputs: list[RequestOutput] = field(default_factory=list)
+    num_unfinished: int = 0
+
+
+@dataclass
+class Metrics:
+    rank: int
+    token: int
+    snapshot: dict
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step_id: int
+    phase: str
+
+
+@dataclass
+class Failed:
+    """The rank's loop raised; ``message`` names the cause (the traceback's last lines)."""
+
+    rank: int
+    message: str

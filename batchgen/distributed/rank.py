@@ -1,0 +1,175 @@
+"""What turns an `LLMEngine` into one rank of a data-parallel / expert-parallel job.
+
+`RankContext` is handed to ``LLMEngine(config, rank=...)``: the engine loads only the rank's
+experts (`held_experts`) and `install` puts an `ExpertParallelMoE` on every MoE layer, sharing
+one dispatcher (and, for ``data_parallel_offload``, one `ExpertWeightStreamer`). The returned
+`ExpertParallelRuntime` decides per step whether the prefill rows run here with streamed experts
+(`should_stream`) and reports the rank's traffic and memory.
+
+The rule for streaming (``prefill_stream_min_tokens``, default from `break_even_tokens`): a step
+streams when dispatching its prefill tokens would move at least as many bytes as streaming the
+experts this rank lacks, layer for layer: ``P * K * H * 2 * (W - 1) / W`` activation bytes (out
+and back, the share that leaves the rank) against ``E_s * 3 * I * H`` weight bytes, the same
+element size assumed for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchgen.config import ParallelConfig
+from batchgen.distributed.all_to_all import AllToAllDispatcher, CommStats
+from batchgen.distributed.ep_moe import ExpertParallelMoE
+from batchgen.distributed.groups import ProcessGroups
+from batchgen.distributed.layout import ExpertPlacement
+from batchgen.distributed.weight_stream import ExpertWeightStreamer
+from batchgen.models.decoder import CausalLM
+from batchgen.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def break_even_tokens(cfg: ModelConfig, ep_size: int) -> int:
+    """Prefill tokens per step above which streaming moves fewer bytes than dispatching (see
+    the module docstring): ``ceil(E_s * 3 * I * W / (2 * K * (W - 1)))``."""
+    streamed = cfg.num_local_experts - cfg.num_local_experts // ep_size
+    per_token = 2 * cfg.num_experts_per_tok * (ep_size - 1) / ep_size
+    return max(1, math.ceil(streamed * 3 * cfg.moe_intermediate_size / per_token))
+
+
+@dataclass
+class RankContext:
+    """One rank's coordinates and settings: its `ProcessGroups`, the job's `ParallelConfig`
+    and the device it computes on (``cuda:<local rank>`` on GPUs)."""
+
+    groups: ProcessGroups
+    parallel: ParallelConfig
+    device: torch.device
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.groups.layout.expert_parallel
+
+    def placement(self, cfg: ModelConfig) -> ExpertPlacement | None:
+        if not self.expert_parallel or not cfg.num_local_experts:
+            return None
+        return ExpertPlacement(cfg.num_local_experts, self.groups.layout.expert_parallel_size)
+
+    def held_experts(self, cfg: ModelConfig) -> list[int] | None:
+        """The logical experts this rank loads (None: all of them)."""
+        placement = self.placement(cfg)
+        return None if placement is None else placement.experts_of(self.groups.ep_rank)
+
+    def install(
+        self,
+        model: CausalLM,
+        path: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> ExpertParallelRuntime | None:
+        """Put expert parallelism on ``model``'s MoE layers (None when experts are replicated
+        or the model is dense)."""
+        cfg = model.config
+        placement = self.placement(cfg)
+        if placement is None:
+            return None
+        ep_rank = self.groups.ep_rank
+        dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, CommStats())
+        moe_layers = [i for i, moe in enumerate(cfg.layer_is_moe) if moe]
+        streamer = None
+        if self.parallel.prefill_strategy == "data_parallel_offload":
+            held = set(placement.experts_of(ep_rank))
+            probe = torch.empty(1, cfg.hidden_size, dtype=dtype, device=device)
+            streamer = ExpertWeightStreamer(
+                path,
+                cfg,
+                [e for e in range(cfg.num_local_experts) if e not in held],
+                moe_layers,
+                dtype,
+                device,
+                packed=model.layers[moe_layers[0]].mlp.uses_kernel(probe),
+                num_slots=self.parallel.stream_buffer_layers,
+            )
+        for layer in moe_layers:
+            block = model.layers[layer].mlp
+            block.expert_parallel = ExpertParallelMoE(
+                layer, dispatcher, placement, ep_rank, streamer
+            )
+        threshold = self.parallel.prefill_stream_min_tokens or break_even_tokens(
+            cfg, placement.ep_size
+        )
+        runtime = ExpertParallelRuntime(
+            placement, ep_rank, dispatcher, streamer, threshold, model.routed_expert_bytes()
+        )
+        logger.info(
+            "rank %d: experts %s of %d (%.1f MiB routed-expert weights); prefill %s%s",
+            self.groups.rank,
+            _ranges(placement.experts_of(ep_rank)),
+            cfg.num_local_experts,
+            runtime.resident_expert_bytes / (1 << 20),
+            self.parallel.prefill_strategy,
+            f" (streams from {threshold} prefill tokens per step)" if streamer else "",
+        )
+        return runtime
+
+
+def _ranges(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+@dataclass
+class ExpertParallelRuntime:
+    """A rank's expert-parallel state: placement, dispatcher, optional streamer.
+
+    Attributes:
+        stream_min_tokens: prefill tokens per step from which the step streams.
+        resident_expert_bytes: routed-expert parameter bytes held by this rank.
+    """
+
+    placement: ExpertPlacement
+    ep_rank: int
+    dispatcher: AllToAllDispatcher
+    streamer: ExpertWeightStreamer | None
+    stream_min_tokens: int
+    resident_expert_bytes: int
+
+    def should_stream(self, prefill_tokens: int) -> bool:
+        return self.streamer is not None and prefill_tokens >= self.stream_min_tokens
+
+    def begin_streamed_step(self) -> None:
+        self.streamer.begin_step()
+
+    def end_streamed_step(self) -> None:
+        """Release whatever a failed step left queued (a finished step left nothing)."""
+        self.streamer.abort_step()
+
+    def metrics(self) -> dict:
+        comm = self.dispatcher.stats
+        out = {
+            "all_to_all_bytes": comm.bytes_sent,
+            "all_to_all_seconds": comm.seconds,
+            "all_to_all_calls": comm.num_calls,
+            "resident_expert_bytes": self.resident_expert_bytes,
+            "held_experts": len(self.placement.experts_of(self.ep_rank)),
+        }
+        if self.streamer is not None:
+            s = self.streamer.stats
+            out.update(
+                streamed_bytes=s.bytes_streamed,
+                streamed_layers=s.layers_streamed,
+                stream_copy_seconds=s.copy_seconds,
+                stream_wait_seconds=s.wait_seconds,
+                stream_hidden_share=s.hidden_share,
+                stream_buffer_peak_bytes=s.peak_buffer_bytes,
+                stream_min_tokens=self.stream_min_tokens,
+            )
+        return out
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()

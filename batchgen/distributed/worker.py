@@ -1,0 +1,303 @@
+"""The rank entry point: connect to the frontend, join the process groups, build the engine on
+this rank's experts, and loop.
+
+One loop iteration (expert-parallel group):
+
+    take the frontend's messages (requests, aborts, metrics, shutdown)
+    sched = engine.schedule()                  # this rank's tokens, maybe none
+    plan = control.exchange(step, tokens, ...) # the same table on every rank of the group
+    if plan.any_tokens: engine.execute(sched) or engine.execute_dummy()
+    send finished outputs
+
+Ranks with replicated experts (pure data parallelism) never wait for each other: they step
+whenever they have work. Either way a rank leaves only when told to (`Shutdown`) and, in an
+expert-parallel group, when every rank of the group is leaving with no work left.
+
+Started by the frontend (local processes), by ``python -m batchgen.distributed.launch`` or by
+``torchrun`` (one rank per process, from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+
+import torch
+
+from batchgen.distributed import protocol as msg
+from batchgen.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# An idle rank (no work anywhere in its group) waits this long for a message per iteration.
+IDLE_POLL_S = 0.02
+CONNECT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RankLaunch:
+    """How a rank process finds its frontend.
+
+    Attributes:
+        rank: global rank; local_rank / local_world_size: on this machine.
+        address / port: the frontend's listener. authkey: its key.
+        torchrun: ranks were started by torchrun (rendezvous from its environment).
+    """
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    address: str
+    port: int
+    authkey: bytes
+    torchrun: bool = False
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """The cores this process may use (its affinity mask) divided among the ranks of the
+    machine, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world_size))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _connect(address: str, port: int, authkey: bytes) -> Connection:
+    """Connect to the frontend, retrying while it is not listening yet."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return Client((address, port), authkey=authkey)
+        except (ConnectionRefusedError, FileNotFoundError, OSError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no frontend listening at {address}:{port} after {CONNECT_TIMEOUT_S:.0f} s"
+                ) from None
+            time.sleep(0.2)
+
+
+class _Link:
+    """The rank's connection: sends from the loop and the heartbeat thread, under a lock."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.conn, self.rank = conn, rank
+        self._lock = threading.Lock()
+        self.step_id, self.phase = 0, "starting"
+        self._stop = threading.Event()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def start_heartbeat(self) -> None:
+        def beat():
+            while not self._stop.wait(msg.HEARTBEAT_S):
+                try:
+                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase))
+                except OSError:
+                    return
+
+        threading.Thread(target=beat, name="batchgen-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def rank_main(launch: RankLaunch) -> int:
+    """Run one rank until the frontend says stop; returns the process exit code."""
+    _setup_logging(launch.rank)
+    conn = _connect(launch.address, launch.port, launch.authkey)
+    link = _Link(conn, launch.rank)
+    try:
+        link.send(
+            msg.Hello(launch.rank, os.getpid(), socket.gethostname(), launch.torchrun, _free_port())
+        )
+        setup: msg.Setup = conn.recv()
+        link.start_heartbeat()
+        return RankLoop(launch, setup, link).run()
+    except (EOFError, ConnectionError, BrokenPipeError):
+        logger.error("rank %d: lost the frontend; exiting", launch.rank)
+        return 1
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(exc)[-6:])
+        logger.error("rank %d failed:\n%s", launch.rank, text)
+        try:
+            link.send(msg.Failed(launch.rank, f"{type(exc).__name__}: {exc}\n{text}"))
+        except OSError:
+            pass
+        return 1
+    finally:
+        link.stop()
+        from batchgen.distributed.groups import destroy_process_groups
+
+        destroy_process_groups()
+
+
+def _setup_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s", "%H:%M:%S"
+        )
+    )
+    root = logging.getLogger("batchgen")
+    if not root.handlers:
+        root.addHandler(handler)
+    root.setLevel(os.environ.get("BATCHGEN_LOG_LEVEL", "INFO").upper())
+
+
+class RankLoop:
+    """Builds the rank's engine and runs its loop (see the module docstring)."""
+
+    def __init__(self, launch: RankLaunch, setup: msg.Setup, link: _Link) -> None:
+        from batchgen.distributed.control import StepControl
+        from batchgen.distributed.groups import init_process_groups
+        from batchgen.distributed.layout import resolve_layout
+        from batchgen.distributed.rank import RankContext
+        from batchgen.engine.llm_engine import LLMEngine, resolve_device
+
+        self.rank, self.link = launch.rank, link
+        torch.set_num_threads(cpu_threads_per_rank(launch.local_world_size))
+        device = resolve_device(setup.engine.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", launch.local_rank)
+        layout = resolve_layout(setup.parallel)
+        link.phase = "joining"
+        groups = init_process_groups(
+            launch.rank,
+            layout,
+            setup.init_method,
+            device,
+            setup.parallel.distributed_timeout_s,
+        )
+        self.control = (
+            StepControl(groups.control, layout.ep_group_ranks(launch.rank))
+            if groups.control is not None
+            else None
+        )
+        link.phase = "loading"
+        self.engine = LLMEngine(setup.engine, RankContext(groups, setup.parallel, device))
+        self.shutdown = False
+        ep = self.engine.expert_parallel
+        held = len(ep.placement.experts_of(ep.ep_rank)) if ep is not None else None
+        logger.info(
+            "rank %d ready on %s with %d threads", self.rank, device, torch.get_num_threads()
+        )
+        link.send(msg.Ready(self.rank, self.engine.max_model_len, held))
+
+    # ---- messages from the frontend ------------------------------------------------------
+    def _take_messages(self, wait_s: float) -> None:
+        conn = self.link.conn
+        if not conn.poll(wait_s):
+            return
+        while conn.poll(0):
+            self._handle(conn.recv())
+
+    def _handle(self, message) -> None:
+        engine = self.engine
+        if isinstance(message, msg.AddRequests):
+            failed = []
+            for request_id, processed, params in message.requests:
+                try:
+                    engine.add_processed_request(request_id, processed, params)
+                except ValueError as exc:
+                    failed.append(_failed_output(request_id, processed, str(exc)))
+            if failed:
+                self._send_outputs(failed)
+        elif isinstance(message, msg.Abort):
+            for request_id in message.request_ids:
+                engine.abort_request(request_id)
+        elif isinstance(message, msg.GetMetrics):
+            snapshot = engine.get_metrics()
+            snapshot["rank"] = self.rank
+            self.link.send(msg.Metrics(self.rank, message.token, snapshot))
+        elif isinstance(message, msg.ResetMetrics):
+            engine.reset_metrics()
+        elif isinstance(message, msg.Shutdown):
+            self.shutdown = True
+        else:
+            raise RuntimeError(f"unexpected message from the frontend: {type(message).__name__}")
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.link.send(msg.Outputs(self.rank, outputs, self.engine.get_num_unfinished_requests()))
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        self.link.phase = "running"
+        if self.control is None:
+            self._run_independent()
+        else:
+            self._run_in_step()
+        logger.info("rank %d: done", self.rank)
+        return 0
+
+    def _run_independent(self) -> None:
+        """Replicated experts: no collectives in the model, so no per-step exchange."""
+        engine = self.engine
+        while not self.shutdown:
+            self._take_messages(0 if engine.has_unfinished_requests() else IDLE_POLL_S * 5)
+            if engine.has_unfinished_requests():
+                self.link.step_id += 1
+                outputs = engine.step()
+                if outputs:
+                    self._send_outputs(outputs)
+
+    def _run_in_step(self) -> None:
+        engine, ep = self.engine, self.engine.expert_parallel
+        idle = True
+        step_id = 0
+        while True:
+            self._take_messages(IDLE_POLL_S if idle else 0)
+            has_work = engine.has_unfinished_requests()
+            sched = engine.schedule() if has_work else None
+            tokens = sched.num_batched_tokens if sched is not None else 0
+            if has_work and not tokens:
+                raise RuntimeError("the scheduler produced an empty step with unfinished requests")
+            prefill = (
+                sum(e.num_new_tokens for e in sched.scheduled if e.num_new_tokens > 1)
+                if sched is not None
+                else 0
+            )
+            self.link.phase = "control exchange"
+            plan = self.control.exchange(step_id, tokens, prefill, has_work, self.shutdown)
+            self.link.step_id = step_id = step_id + 1
+            if plan.done:
+                return
+            idle = not plan.any_work
+            if not plan.any_tokens:
+                continue
+            self.link.phase = "step"
+            if tokens:
+                stream = ep is not None and ep.should_stream(prefill)
+                outputs = engine.execute(sched, local_prefill=stream)
+                if outputs:
+                    self._send_outputs(outputs)
+            else:
+                engine.execute_dummy()
+
+
+def _failed_output(request_id, processed, error: str) -> RequestOutput:
+    return RequestOutput(
+        request_id,
+        processed.prompt,
+        list(processed.prompt_token_ids),
+        [],
+        finished=True,
+        error=error,
+    )
+
+
+def spawn_entry(launch: RankLaunch) -> None:
+    """Target of a locally spawned rank process."""
+    sys.exit(rank_main(launch))
