@@ -119,6 +119,8 @@ class DPEngineClient:
         self._failure: RankFailedError | None = None
         self._closed = False
         self._metrics_token = itertools.count()
+        self._metrics: dict[tuple[int, int], dict] = {}
+        self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
         self._listener, self._authkey = self._listen()
         self._finalizer = weakref.finalize(self, DPEngineClient._kill, [], self._listener)
@@ -344,10 +346,13 @@ class DPEngineClient:
         params: SamplingParams | None = None,
         *,
         max_tokens_must_fit: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> None:
-        """Validate and tokenize here, then queue on the least-loaded rank (sent at the next
-        `step` or once `SEND_BATCH` requests wait for that rank). Raises like
-        `LLMEngine.add_request`, and `RankFailedError` after a rank failure."""
+        """Validate and tokenize here, then queue on the least-loaded rank, or on
+        ``data_parallel_rank`` (vLLM's argument) when given (sent at the next `step` or once
+        `SEND_BATCH` requests wait for that rank). Raises like `LLMEngine.add_request`
+        (ValueError, also for a ``data_parallel_rank`` outside ``[0, data_parallel_size)``),
+        and `RankFailedError` after a rank failure."""
         if self._failure is not None:
             raise self._failure
         params = params or SamplingParams()
@@ -359,7 +364,14 @@ class DPEngineClient:
         prompt_len = len(processed.prompt_token_ids)
         budget = params.max_tokens or (self.max_model_len - prompt_len)
         load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
-        rank = min(self._ranks, key=lambda r: (r.load, r.rank))
+        if data_parallel_rank is None:
+            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
+        elif isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < len(self._ranks):
+            rank = self._ranks[data_parallel_rank]
+        else:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {len(self._ranks)}), got {data_parallel_rank!r}"
+            )
         rank.load += load
         rank.pending.append((request_id, processed, params))
         self.requests[request_id] = (rank.rank, load)
@@ -402,20 +414,26 @@ class DPEngineClient:
         """
         for rank in self._ranks:
             self._flush(rank)
-        finished: list[RequestOutput] = []
         deadline = time.monotonic() + STEP_WAIT_S
-        while not finished and self.requests:
-            for rank, message in self._receive(max(0.0, deadline - time.monotonic())):
-                if isinstance(message, msg.Outputs):
-                    rank.unfinished = message.num_unfinished
-                    for out in message.outputs:
-                        entry = self.requests.pop(out.request_id, None)
-                        if entry is not None:  # else aborted meanwhile
-                            rank.load -= entry[1]
-                            finished.append(out)
+        while not self._finished and self.requests:
+            self._dispatch(self._receive(max(0.0, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 break
+        finished, self._finished = self._finished, []
         return finished
+
+    def _dispatch(self, messages: list[tuple[_Rank, object]]) -> None:
+        """File finished outputs for `step` and metrics for `get_metrics`."""
+        for rank, message in messages:
+            if isinstance(message, msg.Outputs):
+                rank.unfinished = message.num_unfinished
+                for out in message.outputs:
+                    entry = self.requests.pop(out.request_id, None)
+                    if entry is not None:  # else aborted meanwhile
+                        rank.load -= entry[1]
+                        self._finished.append(out)
+            elif isinstance(message, msg.Metrics):
+                self._metrics[(message.token, rank.rank)] = message.snapshot
 
     # ---- metrics -------------------------------------------------------------------------
     def get_metrics(self) -> dict:
@@ -425,14 +443,10 @@ class DPEngineClient:
         token = next(self._metrics_token)
         for rank in self._ranks:
             rank.conn.send(msg.GetMetrics(token))
-        snaps: dict[int, dict] = {}
-        while len(snaps) < len(self._ranks):
-            for rank, message in self._receive(1.0):
-                if isinstance(message, msg.Metrics) and message.token == token:
-                    snaps[rank.rank] = message.snapshot
-                elif isinstance(message, msg.Outputs):
-                    raise RuntimeError("get_metrics while requests are running is not supported")
-        ranks = [snaps[r] for r in sorted(snaps)]
+        keys = [(token, r.rank) for r in self._ranks]
+        while any(k not in self._metrics for k in keys):
+            self._dispatch(self._receive(1.0))
+        ranks = [self._metrics.pop(k) for k in keys]
         return aggregate_metrics(ranks, time.perf_counter() - self._started)
 
     def reset_metrics(self) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, ParallelConfig
 
 PROG = "batchgen"
 
@@ -66,11 +66,9 @@ def _flag_type(annotation: object) -> type:
     return annotation  # type: ignore[return-value]
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--field-name`` flag per `EngineConfig` field (absent flags keep the default)."""
-    group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+def _add_config_flags(group, config_cls) -> None:
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
         kind = _flag_type(hints[f.name])
         default = "" if f.default is None else f" (default: {f.default})"
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS}
@@ -84,9 +82,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--field-name`` flag per `EngineConfig` and `ParallelConfig` field (absent flags
+    keep the default)."""
+    _add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
+    _add_config_flags(
+        parser.add_argument_group(
+            "parallel options",
+            "Several ranks (processes), each with its own requests and KV cache; vLLM's "
+            "`--data-parallel-size N --enable-expert-parallel` is one expert-parallel group of "
+            "N ranks here too. See docs/distributed.md.",
+        ),
+        ParallelConfig,
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` fields given on the command line."""
-    return {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    """The `EngineConfig` and `ParallelConfig` fields given on the command line."""
+    names = EngineConfig.field_names() + ParallelConfig.field_names()
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,17 +138,19 @@ def _check_run_paths(args: argparse.Namespace) -> None:
 
 def _start_engine(kwargs: dict):
     """Build the engine; settings and model-loading problems become `CliError`."""
+    from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.llm import LLM
 
     try:
         # model None: the engine builds the embedded default model on first use and reports
         # it by name (batchgen/<name>) rather than by its cache path.
         return LLM(**kwargs).llm_engine
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, RankFailedError) as err:
         raise CliError(f"cannot start the engine: {err}") from err
 
 
 def _run(args: argparse.Namespace) -> int:
+    from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
 
     _check_run_paths(args)
@@ -150,8 +166,24 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
         raise CliError(str(err)) from err
+    except RankFailedError as err:
+        print(
+            f"{PROG} run: error: {err}; every result finished before it is in {args.output}: "
+            "rerun with --resume to finish the rest",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        _shutdown(engine)
     print(f"{PROG} run: {summary.describe()}; results in {args.output}", file=sys.stderr)
     return 0
+
+
+def _shutdown(engine) -> None:
+    """Stop a data-parallel engine's rank processes (a one-process engine has nothing to stop)."""
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""Data-parallel attention + expert-parallel MoE on 2 and 3 local ranks (gloo) against one
+process, token for token: Mixtral, Qwen2-MoE (shared expert with gate) and DeepSeek-V3 (MLA,
+grouped top-k with correction bias), prompts of mixed lengths with a KV cache small enough to
+force preemption, greedy and seeded sampling, ``prefill_strategy`` both ways."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+
+KV_BLOCKS = 12  # 192 tokens per rank: the batch below cannot fit, so ranks preempt
+
+
+def _prompts(vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(5)
+    lengths = [3, 120, 17, 64, 1, 33, 90, 9, 48, 25]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _params() -> list[SamplingParams]:
+    greedy = [
+        SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(10)
+    ]
+    seeded = [
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, n=2, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, seed=3, ignore_eos=True),
+    ]
+    return greedy + seeded
+
+
+def _run(llm: LLM) -> list[list[list[int]]]:
+    prompts = _prompts()
+    prompts = prompts + [prompts[1], prompts[3]]  # the seeded requests
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint_dir):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            llm = LLM(str(checkpoint_dir(arch)), num_gpu_blocks_override=KV_BLOCKS)
+            cache[arch] = (_run(llm), llm.get_metrics())
+        return cache[arch]
+
+    return get
+
+
+CONFIGS = [
+    ("mixtral", 2, "expert_parallel"),
+    ("mixtral", 3, "data_parallel_offload"),
+    ("qwen2_moe", 2, "data_parallel_offload"),
+    ("qwen2_moe", 3, "expert_parallel"),
+    ("deepseek_v3", 2, "expert_parallel"),
+    ("deepseek_v3", 3, "data_parallel_offload"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,world,strategy", CONFIGS, ids=lambda v: str(v))
+def test_expert_parallel_matches_one_process(checkpoint_dir, reference, arch, world, strategy):
+    want, single = reference(arch)
+    llm = LLM(
+        str(checkpoint_dir(arch)),
+        num_gpu_blocks_override=KV_BLOCKS,
+        data_parallel_size=world,
+        enable_expert_parallel=True,
+        prefill_strategy=strategy,
+        prefill_stream_min_tokens=1,  # stream in every step with a prefill
+    )
+    try:
+        got = _run(llm)
+        metrics = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    assert got == want
+    ranks = metrics["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world))
+    assert sum(r["num_preemptions"] for r in ranks) > 0  # preemption happened on some rank
+    assert all(r["generated_tokens"] > 0 for r in ranks)  # every rank ran requests
+    # Each rank holds its share of the routed experts, together exactly the model's.
+    full = single["routed_expert_bytes"]
+    cfg = _model_config(checkpoint_dir(arch))
+    per_expert_layer = full // (cfg.num_local_experts * sum(cfg.layer_is_moe))
+    assert sum(r["routed_expert_bytes"] for r in ranks) == full
+    for r in ranks:
+        assert r["routed_expert_bytes"] == full * r["held_experts"] // cfg.num_local_experts
+        assert r["held_experts"] in (
+            cfg.num_local_experts // world,
+            -(-cfg.num_local_experts // world),
+        )
+        assert r["all_to_all_bytes"] > 0
+        if strategy == "data_parallel_offload":
+            streamed = cfg.num_local_experts - r["held_experts"]
+            assert r["streamed_bytes"] > 0 and r["streamed_layers"] > 0
+            # The bound: stream_buffer_layers (2) layers of the experts this rank lacks.
+            assert 0 < r["stream_buffer_peak_bytes"] <= 2 * streamed * per_expert_layer
+        else:
+            assert "streamed_bytes" not in r
+
+
+def _model_config(path):
+    from transformers import AutoConfig
+
+    from batchgen.models.model_config import ModelConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
