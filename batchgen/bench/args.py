@@ -40,6 +40,17 @@ def add_arguments(p) -> None:
         "(MLA), both 64 experts top-8, hidden 512, 4 layers",
     )
     p.add_argument("--model", default=None, help="checkpoint (overrides --arch)")
+    from batchgen.config import ParallelConfig
+    from batchgen.entrypoints.cli import add_config_flags
+
+    add_config_flags(
+        p.add_argument_group(
+            "parallel options",
+            "With --data-parallel-size N > 1 the bench compares one process ('single') with N "
+            "local ranks ('dp') on rollouts and extraction (batchgen/bench/distributed.py).",
+        ),
+        ParallelConfig,
+    )
     p.add_argument(
         "--profile",
         action="store_true",

@@ -569,6 +569,22 @@ def run_from_args(args) -> int:
     workloads = tuple(args.workloads.split(",")) if args.workloads else None
     if args.rollouts_requests is not None and args.rollouts_requests < 1:
         raise SystemExit(f"--rollouts-requests: must be >= 1, got {args.rollouts_requests}")
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from batchgen.bench.distributed import (
+            PARALLEL_FLAGS,
+            format_distributed,
+            run_distributed,
+        )
+        from batchgen.config import ParallelConfig
+
+        parallel = {k: getattr(args, k) for k in PARALLEL_FLAGS if hasattr(args, k)}
+        try:
+            ParallelConfig(**parallel)
+        except ValueError as err:
+            raise SystemExit(f"batchgen bench: error: {err}") from None
+        record = run_distributed(args, parallel)
+        print(json.dumps(record) if args.json else format_distributed(record))
+        return 0
     record = run(
         quick=args.quick,
         dtype=args.dtype,

@@ -466,6 +466,14 @@ class DPEngineClient:
             except OSError:
                 pass
         deadline = time.monotonic() + (timeout if self._failure is None else 2.0)
+        for rank in self._ranks:  # a rank closes its connection when it leaves
+            try:
+                while time.monotonic() < deadline and rank.conn.poll(
+                    max(0.0, deadline - time.monotonic())
+                ):
+                    rank.conn.recv()
+            except (EOFError, OSError):
+                pass
         for rank in self._ranks:
             if rank.process is not None:
                 try:

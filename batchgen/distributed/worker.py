@@ -142,6 +142,7 @@ def rank_main(launch: RankLaunch) -> int:
         from batchgen.distributed.groups import destroy_process_groups
 
         destroy_process_groups()
+        conn.close()  # the frontend waits for this at shutdown
 
 
 def _setup_logging(rank: int) -> None:

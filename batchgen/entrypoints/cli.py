@@ -66,7 +66,9 @@ def _flag_type(annotation: object) -> type:
     return annotation  # type: ignore[return-value]
 
 
-def _add_config_flags(group, config_cls) -> None:
+def add_config_flags(group, config_cls) -> None:
+    """One ``--field-name`` flag per field of the dataclass ``config_cls`` (absent flags are not
+    set on the namespace, so the dataclass default applies)."""
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         kind = _flag_type(hints[f.name])
@@ -85,8 +87,8 @@ def _add_config_flags(group, config_cls) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--field-name`` flag per `EngineConfig` and `ParallelConfig` field (absent flags
     keep the default)."""
-    _add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
-    _add_config_flags(
+    add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
+    add_config_flags(
         parser.add_argument_group(
             "parallel options",
             "Several ranks (processes), each with its own requests and KV cache; vLLM's "
