@@ -110,3 +110,39 @@ def _model_config(path):
     from batchgen.models.model_config import ModelConfig
 
     return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
+MORE = [
+    ("qwen3_moe", dict(enable_expert_parallel=True)),
+    ("olmoe", dict(enable_expert_parallel=True)),
+    ("deepseek_v2", dict(enable_expert_parallel=True, prefill_strategy="data_parallel_offload")),
+    ("llama", dict(enable_expert_parallel=True)),  # dense: data parallel only
+    ("mixtral", dict(decode_strategy="data_parallel")),  # experts replicated on every rank
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,kwargs", MORE, ids=[f"{a}-{sorted(k)[-1]}" for a, k in MORE])
+def test_every_architecture_on_two_ranks(checkpoint_dir, reference, arch, kwargs):
+    want, single = reference(arch)
+    llm = LLM(
+        str(checkpoint_dir(arch)),
+        num_gpu_blocks_override=KV_BLOCKS,
+        data_parallel_size=2,
+        prefill_stream_min_tokens=1,
+        **kwargs,
+    )
+    try:
+        got = _run(llm)
+        ranks = llm.get_metrics()["ranks"]
+    finally:
+        llm.shutdown()
+    assert got == want
+    sharded = kwargs.get("enable_expert_parallel") and single["routed_expert_bytes"] > 0
+    for r in ranks:
+        if sharded:
+            assert r["routed_expert_bytes"] < single["routed_expert_bytes"]
+            assert r["all_to_all_bytes"] > 0
+        else:  # replicated experts (or none): no collectives in the model
+            assert r["routed_expert_bytes"] == single["routed_expert_bytes"]
+            assert "all_to_all_bytes" not in r
