@@ -1,12 +1,12 @@
 """`batchgen bench --data-parallel-size N [--enable-expert-parallel] [--prefill-strategy ...]`:
 the distributed path against one process, in one run, on the same workloads and checkpoint.
 
-Modes: ``single`` (one process, all cores) and ``dp`` (N local ranks, cores divided among them,
-the given parallel flags), both under the coalesce policy with `batchgen.bench.runner`'s engine
-settings. Reported per mode: useful tokens/s (wall time of the generate call, rank start-up
-excluded) and its ratio to ``single``, tile density over every expert GEMM, and per rank: tile
-density, all-to-all bytes and seconds, streamed bytes and the hidden share of the streaming
-time, resident routed-expert bytes and peak RSS.
+Modes: ``single`` (one process, all cores) and ``dp`` (N local ranks, cores and the KV cache
+budget divided among them, the given parallel flags), both under the coalesce policy with
+`batchgen.bench.runner`'s engine settings. Reported per mode: useful tokens/s (wall time of
+the generate call, rank start-up excluded) and its ratio to ``single``, tile density over
+every expert GEMM, and per rank: tile density, all-to-all bytes and seconds, streamed bytes
+and the hidden share of the streaming time, resident routed-expert bytes and peak RSS.
 
 On a machine of 2 cores, 2 ranks of one thread cannot beat one process of 2 threads; the ratio
 shows what the distributed path costs (issue target: DP2+EP2 >= 0.8x on rollouts).
@@ -89,6 +89,7 @@ def _run_mode(path: str, workload: Workload, dtype: str, threshold: int, kv_gb: 
                 "generated_tokens": r["generated_tokens"],
                 "all_to_all_bytes": r.get("all_to_all_bytes", 0),
                 "all_to_all_seconds": r.get("all_to_all_seconds", 0.0),
+                "all_to_all_wait_seconds": r.get("all_to_all_wait_seconds", 0.0),
                 "streamed_bytes": r.get("streamed_bytes", 0),
                 "stream_copy_seconds": r.get("stream_copy_seconds", 0.0),
                 "stream_hidden_share": r.get("stream_hidden_share"),
@@ -136,7 +137,8 @@ def run_distributed(args, parallel: dict) -> dict:
                     workload,
                     args.dtype,
                     args.expert_coalesce_threshold,
-                    kv_gb,
+                    # The same KV memory in all: split among the ranks.
+                    kv_gb / parallel["data_parallel_size"] if mode == "dp" else kv_gb,
                     parallel if mode == "dp" else {},
                 )
             except Exception as exc:  # one failing mode must not lose the other's figures
@@ -157,9 +159,10 @@ def format_distributed(record: dict) -> str:
         f"model {record['model']} ({record['dtype']}); dp: "
         + ", ".join(f"{k}={v}" for k, v in p.items()),
         "legend: tok/s = useful generated tokens per second of the generate call; x single = "
-        "ratio to one process; a2a = all-to-all payload sent by the rank and seconds in those "
-        "collectives; streamed = expert bytes streamed for data_parallel_offload and the share "
-        "of that copy time hidden behind compute; experts = resident routed-expert weights",
+        "ratio to one process; a2a = all-to-all payload sent by the rank to others and seconds "
+        "in those collectives (of which waiting for the slowest rank); streamed = expert bytes "
+        "streamed for data_parallel_offload and the share of that copy time hidden behind "
+        "compute; experts = resident routed-expert weights",
         f"{'workload':<11} {'mode':<7} {'tok/s':>9} {'x single':>8} {'tile dens':>9} "
         f"{'secs':>8} {'preempt':>7}",
     ]
@@ -187,7 +190,8 @@ def format_distributed(record: dict) -> str:
                 ktd = f"{k['tile_density']:.3f}" if k["tile_density"] is not None else "-"
                 lines.append(
                     f"  rank {i}: {k['generated_tokens']} tok, tile dens {ktd}, a2a "
-                    f"{k['all_to_all_bytes'] / 2**20:.0f} MiB in {k['all_to_all_seconds']:.1f} s,"
+                    f"{k['all_to_all_bytes'] / 2**20:.0f} MiB in {k['all_to_all_seconds']:.1f} s "
+                    f"({k['all_to_all_wait_seconds']:.1f} s waiting for peers),"
                     f" {streamed}, experts {k['resident_expert_bytes'] / 2**20:.0f} MiB, peak "
                     f"RSS {k['peak_memory_bytes'] / 2**30:.2f} GiB, dummy steps "
                     f"{k['dummy_steps']}"

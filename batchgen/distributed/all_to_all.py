@@ -9,7 +9,8 @@ sends, R = pairs it receives, W = ranks in the expert-parallel group.
     out = dispatcher.combine(expert_out [R, H], recv.handle)   # [T, H]
 
 `AllToAllDispatcher` is the reference (DESIGN.md): sort the pairs by owner rank, exchange counts
-with ``all_to_all_single``, then the payload with split sizes; the owner multiplies each expert
+with ``all_to_all_single``, then the payload with split sizes (each token's row once per owner
+rank, its pairs as metadata); the owner multiplies each expert
 output by its router weight and ``combine`` returns the rows and sums each token's slots in slot
 order, the order of the single-process CPU kernel, so with that kernel the result is bit-for-bit
 the single-process one. `AllGatherDispatcher` (vLLM's naive all-gather / reduce manager) is an
@@ -23,7 +24,7 @@ A ``topk_ids`` entry of -1 (DeepEP's convention) is a pair that is not dispatche
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,12 +63,19 @@ class DispatchResult:
 
 @dataclass
 class CommStats:
-    """All-to-all traffic of one rank: payload bytes sent and seconds spent in collectives."""
+    """All-to-all traffic of one rank.
+
+    Attributes:
+        bytes_sent: payload bytes sent to *other* ranks (rows to itself are not counted).
+        seconds: in all collectives; wait_seconds: of those, in the first (tiny) exchange of
+            each dispatch, which is mostly waiting for the slowest rank of the group to arrive.
+        num_calls: collectives issued.
+    """
 
     bytes_sent: int = 0
     seconds: float = 0.0
+    wait_seconds: float = 0.0
     num_calls: int = 0
-    per_layer: dict = field(default_factory=dict)
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.bytes_sent += nbytes
@@ -104,6 +112,7 @@ class AllToAllDispatcher:
         self.group = group
         self.placement = placement
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         if self.world != placement.ep_size:
             raise ValueError(
                 f"the process group has {self.world} ranks but the placement {placement.ep_size}"
@@ -127,7 +136,9 @@ class AllToAllDispatcher:
             input_split_sizes=send_counts,
             group=self.group,
         )
-        self.stats.add(send.numel() * send.element_size(), time.perf_counter() - t0)
+        row_bytes = send[0].numel() * send.element_size() if send.shape[0] else 0
+        remote = sum(send_counts) - send_counts[self.rank]
+        self.stats.add(remote * row_bytes, time.perf_counter() - t0)
         return recv
 
     def dispatch(
@@ -135,41 +146,68 @@ class AllToAllDispatcher:
     ) -> DispatchResult:
         """Send every (token, slot) pair with ``topk_ids >= 0`` to its expert's owner.
 
+        A token goes to each owner rank once, however many of its experts that rank holds
+        (DeepEP does the same); its pairs travel as ``[P, 3]`` int32 metadata (row within the
+        sender's rows, expert id, router weight bits) and the owner expands rows to pairs.
+
         Args:
             hidden: ``[T, H]``; topk_ids: ``[T, K]`` int64 logical experts (-1: not sent);
             topk_weights: ``[T, K]`` float32.
         Returns:
-            The rows this rank received (`DispatchResult`), grouped by source rank.
+            The pairs this rank received (`DispatchResult`), grouped by source rank.
         """
         num_tokens, top_k = topk_ids.shape
-        device = hidden.device
+        device, w = hidden.device, self.world
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         valid = (flat_ids >= 0).nonzero().squeeze(1)  # [P]
-        dest = self._owner_on(device).index_select(0, flat_ids.index_select(0, valid))  # [P]
+        experts = flat_ids.index_select(0, valid)
+        dest = self._owner_on(device).index_select(0, experts)  # [P]
+        # Pairs by destination, then token, then slot: valid is already in (token, slot) order.
         order = torch.argsort(dest, stable=True)
-        pair_order = valid.index_select(0, order)  # [P] pairs grouped by destination
-        send_counts_t = torch.bincount(dest, minlength=self.world)
-        recv_counts_t = torch.empty_like(send_counts_t)
+        pair_order = valid.index_select(0, order)  # [P]
+        dest, experts = dest.index_select(0, order), experts.index_select(0, order)
+        tokens = pair_order // top_k
+        # One row per (destination, token): a new row wherever the pair key changes.
+        key = dest * max(num_tokens, 1) + tokens
+        new_row = torch.ones_like(key, dtype=torch.bool)
+        new_row[1:] = key[1:] != key[:-1]
+        row_of_pair = torch.cumsum(new_row, 0) - 1  # [P] index into the rows sent
+        row_dest = dest[new_row]
+        send_rows_t = torch.bincount(row_dest, minlength=w)
+        send_pairs_t = torch.bincount(dest, minlength=w)
+        first_row = torch.cumsum(send_rows_t, 0) - send_rows_t  # [W]
+        counts = torch.stack([send_rows_t, send_pairs_t], dim=1)  # [W, 2]
+        recv_counts_t = torch.empty_like(counts)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
-        self.stats.add(send_counts_t.numel() * 8, time.perf_counter() - t0)
-        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
-        # Expert id and router weight travel together: [P, 2] int32 (the weight's bits).
+        dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+        waited = time.perf_counter() - t0
+        self.stats.add(0, waited)
+        self.stats.wait_seconds += waited
+        send_rows, send_pairs = send_rows_t.tolist(), send_pairs_t.tolist()
+        recv_rows, recv_pairs = recv_counts_t[:, 0].tolist(), recv_counts_t[:, 1].tolist()
         meta = torch.stack(
             [
-                flat_ids.index_select(0, pair_order).to(torch.int32),
+                (row_of_pair - first_row.index_select(0, dest)).to(torch.int32),
+                experts.to(torch.int32),
                 topk_weights.reshape(-1).index_select(0, pair_order).float().view(torch.int32),
             ],
             dim=1,
+        )  # [P, 3]
+        recv_meta = self._exchange(meta, send_pairs, recv_pairs)  # [R, 3]
+        rows = self._exchange(hidden.index_select(0, tokens[new_row]), send_rows, recv_rows)
+        # Each received pair's row: its row within its source's rows + where those start.
+        source = torch.repeat_interleave(
+            torch.arange(w, device=device), torch.tensor(recv_pairs, device=device)
         )
-        recv_meta = self._exchange(meta, send_counts, recv_counts)  # [R, 2]
-        send_hidden = hidden.index_select(0, pair_order // top_k)  # [P, H]
-        recv_hidden = self._exchange(send_hidden, send_counts, recv_counts)  # [R, H]
-        handle = DispatchHandle(num_tokens, top_k, pair_order, send_counts, recv_counts)
+        starts = torch.cumsum(torch.tensor(recv_rows, device=device), 0) - torch.tensor(
+            recv_rows, device=device
+        )
+        row = recv_meta[:, 0].to(torch.long) + starts.index_select(0, source)
+        handle = DispatchHandle(num_tokens, top_k, pair_order, send_pairs, recv_pairs)
         return DispatchResult(
-            recv_hidden,
-            recv_meta[:, 0].to(torch.long),
-            recv_meta[:, 1].contiguous().view(torch.float32),
+            rows.index_select(0, row),
+            recv_meta[:, 1].to(torch.long),
+            recv_meta[:, 2].contiguous().view(torch.float32),
             handle,
         )
 

@@ -153,6 +153,7 @@ class ExpertParallelRuntime:
         out = {
             "all_to_all_bytes": comm.bytes_sent,
             "all_to_all_seconds": comm.seconds,
+            "all_to_all_wait_seconds": comm.wait_seconds,
             "all_to_all_calls": comm.num_calls,
             "resident_expert_bytes": self.resident_expert_bytes,
             "held_experts": len(self.placement.experts_of(self.ep_rank)),
