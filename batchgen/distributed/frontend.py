@@ -69,6 +69,12 @@ class _Rank:
     step_id: int = 0
     phase: str = "starting"
     pending: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)  # from its last heartbeat
+
+
+@dataclass
+class _KVUsage:
+    usage: float
 
 
 def _describe_exit(process: subprocess.Popen | None) -> str:
@@ -292,6 +298,7 @@ class DPEngineClient:
             rank.last_seen = now
             if isinstance(message, msg.Heartbeat):
                 rank.step_id, rank.phase = message.step_id, message.phase
+                rank.counters = message.counters
             elif isinstance(message, msg.Failed):
                 failed.append((rank, message.message))
         if broken or failed:
@@ -448,6 +455,43 @@ class DPEngineClient:
             self._dispatch(self._receive(1.0))
         ranks = [self._metrics.pop(k) for k in keys]
         return aggregate_metrics(ranks, time.perf_counter() - self._started)
+
+    @property
+    def stats(self):
+        """`EngineStats` summed over the ranks' last heartbeats (at most a second old)."""
+        from batchgen.engine.llm_engine import EngineStats
+
+        def total(key: str) -> int:
+            return sum(r.counters.get(key, 0) for r in self._ranks)
+
+        return EngineStats(
+            num_prompt_tokens=total("num_prompt_tokens"),
+            num_generated_tokens=total("num_generated_tokens"),
+            num_preemptions=total("num_preemptions"),
+        )
+
+    @property
+    def kv_cache(self) -> _KVUsage:
+        """``.usage``: the mean KV cache use over the ranks (last heartbeats)."""
+        usages = [r.counters.get("kv_cache_usage", 0.0) for r in self._ranks]
+        return _KVUsage(sum(usages) / len(usages) if usages else 0.0)
+
+    def live_metrics(self) -> dict:
+        """Figures from the ranks' last heartbeats, without a round trip (the service reads
+        these every second): ``tile_density`` over all ranks, ``num_running``,
+        ``num_waiting``."""
+        rows = sum(r.counters.get("expert_rows", 0) for r in self._ranks)
+        tile_rows = sum(r.counters.get("expert_tile_rows", 0) for r in self._ranks)
+        return {
+            "tile_density": rows / tile_rows if tile_rows else None,
+            "num_running": sum(r.counters.get("num_running", 0) for r in self._ranks),
+            "num_waiting": sum(r.counters.get("num_waiting", 0) for r in self._ranks),
+        }
+
+    def get_partial_texts(self, request_id: str) -> None:
+        """Streaming text is not relayed from the ranks yet: None (a streamed response then
+        carries the whole text in its last chunk)."""
+        return None
 
     def reset_metrics(self) -> None:
         for rank in self._ranks:

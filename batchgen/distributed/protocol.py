@@ -93,9 +93,12 @@ class Metrics:
 
 @dataclass
 class Heartbeat:
+    """Sent every `HEARTBEAT_S`; ``counters``: the rank's live figures (`rank_counters`)."""
+
     rank: int
     step_id: int
     phase: str
+    counters: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -94,6 +94,7 @@ class _Link:
         self.conn, self.rank = conn, rank
         self._lock = threading.Lock()
         self.step_id, self.phase = 0, "starting"
+        self.counters = None  # a callable returning the rank's live figures, once it has them
         self._stop = threading.Event()
 
     def send(self, message) -> None:
@@ -104,7 +105,8 @@ class _Link:
         def beat():
             while not self._stop.wait(msg.HEARTBEAT_S):
                 try:
-                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase))
+                    counters = self.counters() if self.counters is not None else {}
+                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
                 except OSError:
                     return
 
@@ -195,7 +197,23 @@ class RankLoop:
         logger.info(
             "rank %d ready on %s with %d threads", self.rank, device, torch.get_num_threads()
         )
+        link.counters = self._counters
         link.send(msg.Ready(self.rank, self.engine.max_model_len, held))
+
+    def _counters(self) -> dict:
+        """Live figures for the heartbeat (read from another thread: plain ints and floats)."""
+        engine = self.engine
+        expert = engine.metrics.expert
+        return {
+            "num_prompt_tokens": engine.stats.num_prompt_tokens,
+            "num_generated_tokens": engine.stats.num_generated_tokens,
+            "num_preemptions": engine.stats.num_preemptions,
+            "kv_cache_usage": engine.kv_cache.usage,
+            "num_running": len(engine.scheduler.running),
+            "num_waiting": len(engine.scheduler.waiting),
+            "expert_rows": expert.rows,
+            "expert_tile_rows": expert.tile_rows,
+        }
 
     # ---- messages from the frontend ------------------------------------------------------
     def _take_messages(self, wait_s: float) -> None:

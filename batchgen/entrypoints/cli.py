@@ -274,6 +274,8 @@ def _serve(args: argparse.Namespace) -> int:
         run_server(engine, config, host=args.host, port=args.port)
     except OSError as err:
         raise CliError(str(err)) from err
+    finally:
+        _shutdown(engine)
     return 0
 
 

@@ -564,8 +564,9 @@ class EngineLoop:
 
 
 def _tile_density(engine: Any) -> float | None:
-    """The engine's expert-GEMM tile density (`LLMEngine.get_metrics`), None when unknown."""
-    get_metrics = getattr(engine, "get_metrics", None)
+    """The engine's expert-GEMM tile density (`LLMEngine.get_metrics`; a data-parallel
+    engine's `live_metrics`, which needs no round trip to its ranks), None when unknown."""
+    get_metrics = getattr(engine, "live_metrics", None) or getattr(engine, "get_metrics", None)
     if get_metrics is None:
         return None
     value = get_metrics().get("tile_density")
