@@ -13,9 +13,10 @@ The host copy is the checkpoint itself, memory-mapped (`MappedSafetensors`): eve
 machine maps the same files, so the OS page cache holds one copy per machine whatever the
 number of ranks. Copying a layer's experts into a slot also converts them to the model's dtype
 and, for the fused CPU kernel, packs them (`batchgen.kernels.fused_moe.pack_expert_weights`'s
-layout), so the streaming cost is one pass over the bytes. On CUDA the same slots would be
-filled from pinned staging buffers on a copy stream with events; that path is not built yet
-(the thread copies synchronously to the device).
+layout), so the streaming cost is one pass over the bytes. On CUDA the thread fills pinned
+staging buffers and copies them to the slot on a copy stream; events order the copy after the
+slot's last use and the layer's compute after the copy (written for GPUs, not yet run on one:
+no GPU was available when it was written).
 
 Reported (`stats`): bytes streamed, seconds the thread spent copying, seconds the compute
 waited for it (the hidden share is ``1 - wait / copy``), and the peak buffer bytes (the bound:
@@ -162,6 +163,12 @@ class ExpertWeightStreamer:
         self._source = MappedSafetensors(checkpoint_files(path))
         self._sources = self._index_sources()
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        self._cuda = device.type == "cuda"
+        if self._cuda:  # pinned staging per slot, a copy stream, events (see `_fill`)
+            self._staging: list = [None] * num_slots
+            self._copy_stream = torch.cuda.Stream(device)
+            self._ready = [torch.cuda.Event() for _ in range(num_slots)]
+            self._released: list = [None] * num_slots
         self._free = list(range(num_slots))
         self._pending: deque[int] = deque()
         self._inflight: dict[int, tuple[int, threading.Event, list]] = {}
@@ -197,12 +204,11 @@ class ExpertWeightStreamer:
                     sources.setdefault((layer, which, e), []).append((name, e, 0))
         return sources
 
-    def _fill(self, layer: int, slot: int) -> int:
-        """Copy layer ``layer``'s streamed experts into ``slot``; returns bytes read."""
-        cfg = self.cfg
-        h, i2 = cfg.hidden_size, 2 * cfg.moe_intermediate_size
-        n = len(self.experts)
+    def _slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's tensors on the device, allocated on first use."""
         if self._buffers[slot] is None:
+            cfg = self.cfg
+            h, i2, n = cfg.hidden_size, 2 * cfg.moe_intermediate_size, len(self.experts)
             shapes = (
                 ((n, i2 // PANEL, h, PANEL), (n, h // PANEL, i2 // 2, PANEL))
                 if self.packed
@@ -214,7 +220,34 @@ class ExpertWeightStreamer:
             self.stats.peak_buffer_bytes = sum(
                 t.numel() * t.element_size() for b in self._buffers if b for t in b
             )
-        w13_buf, w2_buf = self._buffers[slot]
+        return self._buffers[slot]
+
+    def _fill(self, layer: int, slot: int) -> int:
+        """Copy layer ``layer``'s streamed experts into ``slot``; returns bytes read. On CUDA:
+        into the slot's pinned staging buffers, then to the device on the copy stream, after
+        the compute stream is done with the slot (its release event); `acquire` makes the
+        compute stream wait for the copy (an event, no host synchronisation)."""
+        buffers = self._slot(slot)
+        if not self._cuda:
+            return self._copy_layer(layer, *buffers)
+        if self._staging[slot] is None:
+            self._staging[slot] = tuple(
+                torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers
+            )
+        self._ready[slot].synchronize()  # the previous copy out of this staging is done
+        nbytes = self._copy_layer(layer, *self._staging[slot])
+        with torch.cuda.stream(self._copy_stream):
+            if self._released[slot] is not None:
+                self._copy_stream.wait_event(self._released[slot])
+            for dst, src in zip(buffers, self._staging[slot], strict=True):
+                dst.copy_(src, non_blocking=True)
+            self._ready[slot].record(self._copy_stream)
+        return nbytes
+
+    def _copy_layer(self, layer: int, w13_buf: torch.Tensor, w2_buf: torch.Tensor) -> int:
+        """Layer ``layer``'s streamed experts into host tensors of the slot's shapes."""
+        cfg = self.cfg
+        h, i2 = cfg.hidden_size, 2 * cfg.moe_intermediate_size
         nbytes = 0
         scratch13 = torch.empty(i2, h, dtype=self.dtype) if self.packed else None
         for j, e in enumerate(self.experts):
@@ -292,12 +325,18 @@ class ExpertWeightStreamer:
         self.stats.wait_seconds += time.perf_counter() - t0
         if error:
             raise RuntimeError(f"streaming layer {layer}'s experts failed") from error[0]
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
         return self._buffers[slot]
 
     def release(self, layer: int) -> None:
         """Give ``layer``'s slot back and queue the next layer."""
         slot, done, _ = self._inflight.pop(layer)
         done.wait()
+        if self._cuda:  # the next copy into this slot waits for the compute queued so far
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._released[slot] = event
         self._free.append(slot)
         self._schedule()
 
