@@ -92,6 +92,11 @@ def sum_slots(pairs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[N, C]`` of any dtype -> ``[N, C * itemsize]`` uint8, the same memory."""
+    return t.contiguous().view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
+
+
 def _wire(t: torch.Tensor, group) -> torch.Tensor:
     """Half-precision rows travel as int16 on gloo (which has no bf16 collectives); same bits."""
     if t.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
@@ -147,8 +152,10 @@ class AllToAllDispatcher:
         """Send every (token, slot) pair with ``topk_ids >= 0`` to its expert's owner.
 
         A token goes to each owner rank once, however many of its experts that rank holds
-        (DeepEP does the same); its pairs travel as ``[P, 3]`` int32 metadata (row within the
-        sender's rows, expert id, router weight bits) and the owner expands rows to pairs.
+        (DeepEP does the same), as one row of bytes: its hidden state, then ``K`` int32 expert
+        ids (-1 for slots that go elsewhere) and ``K`` float32 router weights. Two collectives
+        per dispatch: the row counts, then the rows. The owner expands rows to pairs in
+        (source rank, token, slot) order.
 
         Args:
             hidden: ``[T, H]``; topk_ids: ``[T, K]`` int64 logical experts (-1: not sent);
@@ -172,42 +179,40 @@ class AllToAllDispatcher:
         new_row = torch.ones_like(key, dtype=torch.bool)
         new_row[1:] = key[1:] != key[:-1]
         row_of_pair = torch.cumsum(new_row, 0) - 1  # [P] index into the rows sent
-        row_dest = dest[new_row]
-        send_rows_t = torch.bincount(row_dest, minlength=w)
-        send_pairs_t = torch.bincount(dest, minlength=w)
-        first_row = torch.cumsum(send_rows_t, 0) - send_rows_t  # [W]
-        counts = torch.stack([send_rows_t, send_pairs_t], dim=1)  # [W, 2]
-        recv_counts_t = torch.empty_like(counts)
+        num_rows = int(new_row.sum())
+        slot = pair_order % top_k
+        ids = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=device)
+        ids[row_of_pair, slot] = experts.to(torch.int32)
+        weights = torch.zeros(num_rows, top_k, dtype=torch.float32, device=device)
+        weights[row_of_pair, slot] = topk_weights.reshape(-1).index_select(0, pair_order).float()
+        rows = hidden.index_select(0, tokens[new_row])  # [U, H]
+        payload = torch.cat(
+            [_bytes(rows), _bytes(ids), _bytes(weights)], dim=1
+        )  # [U, H * itemsize + 8K] uint8
+        send_rows_t = torch.bincount(dest[new_row], minlength=w)
+        recv_rows_t = torch.empty_like(send_rows_t)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+        dist.all_to_all_single(recv_rows_t, send_rows_t, group=self.group)
         waited = time.perf_counter() - t0
         self.stats.add(0, waited)
         self.stats.wait_seconds += waited
-        send_rows, send_pairs = send_rows_t.tolist(), send_pairs_t.tolist()
-        recv_rows, recv_pairs = recv_counts_t[:, 0].tolist(), recv_counts_t[:, 1].tolist()
-        meta = torch.stack(
-            [
-                (row_of_pair - first_row.index_select(0, dest)).to(torch.int32),
-                experts.to(torch.int32),
-                topk_weights.reshape(-1).index_select(0, pair_order).float().view(torch.int32),
-            ],
-            dim=1,
-        )  # [P, 3]
-        recv_meta = self._exchange(meta, send_pairs, recv_pairs)  # [R, 3]
-        rows = self._exchange(hidden.index_select(0, tokens[new_row]), send_rows, recv_rows)
-        # Each received pair's row: its row within its source's rows + where those start.
+        recv_rows = recv_rows_t.tolist()
+        received = self._exchange(payload, send_rows_t.tolist(), recv_rows)  # [U_r, bytes]
+        hidden_bytes = rows.shape[1] * rows.element_size()
+        r_rows = received[:, :hidden_bytes].view(hidden.dtype)  # [U_r, H]
+        r_ids = received[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32)
+        r_weights = received[:, hidden_bytes + 4 * top_k :].view(torch.float32)
+        row, col = (r_ids >= 0).nonzero(as_tuple=True)  # pairs in (source, token, slot) order
         source = torch.repeat_interleave(
-            torch.arange(w, device=device), torch.tensor(recv_pairs, device=device)
-        )
-        starts = torch.cumsum(torch.tensor(recv_rows, device=device), 0) - torch.tensor(
-            recv_rows, device=device
-        )
-        row = recv_meta[:, 0].to(torch.long) + starts.index_select(0, source)
+            torch.arange(w, device=device), recv_rows_t.to(device)
+        ).index_select(0, row)
+        send_pairs = torch.bincount(dest, minlength=w).tolist()
+        recv_pairs = torch.bincount(source, minlength=w).tolist()
         handle = DispatchHandle(num_tokens, top_k, pair_order, send_pairs, recv_pairs)
         return DispatchResult(
-            rows.index_select(0, row),
-            recv_meta[:, 1].to(torch.long),
-            recv_meta[:, 2].contiguous().view(torch.float32),
+            r_rows.index_select(0, row),
+            r_ids[row, col].to(torch.long),
+            r_weights[row, col],
             handle,
         )
 
