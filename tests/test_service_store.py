@@ -197,6 +197,7 @@ class FakeEngine:
     live: dict[str, int] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
     budget: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    fail_steps: int = 0  # the next steps that raise (an engine bug, not a bad request)
 
     def allow(self, steps: int) -> None:
         """Let ``steps`` more steps run (step() blocks otherwise)."""
@@ -222,6 +223,9 @@ class FakeEngine:
 
     def step(self):
         assert self.budget.acquire(timeout=10)
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("engine bug")
         done = []
         for request_id in list(self.live):
             self.live[request_id] -= 1
@@ -295,3 +299,32 @@ def test_cancel_aborts_in_flight_requests_and_keeps_finished_ones(tmp_path):
     assert store.get_batch(batch["id"])["completed"] == 2
     assert store.count_pending(batch["id"]) == 4  # the job worker fails these at finalize
     assert store.request_attempts(batch["id"]) == {0: 1, 1: 1, 2: 1, 3: 1, 4: 0, 5: 0}
+
+
+def test_a_failed_engine_step_gives_error_lines_with_their_line_numbers(tmp_path):
+    store = st.Store(tmp_path)
+    # Line 2 is blank: the numbers in the error lines are input line numbers, not indexes.
+    batch = _batch(
+        store, _line("a", "a") + "\n\n" + _line("b", "b") + "\n" + _line("c", "c") + "\n"
+    )
+    _validate(store, batch["id"])
+    engine = FakeEngine(steps=1, fail_steps=1)
+    engine.allow(1000)
+    loop, finalized, done = _loop(store, engine)
+    loop.start()
+    try:
+        assert done.wait(10)
+    finally:
+        loop.stop()
+    results = {r.custom_id: json.loads(r.result) for r in store.results_after(batch["id"], 0, 10)}
+    # a and b were in the failed step; c ran after it.
+    assert [results[c]["error"] for c in ("a", "b")] == [
+        {
+            "code": "request_failed",
+            "message": f"line {n}: the engine failed while running this request (RuntimeError)",
+            "param": None,
+            "line": n,
+        }
+        for n in (1, 3)
+    ]
+    assert results["c"]["error"] is None

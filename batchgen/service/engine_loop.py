@@ -508,7 +508,8 @@ class EngineLoop:
     def _fail_all_in_flight(self, exc: Exception) -> None:
         reason = f"the engine failed while running this request ({type(exc).__name__})"
         for req in list(self._batch_in_flight.values()):
-            line = error_line(req.custom_id, REQUEST_FAILED, f"line {req.line}: {reason}")
+            message = f"line {req.line}: {reason}"
+            line = error_line(req.custom_id, REQUEST_FAILED, message, line=req.line)
             self._record_failure(req.batch_id, req.idx, line)
             cursor = self._batches.get(req.batch_id)
             if cursor is not None:
