@@ -685,6 +685,37 @@ def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server,
     assert ": 4 ok, 1 failed" in proc.stderr
 
 
+def test_batchgen_submit_writes_invalid_url_lines_like_run(server, tmp_path):
+    """A file ``batchgen run`` takes runs whole under ``submit`` too: an endpoint BatchGen does
+    not serve gets the same ``invalid_url`` error line, and the other lines run."""
+    from batchgen.entrypoints.openai_protocol import BatchLineError, parse_batch_line
+
+    embedding = {"custom_id": "emb", "url": "/v1/embeddings", "body": {"input": "hi"}}
+    lines = [json.dumps(embedding), slow_lines(2, 3, prefix="urls").strip()]
+    src = tmp_path / "embeddings.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert list(split_by_endpoint(src)) == ["/v1/completions"]
+    proc, results = _submit_cli(server, tmp_path, src)
+    assert ": 2 ok, 1 failed" in proc.stderr
+    (bad,) = [r for r in results if r["error"] is not None]
+    with pytest.raises(BatchLineError) as run_error:  # what `batchgen run` writes for it
+        parse_batch_line(lines[0], 1)
+    assert bad["custom_id"] == "emb"
+    assert bad["error"] == {
+        "code": "invalid_url",
+        "message": str(run_error.value),
+        "param": "url",
+        "line": 1,
+    }
+    assert sorted(r["custom_id"] for r in results if r["error"] is None) == ["urls-0", "urls-1"]
+
+    only_unserved = tmp_path / "only-embeddings.jsonl"
+    only_unserved.write_text(json.dumps(embedding) + "\n")
+    assert {u: g.num_lines for u, g in split_by_endpoint(only_unserved).items()} == {
+        "/v1/completions": 1
+    }
+
+
 def _mixed_endpoint_file(path):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     lines = [
