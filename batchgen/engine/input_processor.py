@@ -29,11 +29,19 @@ class ProcessedPrompt:
 def load_tokenizer(path: str | Path):
     """The model's tokenizer (`transformers.AutoTokenizer`), with the length limit lifted:
     length limits are the engine's to enforce (per request, with a clear error); without this,
-    transformers warns about "indexing errors" on every long prompt."""
+    transformers warns about "indexing errors" on every long prompt. Safe to use from several
+    threads at once."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.model_max_length = 1 << 62
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # Without truncation or padding set, `encode` never changes the backend's state, so
+        # worker threads may tokenize while the engine thread detokenizes (a tokenizer.json
+        # that sets them would be reset by the first encode, racing with other threads).
+        backend.no_truncation()
+        backend.no_padding()
     return tokenizer
 
 
