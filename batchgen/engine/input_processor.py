@@ -59,6 +59,32 @@ def eos_token_ids(path: str | Path, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def check_prompt_size(prompt: PromptType, max_model_len: int, bound: PromptBound) -> None:
+    """The cheap half of `InputProcessor.process`: refuse, in O(1) and without tokenizing, a
+    token-id list of ``max_model_len`` ids or more and a text longer than ``bound`` allows.
+    Pure (no tokenizer), so a process that holds a large prompt (the HTTP service's body
+    parser) can refuse it before handing it on.
+
+    Raises:
+        ValueError: with ``code = "context_length_exceeded"``.
+    """
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
+        raise _too_long(
+            f"prompt has {len(prompt)} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len} (prompt must be < max_model_len tokens)"
+        )
+    if isinstance(prompt, str) and len(prompt) > bound.max_chars:
+        raise _too_long(bound.message(len(prompt), max_model_len))
+
+
+def _too_long(message: str) -> ValueError:
+    err = ValueError(message)
+    err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
+    return err
+
+
 class InputProcessor:
     """Tokenizes and validates prompts for one model.
 
@@ -97,7 +123,7 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(ids) >= self.max_model_len:
-            raise self._too_long(
+            raise _too_long(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
             )
@@ -118,29 +144,9 @@ class InputProcessor:
             raise err
         return ProcessedPrompt(text, ids)
 
-    @staticmethod
-    def _too_long(message: str) -> ValueError:
-        err = ValueError(message)
-        err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
-        return err
-
     def check_size(self, prompt: PromptType) -> None:
-        """The cheap half of `process`: refuse a token-id list of ``max_model_len`` ids or more
-        and a text longer than `prompt_bound` allows, in O(1), without tokenizing. A caller that
-        holds a large prompt (the HTTP service) can refuse it before handing it on.
-
-        Raises:
-            ValueError: with ``code = "context_length_exceeded"``.
-        """
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-        if isinstance(prompt, (list, tuple)) and len(prompt) >= self.max_model_len:
-            raise self._too_long(
-                f"prompt has {len(prompt)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
-            )
-        if isinstance(prompt, str) and len(prompt) > self.prompt_bound.max_chars:
-            raise self._too_long(self.prompt_bound.message(len(prompt), self.max_model_len))
+        """`check_prompt_size` with this processor's limits."""
+        check_prompt_size(prompt, self.max_model_len, self.prompt_bound)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
