@@ -457,16 +457,16 @@ class EngineLoop:
     def _take_online(self, request_id: str, prep: _Preparing) -> None:
         request = prep.online
         api = request.api
-        try:
-            processed = prep.future.result()
-        except ValueError as err:
-            code, param = rejected_error(api, err)
-            self._emit_error(request, 400, str(err), code, param)
+        exc = _exception(prep.future)
+        if isinstance(exc, ValueError):
+            code, param = rejected_error(api, exc)
+            self._emit_error(request, 400, str(exc), code, param)
             return
-        except Exception as exc:  # a bug in input processing: this request fails, not the loop
+        if exc is not None:  # a bug in input processing: this request fails, not the loop
             logger.error("input of online request %s failed", request_id, exc_info=exc)
             self._emit_error(request, 500, _input_failure(exc), REQUEST_FAILED)
             return
+        processed = prep.future.result()
         self.engine.add_processed_request(request_id, processed, api.sampling_params)
         self._online[request_id] = request
         if request.stream:
@@ -475,12 +475,12 @@ class EngineLoop:
 
     def _take_batch(self, request_id: str, prep: _Preparing) -> None:
         cursor, pending = prep.cursor, prep.pending
-        try:
-            parsed, processed = prep.future.result()
-        except Exception as exc:
+        exc = _exception(prep.future)
+        if exc is not None:
             cursor.in_flight -= 1
             self._record_failure(pending.batch_id, pending.idx, _input_error_line(pending, exc))
             return
+        parsed, processed = prep.future.result()
         api = parsed.request
         self.engine.add_processed_request(request_id, processed, api.sampling_params)
         self._started.append((pending.batch_id, pending.idx))
@@ -638,6 +638,14 @@ class EngineLoop:
             tile_density=self._tile_density,
             finished=dict(self._counts),
         )
+
+
+def _exception(future: Future) -> BaseException | None:
+    """The exception a finished worker job raised, or None. Read with ``future.exception()``
+    rather than by re-raising ``future.result()``: re-raised here, its traceback would take in
+    the engine thread's frames, whose locals hold the future, a reference cycle that kept each
+    failed request's prompt (megabytes for an oversized one) alive until a full GC."""
+    return future.exception()
 
 
 def _input_failure(exc: Exception) -> str:
