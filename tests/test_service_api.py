@@ -606,8 +606,9 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
         ).id,
     )
     assert batch.status == "completed" and batch.request_counts.completed == 2
-    assert [m.id for m in sdk.models.list()] == [str(tiny_model)]
-    assert sdk.models.retrieve(str(tiny_model)).owned_by == "batchgen"
+    # Served under the directory's name (--served-model-name's default), not its path.
+    assert [m.id for m in sdk.models.list()] == ["tiny-mixtral"] == [tiny_model.name]
+    assert sdk.models.retrieve("tiny-mixtral").owned_by == "batchgen"
     finished_ok = (
         "batchgen_requests_finished_total",
         (("outcome", "succeeded"), ("source", "batch")),

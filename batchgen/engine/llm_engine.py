@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def served_model_name(model: str) -> str:
+    """The name a model is served under by default: a local directory's name (its path would
+    tell every client where the server keeps its files), else the hub id as given."""
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters (tokens, seconds)."""
@@ -95,7 +103,8 @@ class LLMEngine:
             config.model = default_model_path()
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
         else:
-            self.model_name = config.model
+            self.model_name = served_model_name(config.model)
+        self.model_name = config.served_model_name or self.model_name
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
