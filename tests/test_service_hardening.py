@@ -326,3 +326,115 @@ def test_served_model_name_flag_and_default(tiny_model):
 
     llm = LLM(str(tiny_model), device="cpu", kv_cache_memory_gb=0.01, served_model_name="m-1")
     assert llm.llm_engine.model_name == "m-1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit level: body parsing, key files, old state directories (no server)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (
+            b'{"messages": [{"role": "user", "content": "ok"}, {"content": "\\udc00x"}]}',
+            "messages[1].content",
+            "'messages[1].content' is not valid Unicode text: it holds a lone surrogate at "
+            'character 0 ("\\udc00x")',
+        ),
+        (
+            b'{"a": {"b": {"\\ud83d": 1}}}',
+            "a.b",
+            "'a.b' has a key that is not valid Unicode text (a lone surrogate at character 0 "
+            '("\\ud83d"))',
+        ),
+        (
+            b'{"prompt": "' + b"x" * 100 + b'\\ud800yz"}',
+            "prompt",
+            "'prompt' is not valid Unicode text: it holds a lone surrogate at character 100 "
+            '("...xxxxxxxxxx\\ud800yz")',
+        ),
+    ],
+)
+def test_lone_surrogates_are_named_by_their_path(raw, param, message):
+    from batchgen.service.bodies import parse_json_object
+    from batchgen.service.errors import APIError
+
+    with pytest.raises(APIError) as info:
+        parse_json_object(raw)
+    assert (info.value.status_code, info.value.code, info.value.param) == (
+        400,
+        "invalid_unicode",
+        param,
+    )
+    assert info.value.message.startswith(message)
+    assert info.value.message.encode("utf-8")  # the message itself is sendable
+
+
+def test_valid_surrogate_pairs_and_escaped_backslashes_pass():
+    from batchgen.service.bodies import parse_json_object
+
+    assert parse_json_object(b'{"p": "\\ud83d\\ude00", "q": "\\\\ud800"}') == {
+        "p": "\U0001f600",
+        "q": "\\ud800",
+    }
+
+
+@pytest.mark.parametrize("depth", [64, 65, 5000])
+def test_nesting_limit(depth):
+    from batchgen.service.bodies import MAX_JSON_DEPTH, parse_json_object
+    from batchgen.service.errors import APIError
+
+    raw = b'{"a": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    if depth <= MAX_JSON_DEPTH:
+        assert parse_json_object(raw)["a"] is not None
+        return
+    with pytest.raises(APIError) as info:
+        parse_json_object(raw)
+    assert info.value.code == "invalid_json" and "more than 64 levels" in info.value.message
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    from batchgen.entrypoints.cli import CliError, _api_key, build_parser
+
+    def key(*argv):
+        return _api_key(build_parser().parse_args(["serve", *argv]))
+
+    monkeypatch.delenv("BATCHGEN_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("BATCHGEN_API_KEY", "from-env")
+    assert key() == "from-env"
+    path = tmp_path / "key"
+    path.write_text("  from-file  \nignored\n")
+    path.chmod(0o600)
+    assert key("--api-key-file", str(path)) == "from-file"
+    assert key("--api-key", "given") == "given"
+    path.write_text("\n")
+    with pytest.raises(CliError, match="is empty"):
+        key("--api-key-file", str(path))
+    with pytest.raises(CliError, match="cannot read --api-key-file"):
+        key("--api-key-file", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit):  # one or the other
+        key("--api-key", "a", "--api-key-file", str(path))
+    assert "/proc/PID/cmdline" in build_parser()._subparsers._group_actions[0].choices[
+        "serve"
+    ].format_help().replace("\n", " ").replace("  ", " ")
+
+
+def test_a_state_directory_of_an_older_version_is_tightened(tmp_path):
+    from batchgen.service import store as st
+
+    old = tmp_path / "state"
+    (old / "files").mkdir(parents=True)
+    first = st.Store(old)
+    first.create_file([b"secret"], "in.jsonl", "batch")
+    first.close()
+    for path in (old, old / "files", *old.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # what older versions left
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)  # an existing folder that is not a store: only its insides
+    st.Store(shared).close()
+    st.Store(old).close()
+    assert oct(old.stat().st_mode & 0o777) == "0o700"
+    assert oct(shared.stat().st_mode & 0o777) == "0o755"
+    for path in (*old.rglob("*"), *shared.rglob("*")):
+        assert oct(path.stat().st_mode & 0o777) == ("0o700" if path.is_dir() else "0o600"), path

@@ -122,7 +122,7 @@ def _check_unicode(body: dict[str, Any]) -> None:
                 raise APIError(
                     400,
                     f"'{path}' is not valid Unicode text: it holds a lone surrogate "
-                    f"({_shown(value)}); send characters outside the Basic Multilingual Plane "
+                    f"{_shown(value)}; send characters outside the Basic Multilingual Plane "
                     "as surrogate pairs",
                     param=path,
                     code="invalid_unicode",
@@ -133,8 +133,8 @@ def _check_unicode(body: dict[str, Any]) -> None:
                     where = f"'{path}'" if path else "the request body"
                     raise APIError(
                         400,
-                        f"{where} has a key that is not valid Unicode text ({_shown(key)}: a "
-                        "lone surrogate)",
+                        f"{where} has a key that is not valid Unicode text (a lone surrogate "
+                        f"{_shown(key)})",
                         param=path or None,
                         code="invalid_unicode",
                     )
@@ -144,17 +144,28 @@ def _check_unicode(body: dict[str, Any]) -> None:
 
 
 def _encodable(text: str) -> bool:
+    return _first_surrogate(text) is None
+
+
+def _first_surrogate(text: str) -> int | None:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
 
 
 def _shown(text: str) -> str:
-    """``text`` as an ASCII JSON string, cut to about 40 characters."""
-    shown = json.dumps(text)
-    return shown if len(shown) <= 40 else shown[:37] + '..."'
+    """Where in ``text`` its first lone surrogate is, e.g. ``at character 3 ("abc\\ud800")``,
+    with up to 10 characters around it, as ASCII JSON."""
+    at = _first_surrogate(text) or 0
+    start, end = max(at - 10, 0), at + 11
+    shown = json.dumps(text[start:end])
+    if start:
+        shown = '"...' + shown[1:]
+    if end < len(text):
+        shown = shown[:-1] + '..."'
+    return f"at character {at} ({shown})"
 
 
 # ---------------------------------------------------------------------------------------------
