@@ -36,6 +36,13 @@ class EngineConfig:
         default=None, metadata=_help("HF model directory or hub id (default: embedded model)")
     )
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer path (default: model)"))
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_help(
+            "the model's name in responses and /v1/models (default: the model directory's "
+            "name, not its path, or the hub id)"
+        ),
+    )
     dtype: str = field(
         default="auto", metadata=_help(f"weights/activations dtype, one of {DTYPES}")
     )
@@ -109,6 +116,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
+        ):
+            raise ValueError(
+                f"served_model_name must be a non-empty string or None, got "
+                f"{self.served_model_name!r}"
+            )
         if self.scheduler_policy not in POLICIES:
             raise ValueError(
                 f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}"

@@ -21,6 +21,10 @@ MAX_REPETITION_PENALTY = 1e4
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`, OpenAI's cap).
 MAX_LOGPROBS = 20
+# Largest value of an integer field that counts tokens or names them (top_k, max_tokens,
+# min_tokens, stop_token_ids): such values meet int64 tensors in the sampler and in rank-to-rank
+# exchanges, so a larger one would fail the whole engine step instead of this request.
+MAX_INT64 = 2**63 - 1
 
 
 class SamplingType(IntEnum):
@@ -43,20 +47,21 @@ class SamplingParams:
             1 disables it.
         top_k: keep only the ``top_k`` most likely tokens (ties with the k-th are kept too).
             0 or -1 disables it (-1 is accepted like vLLM and stored as 0); a value larger than
-            the vocabulary also disables it.
+            the vocabulary also disables it. At most ``MAX_INT64`` (2**63 - 1).
         min_p: in [0, 1]: drop tokens whose probability is below ``min_p`` times the
             probability of the most likely token. 0 disables it.
         seed: seed of this request's own random generator, so that its samples are reproducible
-            and independent of the other requests in the batch; None uses the engine's global
-            generator.
-        max_tokens: maximum number of tokens to generate per sample, >= 1; None generates until
-            ``max_model_len``.
+            and independent of the other requests in the batch; any integer (it is hashed to 64
+            bits before use); None uses the engine's global generator.
+        max_tokens: maximum number of tokens to generate per sample, in [1, 2**63 - 1]; None
+            generates until ``max_model_len``.
         min_tokens: minimum number of tokens to generate before EOS or a ``stop_token_ids`` token
-            may be sampled (those ids are masked out until then), >= 0 and <= ``max_tokens``.
+            may be sampled (those ids are masked out until then), in [0, 2**63 - 1] and
+            <= ``max_tokens``.
         stop: string(s) that end a sample when they appear in its text; a single string is
             normalised to a one-element list, None to ``[]``. Empty strings are rejected.
-        stop_token_ids: token ids that end a sample when sampled (kept in the output token ids);
-            None is normalised to ``[]``.
+        stop_token_ids: token ids in [0, 2**63 - 1] that end a sample when sampled (kept in the
+            output token ids); None is normalised to ``[]``.
         ignore_eos: keep generating after the EOS token.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logprobs: number of log-probabilities to return per generated token, in [0, 20], or
@@ -74,6 +79,10 @@ class SamplingParams:
             *or* the output: positive logits are divided by it, negative ones multiplied. 1
             disables it; > 1 discourages repetition.
         skip_special_tokens: drop special tokens from the detokenized text.
+
+    Every numeric field is range-checked here, so that a value the engine's tensors cannot hold
+    (``top_k=2**63``, an integer temperature of 400 digits) fails this request at the boundary
+    rather than the engine step that every other request shares.
 
     Raises:
         ValueError: on a wrong type or an out-of-range value; the message names the field and
@@ -113,17 +122,20 @@ class SamplingParams:
             lambda x: 0 <= x <= MAX_TEMPERATURE,
         )
         self.top_p = _float(self.top_p, "top_p", "(0, 1]", lambda x: 0 < x <= 1)
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT64:
             raise ValueError(
-                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
+                "top_k must be an integer >= 1, or 0 or -1 to disable it, and at most "
+                f"{MAX_INT64}, got {_short(self.top_k)}"
             )
         self.top_k = max(int(self.top_k), 0)
         self.min_p = _float(self.min_p, "min_p", "[0, 1]", lambda x: 0 <= x <= 1)
         if self.seed is not None:
             self.seed = _int(self.seed, "seed")
         if self.max_tokens is not None:
-            self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1, or_none=True)
-        self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0)
+            self.max_tokens = _int(
+                self.max_tokens, "max_tokens", minimum=1, maximum=MAX_INT64, or_none=True
+            )
+        self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0, maximum=MAX_INT64)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
@@ -177,24 +189,44 @@ def _is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _int(value: object, name: str, minimum: int | None = None, or_none: bool = False) -> int:
-    if not _is_int(value) or (minimum is not None and value < minimum):
-        bound = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {bound}{' or None' if or_none else ''}, got {value!r}")
+def _short(value: object) -> str:
+    """``repr(value)``, cut to about 40 characters (an integer of 4,000 digits stays readable)."""
+    text = repr(value)
+    if len(text) <= 40:
+        return text
+    return f"{text[:20]}... ({len(text)} characters)"
+
+
+def _int(
+    value: object,
+    name: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    or_none: bool = False,
+) -> int:
+    too_large = _is_int(value) and maximum is not None and value > maximum
+    if not _is_int(value) or (minimum is not None and value < minimum) or too_large:
+        none = " or None" if or_none else ""
+        if too_large:
+            bound = f"an integer in [{minimum}, {maximum}]"
+        else:
+            bound = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {bound}{none}, got {_short(value)}")
     return int(value)
 
 
 def _float(value: object, name: str, allowed: str, ok: Callable[[float], bool]) -> float:
-    if (
-        not isinstance(value, Real)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or not ok(value)
-    ):
+    number = math.nan
+    if isinstance(value, Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range (JSON allows 4,300 digits)
+            number = math.nan
+    if not math.isfinite(number) or not ok(number):
         # "in [0, 1]" for a bounded range, "a finite number >= 0" for a one-sided one.
         words = f"a finite number {allowed}" if allowed[0] in "<>" else f"in {allowed}"
-        raise ValueError(f"{name} must be {words}, got {value!r}")
-    return float(value)
+        raise ValueError(f"{name} must be {words}, got {_short(value)}")
+    return number
 
 
 def _stop_strings(stop: object) -> list[str]:
@@ -212,6 +244,11 @@ def _stop_strings(stop: object) -> list[str]:
 def _stop_token_ids(ids: object) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-        raise ValueError(f"stop_token_ids must be a list of integers >= 0 or None, got {ids!r}")
+    if not isinstance(ids, (list, tuple)) or not all(
+        _is_int(i) and 0 <= i <= MAX_INT64 for i in ids
+    ):
+        raise ValueError(
+            f"stop_token_ids must be a list of integers >= 0 or None, each at most {MAX_INT64}, "
+            f"got {_short(ids)}"
+        )
     return [int(i) for i in ids]

@@ -213,6 +213,10 @@ def test_missing_prompt():
         ("n", 0, "n must be an integer >= 1"),
         ("logprobs", 21, "logprobs must be an integer in [0, 20]"),
         ("presence_penalty", 3, "presence_penalty must be in [-2, 2]"),
+        # Values no engine tensor holds fail their line with the range, not the engine step.
+        ("top_k", 2**63, "top_k must be an integer >= 1, or 0 or -1 to disable it, and at most"),
+        ("min_tokens", 2**64, "min_tokens must be an integer in [0, 9223372036854775807]"),
+        ("temperature", 10**400, "temperature must be in [0, 10000], got 1000000000"),
     ],
 )
 def test_wrong_fields_name_the_field(field, value, words):

@@ -59,6 +59,8 @@ def test_sampling_type(kwargs, expected):
         {"seed": -(2**70)},
         {"seed": 2**80},
         {"top_k": 1},
+        {"top_k": 2**63 - 1, "max_tokens": 2**63 - 1, "stop_token_ids": [2**63 - 1]},
+        {"max_tokens": None, "min_tokens": 2**63 - 1},
         {"repetition_penalty": 1e-3},
     ],
 )
@@ -88,6 +90,19 @@ BAD_VALUES = [
     ("top_k", -2, "top_k must be an integer >= 1, or 0 or -1"),
     ("top_k", 2.0, "top_k must be an integer >= 1, or 0 or -1"),
     ("top_k", True, "top_k must be an integer >= 1, or 0 or -1"),
+    # Past int64 the value cannot reach the sampler's tensors: it must fail here, naming the range.
+    (
+        "top_k",
+        2**63,
+        "top_k must be an integer >= 1, or 0 or -1 to disable it, and at most "
+        "9223372036854775807, got 9223372036854775808",
+    ),
+    ("max_tokens", 2**63, "max_tokens must be an integer in [1, 9223372036854775807] or None"),
+    ("min_tokens", 2**70, "min_tokens must be an integer in [0, 9223372036854775807], got"),
+    ("stop_token_ids", [2**63], "stop_token_ids must be a list of integers >= 0 or None, each at"),
+    # An integer too large for a float (JSON allows 4,300 digits) is out of range, not a crash.
+    ("temperature", 10**400, "temperature must be in [0, 10000], got 10000000000000000000..."),
+    ("top_p", -(10**400), "top_p must be in (0, 1], got -1000000000000000000... (402 characters)"),
     ("min_p", -0.01, "min_p must be in [0, 1]"),
     ("min_p", 1.01, "min_p must be in [0, 1]"),
     ("min_p", math.nan, "min_p must be in [0, 1]"),

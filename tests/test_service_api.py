@@ -606,8 +606,9 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
         ).id,
     )
     assert batch.status == "completed" and batch.request_counts.completed == 2
-    assert [m.id for m in sdk.models.list()] == [str(tiny_model)]
-    assert sdk.models.retrieve(str(tiny_model)).owned_by == "batchgen"
+    # Served under the directory's name (--served-model-name's default), not its path.
+    assert [m.id for m in sdk.models.list()] == ["tiny-mixtral"] == [tiny_model.name]
+    assert sdk.models.retrieve("tiny-mixtral").owned_by == "batchgen"
     finished_ok = (
         "batchgen_requests_finished_total",
         (("outcome", "succeeded"), ("source", "batch")),
@@ -683,6 +684,37 @@ def test_batchgen_submit_cli_runs_a_mixed_file_as_one_batch_per_endpoint(server,
     ]
     assert "(/v1/completions)" in proc.stderr and "(/v1/chat/completions)" in proc.stderr
     assert ": 4 ok, 1 failed" in proc.stderr
+
+
+def test_batchgen_submit_writes_invalid_url_lines_like_run(server, tmp_path):
+    """A file ``batchgen run`` takes runs whole under ``submit`` too: an endpoint BatchGen does
+    not serve gets the same ``invalid_url`` error line, and the other lines run."""
+    from batchgen.entrypoints.openai_protocol import BatchLineError, parse_batch_line
+
+    embedding = {"custom_id": "emb", "url": "/v1/embeddings", "body": {"input": "hi"}}
+    lines = [json.dumps(embedding), slow_lines(2, 3, prefix="urls").strip()]
+    src = tmp_path / "embeddings.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert list(split_by_endpoint(src)) == ["/v1/completions"]
+    proc, results = _submit_cli(server, tmp_path, src)
+    assert ": 2 ok, 1 failed" in proc.stderr
+    (bad,) = [r for r in results if r["error"] is not None]
+    with pytest.raises(BatchLineError) as run_error:  # what `batchgen run` writes for it
+        parse_batch_line(lines[0], 1)
+    assert bad["custom_id"] == "emb"
+    assert bad["error"] == {
+        "code": "invalid_url",
+        "message": str(run_error.value),
+        "param": "url",
+        "line": 1,
+    }
+    assert sorted(r["custom_id"] for r in results if r["error"] is None) == ["urls-0", "urls-1"]
+
+    only_unserved = tmp_path / "only-embeddings.jsonl"
+    only_unserved.write_text(json.dumps(embedding) + "\n")
+    assert {u: g.num_lines for u, g in split_by_endpoint(only_unserved).items()} == {
+        "/v1/completions": 1
+    }
 
 
 def _mixed_endpoint_file(path):

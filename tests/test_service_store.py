@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
 
+from batchgen.engine.input_processor import ProcessedPrompt
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.service import store as st
 from batchgen.service.engine_loop import EngineLoop
@@ -197,21 +199,36 @@ class FakeEngine:
     live: dict[str, int] = field(default_factory=dict)
     prompts: dict[str, str] = field(default_factory=dict)
     budget: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    fail_steps: int = 0  # the next steps that raise (an engine bug, not a bad request)
+    slow_gate: threading.Event = field(default_factory=threading.Event)
+    input_threads: set[str] = field(default_factory=set)
+    steps_done: int = 0
 
     def allow(self, steps: int) -> None:
-        """Let ``steps`` more steps run (step() blocks otherwise)."""
+        """Let ``steps`` more steps advance the requests (other steps do nothing, after a short
+        wait, so that the loop keeps taking in requests whose input its workers processed)."""
         for _ in range(steps):
             self.budget.release()
+
+    @property
+    def input_processor(self):
+        return self  # the fake processes its inputs itself (on the loop's worker threads)
 
     def apply_chat_template(self, messages):
         return [1, 2]
 
-    def add_request(self, request_id, prompt, params, *, max_tokens_must_fit=False):
+    def process(self, prompt, params, *, max_tokens_must_fit=False):
+        self.input_threads.add(threading.current_thread().name)
+        if prompt == "slow":  # a prompt that takes long to tokenize
+            assert self.slow_gate.wait(10)
         if prompt == "bad":
             raise ValueError("bad prompt")
-        self.added.append(prompt)
+        return ProcessedPrompt(prompt, [1])
+
+    def add_processed_request(self, request_id, processed, params):
+        self.added.append(processed.prompt)
         self.live[request_id] = self.steps
-        self.prompts[request_id] = prompt
+        self.prompts[request_id] = processed.prompt
 
     def abort_request(self, request_id):
         self.aborted.append(self.prompts[request_id])
@@ -221,7 +238,12 @@ class FakeEngine:
         return bool(self.live)
 
     def step(self):
-        assert self.budget.acquire(timeout=10)
+        if not self.budget.acquire(timeout=0.01):
+            return []
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("engine bug")
+        self.steps_done += 1
         done = []
         for request_id in list(self.live):
             self.live[request_id] -= 1
@@ -231,6 +253,13 @@ class FakeEngine:
                 sample = CompletionOutput(0, "out", [7], finish_reason="length")
                 done.append(RequestOutput(request_id, self.prompts[request_id], [1], [sample]))
         return done
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def _loop(store, engine, max_in_flight=2):
@@ -264,7 +293,7 @@ def test_round_robin_admission_lets_a_small_batch_through(tmp_path):
     finally:
         loop.stop()
     assert sorted(s for _, s in finalized) == [st.COMPLETED, st.COMPLETED]
-    # Alternating admission; the bad prompt fails at admission without taking a slot.
+    # Alternating admission; the bad prompt fails in input processing, before the engine.
     assert engine.added[:3] == ["L0", "S0", "L1"]
     assert store.get_batch(small["id"])["status"] == st.FINALIZING
     counts = store.get_batch(small["id"])
@@ -281,9 +310,9 @@ def test_cancel_aborts_in_flight_requests_and_keeps_finished_ones(tmp_path):
     loop, finalized, done = _loop(store, engine)
     loop.start()
     try:
+        _wait_for(lambda: len(engine.added) == 2)  # admitted, input processed, in the engine
         engine.allow(2)  # the first two requests finish, two more are admitted
-        while store.get_batch(batch["id"])["completed"] < 2 or len(engine.added) < 4:
-            threading.Event().wait(0.01)
+        _wait_for(lambda: store.get_batch(batch["id"])["completed"] == 2 and len(engine.added) == 4)
         assert store.transition(batch["id"], st.CANCELLING, expect=[st.IN_PROGRESS])
         loop.cancel_batch(batch["id"])
         engine.allow(1000)
@@ -295,3 +324,69 @@ def test_cancel_aborts_in_flight_requests_and_keeps_finished_ones(tmp_path):
     assert store.get_batch(batch["id"])["completed"] == 2
     assert store.count_pending(batch["id"]) == 4  # the job worker fails these at finalize
     assert store.request_attempts(batch["id"]) == {0: 1, 1: 1, 2: 1, 3: 1, 4: 0, 5: 0}
+
+
+def test_a_failed_engine_step_gives_error_lines_with_their_line_numbers(tmp_path):
+    store = st.Store(tmp_path)
+    # Line 2 is blank: the numbers in the error lines are input line numbers, not indexes.
+    batch = _batch(
+        store, _line("a", "a") + "\n\n" + _line("b", "b") + "\n" + _line("c", "c") + "\n"
+    )
+    _validate(store, batch["id"])
+    engine = FakeEngine(steps=1, fail_steps=1)
+    loop, finalized, done = _loop(store, engine)
+    loop.start()
+    try:
+        _wait_for(lambda: len(engine.added) == 2)  # a and b in the engine: the failing step's
+        engine.allow(1000)
+        assert done.wait(10)
+    finally:
+        loop.stop()
+    results = {r.custom_id: json.loads(r.result) for r in store.results_after(batch["id"], 0, 10)}
+    # a and b were in the failed step; c ran after it.
+    assert [results[c]["error"] for c in ("a", "b")] == [
+        {
+            "code": "request_failed",
+            "message": f"line {n}: the engine failed while running this request (RuntimeError)",
+            "param": None,
+            "line": n,
+        }
+        for n in (1, 3)
+    ]
+    assert results["c"]["error"] is None
+
+
+def test_input_processing_runs_off_the_engine_thread(tmp_path):
+    """A prompt that takes long to tokenize holds up no other request: the engine thread
+    keeps stepping, and an online request arriving meanwhile finishes."""
+    from batchgen.entrypoints.openai_protocol import parse_request_body
+    from batchgen.service.engine_loop import OnlineRequest
+
+    store = st.Store(tmp_path)
+    batch = _batch(store, _line("slow", "slow") + "\n" + _line("next", "next") + "\n")
+    _validate(store, batch["id"])
+    engine = FakeEngine(steps=2)
+    engine.allow(1000)
+    loop, finalized, done = _loop(store, engine, max_in_flight=4)
+    events = []
+    online_done = threading.Event()
+
+    def emit(event):
+        events.append(event)
+        online_done.set()
+
+    loop.start()
+    try:
+        api = parse_request_body("/v1/completions", {"prompt": "fast", "max_tokens": 2})
+        loop.submit_online(OnlineRequest(api, emit))
+        assert online_done.wait(10)
+        assert [e.kind for e in events] == ["done"]
+        assert engine.added == ["fast"]  # the batch line is still being tokenized
+        assert engine.steps_done >= 2
+        engine.slow_gate.set()
+        assert done.wait(10)
+    finally:
+        loop.stop()
+    assert finalized == [(batch["id"], st.COMPLETED)]
+    assert engine.added == ["fast", "slow", "next"]
+    assert engine.input_threads == {"batchgen-input-online_0", "batchgen-input-batch_0"}

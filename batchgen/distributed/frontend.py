@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.launch import rank_command
-from batchgen.engine.input_processor import InputProcessor, load_tokenizer
+from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -105,6 +105,7 @@ class DPEngineClient:
     def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
         from transformers import AutoConfig
 
+        from batchgen.engine.llm_engine import served_model_name
         from batchgen.models.loader import resolve_model_path
         from batchgen.models.model_config import ModelConfig
 
@@ -115,7 +116,8 @@ class DPEngineClient:
             config.model = str(default_model_path())
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
         else:
-            self.model_name = config.model
+            self.model_name = served_model_name(config.model)
+        self.model_name = config.served_model_name or self.model_name
         path = resolve_model_path(config.model)
         config.model = str(path)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
@@ -355,11 +357,8 @@ class DPEngineClient:
         max_tokens_must_fit: bool = False,
         data_parallel_rank: int | None = None,
     ) -> None:
-        """Validate and tokenize here, then queue on the least-loaded rank, or on
-        ``data_parallel_rank`` (vLLM's argument) when given (sent at the next `step` or once
-        `SEND_BATCH` requests wait for that rank). Raises like `LLMEngine.add_request`
-        (ValueError, also for a ``data_parallel_rank`` outside ``[0, data_parallel_size)``),
-        and `RankFailedError` after a rank failure."""
+        """Validate and tokenize here (`InputProcessor`), then `add_processed_request`.
+        Raises like `LLMEngine.add_request`, and `RankFailedError` after a rank failure."""
         if self._failure is not None:
             raise self._failure
         params = params or SamplingParams()
@@ -368,17 +367,43 @@ class DPEngineClient:
         processed = self.input_processor.process(
             prompt, params, max_tokens_must_fit=max_tokens_must_fit
         )
-        prompt_len = len(processed.prompt_token_ids)
-        budget = params.max_tokens or (self.max_model_len - prompt_len)
-        load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
+        self.add_processed_request(request_id, processed, params, data_parallel_rank)
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        """Queue an already validated prompt on the least-loaded rank, or on
+        ``data_parallel_rank`` (vLLM's argument) when given; it is sent at the next `step` or
+        once `SEND_BATCH` requests wait for that rank.
+
+        Raises:
+            ValueError: a duplicate ``request_id``, or a ``data_parallel_rank`` outside
+                ``[0, data_parallel_size)``.
+            RankFailedError: after a rank failure.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if data_parallel_rank is None:
             rank = min(self._ranks, key=lambda r: (r.load, r.rank))
-        elif isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < len(self._ranks):
+        elif (
+            isinstance(data_parallel_rank, int)
+            and not isinstance(data_parallel_rank, bool)
+            and 0 <= data_parallel_rank < len(self._ranks)
+        ):
             rank = self._ranks[data_parallel_rank]
         else:
             raise ValueError(
                 f"data_parallel_rank must be in [0, {len(self._ranks)}), got {data_parallel_rank!r}"
             )
+        prompt_len = len(processed.prompt_token_ids)
+        budget = params.max_tokens or (self.max_model_len - prompt_len)
+        load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
         rank.load += load
         rank.pending.append((request_id, processed, params))
         self.requests[request_id] = (rank.rank, load)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.engine.prompt_bounds import PromptBound
 from batchgen.models.model_config import ModelConfig
 from batchgen.sampling_params import SamplingParams
 
@@ -28,11 +29,19 @@ class ProcessedPrompt:
 def load_tokenizer(path: str | Path):
     """The model's tokenizer (`transformers.AutoTokenizer`), with the length limit lifted:
     length limits are the engine's to enforce (per request, with a clear error); without this,
-    transformers warns about "indexing errors" on every long prompt."""
+    transformers warns about "indexing errors" on every long prompt. Safe to use from several
+    threads at once."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.model_max_length = 1 << 62
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # Without truncation or padding set, `encode` never changes the backend's state, so
+        # worker threads may tokenize while the engine thread detokenizes (a tokenizer.json
+        # that sets them would be reset by the first encode, racing with other threads).
+        backend.no_truncation()
+        backend.no_padding()
     return tokenizer
 
 
@@ -50,8 +59,38 @@ def eos_token_ids(path: str | Path, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def check_prompt_size(prompt: PromptType, max_model_len: int, bound: PromptBound) -> None:
+    """The cheap half of `InputProcessor.process`: refuse, in O(1) and without tokenizing, a
+    token-id list of ``max_model_len`` ids or more and a text longer than ``bound`` allows.
+    Pure (no tokenizer), so a process that holds a large prompt (the HTTP service's body
+    parser) can refuse it before handing it on.
+
+    Raises:
+        ValueError: with ``code = "context_length_exceeded"``.
+    """
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, (list, tuple)) and len(prompt) >= max_model_len:
+        raise _too_long(
+            f"prompt has {len(prompt)} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len} (prompt must be < max_model_len tokens)"
+        )
+    if isinstance(prompt, str) and len(prompt) > bound.max_chars:
+        raise _too_long(bound.message(len(prompt), max_model_len))
+
+
+def _too_long(message: str) -> ValueError:
+    err = ValueError(message)
+    err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
+    return err
+
+
 class InputProcessor:
     """Tokenizes and validates prompts for one model.
+
+    A prompt that cannot fit is refused before the expensive part: token-id lists by their
+    length before their ids are checked, texts by their length in characters before the
+    tokenizer runs (`prompt_bound`, see `batchgen.engine.prompt_bounds`).
 
     Args:
         tokenizer: a `transformers` tokenizer.
@@ -63,14 +102,18 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.prompt_bound = PromptBound.for_tokenizer(tokenizer, max_model_len)
 
     def process(
         self, prompt: PromptType, params: SamplingParams, *, max_tokens_must_fit: bool = False
     ) -> ProcessedPrompt:
         """Tokenize ``prompt`` and check that it can run (see `LLMEngine.add_request`).
 
+        Thread-safe (it only reads the tokenizer), so it may run off the engine thread.
+
         Raises:
-            ValueError: empty prompt, prompt of ``max_model_len`` tokens or more, ids outside
+            ValueError: empty prompt, prompt of ``max_model_len`` tokens or more (or a text
+                longer than `prompt_bound` allows, refused before tokenizing), ids outside
                 the vocabulary, text that cannot be tokenized, or (with
                 ``max_tokens_must_fit``) prompt plus ``max_tokens`` beyond ``max_model_len``.
                 Length errors carry ``code = "context_length_exceeded"`` (OpenAI's code) and
@@ -80,12 +123,10 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(ids) >= self.max_model_len:
-            err = ValueError(
+            raise _too_long(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len} (prompt must be < max_model_len tokens)"
             )
-            err.code = "context_length_exceeded"  # as the OpenAI API reports a too-long prompt
-            raise err
         if (
             max_tokens_must_fit
             and params.max_tokens is not None
@@ -102,6 +143,10 @@ class InputProcessor:
             err.code = "context_length_exceeded"
             raise err
         return ProcessedPrompt(text, ids)
+
+    def check_size(self, prompt: PromptType) -> None:
+        """`check_prompt_size` with this processor's limits."""
+        check_prompt_size(prompt, self.max_model_len, self.prompt_bound)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -122,7 +167,9 @@ class InputProcessor:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Tokenize, turning text the tokenizer cannot take (e.g. lone UTF-16 surrogates from
-        JSON escapes like "\\ud800") into a ValueError for this request alone."""
+        JSON escapes like "\\ud800") into a ValueError for this request alone, and refusing
+        text that cannot fit before the tokenizer runs."""
+        self.check_size(text)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -137,6 +184,7 @@ class InputProcessor:
     def _check_ids(self, ids) -> list[int]:
         if not isinstance(ids, (list, tuple)):
             raise ValueError("prompt_token_ids must be a list of integers")
+        self.check_size(ids)  # before looking at each of maybe millions of ids
         vocab = self.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:

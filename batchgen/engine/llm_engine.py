@@ -5,6 +5,21 @@
         for out in engine.step(): ...
 
 A step is: schedule -> run the model -> sample -> append tokens, detokenize, check stops.
+
+Failure isolation, by layer (what each layer can tell apart):
+
+* Sampling and post-processing are per request (its sampler rows, its token, its detokenizer,
+  its output). An exception there fails that request alone, with ``RequestOutput.error`` set,
+  and the step goes on without it: a batched sampler error is retried request by request
+  (seeded generators rewound first, so the other requests draw exactly what they would have).
+* The model forward is shared by every request scheduled in the step, and nothing tells which
+  one made it raise, so an exception there fails the step's requests (``error`` set), not the
+  engine: the requests not scheduled in that step, and later ones, run as usual. On an
+  expert-parallel rank it propagates instead: the other ranks are inside the step's
+  collectives, so the rank fails and the frontend reports it.
+* What is left (the scheduler, the KV block bookkeeping) is the engine's own state; an
+  exception there propagates from `LLMEngine.step`, since the engine cannot vouch for itself.
+  `batchgen serve`'s engine thread then fails the requests in flight and keeps serving.
 """
 
 from __future__ import annotations
@@ -12,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +46,7 @@ from batchgen.engine.input_processor import (
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, SequenceCoroutine
 from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.layers.moe import SparseMoeBlock
@@ -55,6 +71,13 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available; use 'cpu'")
     return torch.device(device)
+
+
+def served_model_name(model: str) -> str:
+    """The name a model is served under by default: a local directory's name (its path would
+    tell every client where the server keeps its files), else the hub id as given."""
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
 
 
 @dataclass
@@ -86,7 +109,8 @@ class LLMEngine:
             config.model = default_model_path()
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
         else:
-            self.model_name = config.model
+            self.model_name = served_model_name(config.model)
+        self.model_name = config.served_model_name or self.model_name
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
@@ -327,7 +351,8 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of requests that finished in it."""
+        """Run one step; return the outputs of requests that finished in it, including those
+        that failed in it (``error`` set; see the module docstring for what fails what)."""
         if not self.requests:
             return []
         sched = self.schedule()
@@ -357,6 +382,12 @@ class LLMEngine:
             self.expert_parallel.begin_streamed_step()
         try:
             sampling, logits = self.executor.execute(sched.scheduled, local_prefill)
+        except Exception as exc:
+            if self.expert_parallel is not None:
+                # The other ranks of the group are inside this step's collectives: failing the
+                # step here would leave them out of step, so the rank fails (and is reported).
+                raise
+            return self._fail_step(sched.scheduled, exc)
         finally:
             if local_prefill:
                 self.expert_parallel.end_streamed_step()
@@ -373,16 +404,9 @@ class LLMEngine:
                 self.stats.num_prompt_tokens += entry.num_new_tokens
             seq.num_computed_tokens += entry.num_new_tokens
         finished: list[Request] = []
+        failed: dict[str, str] = {}  # request id -> why it failed in this step
         if sampling:
-            t1 = time.perf_counter()
-            seqs = [e.seq for e in sampling]
-            rows = [self._sampling_row(s) for s in seqs]
-            out = self.sampler(logits, rows)
-            m.stage_seconds["sampling"] += time.perf_counter() - t1
-            for i, seq in enumerate(seqs):
-                self._append_token(seq, out, i)
-                if seq.is_finished and seq.request.is_finished:
-                    finished.append(seq.request)
+            finished = self._sample_isolated(sampling, logits, failed)
         self.scheduler.remove_finished()
         elapsed = time.perf_counter() - t0
         if decode_only:
@@ -397,10 +421,118 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        return self._finished_outputs(finished, failed)
+
+    # ---- failure isolation (see the module docstring) ---------------------------------
+    def _sample_isolated(
+        self, sampling: list[ScheduledSeq], logits: torch.Tensor, failed: dict[str, str]
+    ) -> list[Request]:
+        """Sample and append one token per entry of ``sampling`` (``logits`` row order);
+        return the requests that finished. A request whose rows or token handling raise is
+        failed alone (recorded in ``failed``); the others go on."""
+        t0 = time.perf_counter()
+        seqs = [e.seq for e in sampling]
+        # ~2 us per seeded row: lets a retry draw what the batched call would have drawn.
+        rewind = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
+        try:
+            out = self.sampler(logits, [self._sampling_row(s) for s in seqs])
+            picks: list[tuple[SamplerOutput, int] | None] = [(out, i) for i in range(len(seqs))]
+        except Exception:
+            logger.exception("sampling %d sequences failed; retrying request by request", len(seqs))
+            for generator, state in rewind:
+                generator.set_state(state)
+            picks = self._sample_per_request(seqs, logits, failed)
+        self.metrics.stage_seconds["sampling"] += time.perf_counter() - t0
+        finished: list[Request] = []
+        for seq, pick in zip(seqs, picks, strict=True):
+            request = seq.request
+            if pick is None or request.request_id in failed:
+                continue
+            try:
+                self._append_token(seq, *pick)
+            except Exception as exc:
+                self._fail_request(request, exc, failed)
+                continue
+            if seq.is_finished and request.is_finished:
+                finished.append(request)
+        return finished
+
+    def _sample_per_request(
+        self, seqs: list[SequenceCoroutine], logits: torch.Tensor, failed: dict[str, str]
+    ) -> list[tuple[SamplerOutput, int] | None]:
+        """The sampler run once per request (its rows together); ``(output, row)`` per sequence,
+        None for the sequences of requests that failed."""
+        rows_of: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            rows_of.setdefault(seq.request.request_id, []).append(i)
+        picks: list[tuple[SamplerOutput, int] | None] = [None] * len(seqs)
+        for idx in rows_of.values():
+            try:
+                out = self.sampler(logits[idx], [self._sampling_row(seqs[i]) for i in idx])
+            except Exception as exc:
+                self._fail_request(seqs[idx[0]].request, exc, failed)
+                continue
+            for row, i in enumerate(idx):
+                picks[i] = (out, row)
+        return picks
+
+    def _fail_request(
+        self, request: Request, exc: Exception, failed: dict[str, str], reason: str | None = None
+    ) -> None:
+        """End every sample of ``request`` now; the step returns it with ``error`` set to
+        ``reason`` (default: the exception, named)."""
+        if request.request_id in failed:
+            return
+        if reason is None:
+            logger.error("request %s failed in the engine", request.request_id, exc_info=exc)
+            reason = f"the engine failed while processing this request ({_describe(exc)})"
+        failed[request.request_id] = reason
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def _fail_step(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
+        """The model forward raised: fail the requests of this step, keep the engine going."""
+        logger.error("the model forward failed on %d sequences", len(scheduled), exc_info=exc)
+        reason = (
+            f"the model forward of this request's engine step failed ({_describe(exc)}); "
+            "every request in that step failed with it"
+        )
+        failed: dict[str, str] = {}
+        for entry in scheduled:
+            self._fail_request(entry.seq.request, exc, failed, reason)
+        self.scheduler.remove_finished()
+        return self._finished_outputs([], failed)
+
+    def _finished_outputs(
+        self, finished: list[Request], failed: dict[str, str]
+    ) -> list[RequestOutput]:
+        """Outputs of the requests that finished and of those that ``failed``; both leave the
+        request table."""
         results = []
         for request in finished:
+            if request.request_id in failed:
+                continue
+            try:
+                results.append(self._make_output(request))
+            except Exception as exc:
+                self._fail_request(request, exc, failed)
+                continue
             del self.requests[request.request_id]
-            results.append(self._make_output(request))
+        for request_id, reason in failed.items():
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                results.append(
+                    RequestOutput(
+                        request_id,
+                        request.prompt,
+                        request.prompt_token_ids,
+                        [],
+                        finished=True,
+                        error=reason,
+                    )
+                )
         return results
 
     def execute_dummy(self) -> None:
@@ -467,3 +599,9 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, finished=True
         )
+
+
+def _describe(exc: Exception) -> str:
+    """``"TypeName: message"``, the message cut to 200 characters."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"

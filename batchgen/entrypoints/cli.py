@@ -214,6 +214,51 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# API keys (serve, submit)
+
+
+def _add_api_key_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"{what} (default: $BATCHGEN_API_KEY). Other local users can read a key given "
+        "here in /proc/PID/cmdline (ps): prefer $BATCHGEN_API_KEY or --api-key-file",
+    )
+    keys.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (its first line; keep it mode 0600)",
+    )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key of --api-key, --api-key-file or $BATCHGEN_API_KEY (in that order); None: none."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            mode = path.stat().st_mode
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"cannot read --api-key-file: {err}") from err
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise CliError(f"--api-key-file {str(path)!r} is empty")
+        if mode & 0o077:
+            logging.getLogger("batchgen").warning(
+                "--api-key-file %s is readable by other users (mode %o); chmod 600 it",
+                path,
+                mode & 0o777,
+            )
+        return key
+    return os.environ.get("BATCHGEN_API_KEY") or None
+
+
+# ---------------------------------------------------------------------------------------------
 # batchgen serve
 
 
@@ -228,11 +273,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="job store: SQLite database and files (default: ./batchgen-state)",
     )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("BATCHGEN_API_KEY"),
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $BATCHGEN_API_KEY)",
+    _add_api_key_arguments(
+        parser, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
     )
     parser.add_argument(
         "--max-upload-mb",
@@ -265,7 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"the service needs its dependencies ({err}); pip install batchgen") from err
     config = ServiceConfig(
         state_dir=Path(args.state_dir),
-        api_key=args.api_key or None,
+        api_key=_api_key(args),
         max_upload_bytes=int(args.max_upload_mb * 1_000_000),
         max_in_flight=args.max_in_flight,
     )
@@ -294,12 +336,7 @@ def _add_submit_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the server (default: http://127.0.0.1:8000)",
     )
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="the server's API key (default: $BATCHGEN_API_KEY)",
-    )
+    _add_api_key_arguments(parser, "the server's API key")
     parser.add_argument(
         "--completion-window", default="24h", help="batch completion window (default: 24h)"
     )
@@ -329,7 +366,7 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         with (
             BatchGenClient(
-                args.endpoint, api_key=args.api_key, retry_timeout=args.retry_timeout
+                args.endpoint, api_key=_api_key(args), retry_timeout=args.retry_timeout
             ) as client,
             open(args.output, "w", encoding="utf-8") as sink,
             tqdm(unit="req", disable=args.no_progress, file=sys.stderr) as bar,

@@ -866,8 +866,8 @@ def error_line(
     code: str,
     message: str,
     *,
+    line: int,
     param: str | None = None,
-    line: int | None = None,
 ) -> dict[str, Any]:
     """A batch output line for a request that failed.
 
@@ -875,7 +875,8 @@ def error_line(
     error body ``{"error": {message, type, param, code}}`` (what OpenAI and vLLM write for a
     request the API rejected), and ``error`` is ``{code, message, param, line}`` (the keys of
     OpenAI's batch errors). ``line`` is the 1-based input line number, which lets ``--resume``
-    recognise lines that had no usable custom_id.
+    recognise lines that had no usable custom_id; it is required, so that no error line of any
+    path (parsing, admission, engine failure, cancel) goes out without it.
     """
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",

@@ -1,8 +1,9 @@
 """The FastAPI app of ``batchgen serve``: OpenAI Files and Batches API, online completions,
 models, health and metrics, over one background engine.
 
-Routes (OpenAI's shapes and status codes; every ``/v1`` route requires ``Authorization:
-Bearer KEY`` when the server has an API key):
+Routes (OpenAI's shapes and status codes; every route but ``/health`` and ``/metrics``, the
+OpenAPI schema ``/openapi.json`` included, requires ``Authorization: Bearer KEY`` when the
+server has an API key; the interactive ``/docs`` pages are off):
 
 * ``POST /v1/files`` (multipart ``file`` + ``purpose=batch``), ``GET /v1/files``,
   ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``

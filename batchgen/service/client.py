@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_COMPLETIONS_URL)
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 _RETRY_STATUSES = frozenset({502, 503, 504})
 _BACKOFF_START_S = 0.2
@@ -478,11 +479,14 @@ def line_endpoint(raw: bytes) -> str | None:
 
 def split_by_endpoint(path: str | os.PathLike) -> dict[str, EndpointLines]:
     """Group the lines of a batch input file by endpoint (`line_endpoint`), in order of first
-    appearance. A line with no endpoint (not JSON) goes with the first endpoint, whose batch
-    reports its error; a file of such lines only goes to ``/v1/completions``. Blank lines are
-    kept in every group (the server skips them)."""
+    appearance. A line with no endpoint (not JSON) or with one BatchGen does not serve (say
+    ``/v1/embeddings``) goes with the first served endpoint, whose batch reports its error
+    line (``invalid_url`` for the latter, as ``batchgen run`` does) while the rest runs; a file
+    of such lines only goes to ``/v1/completions``. Blank lines are kept in every group (the
+    server skips them)."""
     lines = Path(path).read_bytes().splitlines(keepends=True)
     ends = [None if not raw.strip() else line_endpoint(raw) for raw in lines]
+    ends = [e if e in SUPPORTED_URLS else None for e in ends]
     urls = list(dict.fromkeys(e for e in ends if e is not None))
     if not urls and any(raw.strip() for raw in lines):
         urls = [COMPLETIONS_URL]

@@ -8,6 +8,13 @@ commands on a thread-safe queue; answers go back through callbacks the caller su
 (`OnlineRequest.emit`), which must themselves be thread-safe (the app wraps them in
 ``loop.call_soon_threadsafe``).
 
+Input processing (parsing a stored batch line, the chat template, tokenization and the length
+checks: `InputProcessor`) runs on two worker threads, one for online and one for batch requests,
+never on the engine thread: a long prompt takes seconds to tokenize, and every other request
+would wait that long for its next token. The engine thread hands a request to a worker when it
+admits it (it counts against ``max_in_flight`` from then on) and queues the processed prompt
+(`LLMEngine.add_processed_request`) in the first iteration after the worker is done.
+
 Admission, once per loop iteration before ``engine.step()``:
 
 1. online requests first (they are interactive; their number is bounded by the HTTP clients);
@@ -32,13 +39,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.engine.input_processor import ProcessedPrompt
 from batchgen.entrypoints.openai_protocol import (
     REQUEST_FAILED,
     ApiRequest,
     BatchLineError,
+    BatchRequest,
     dumps_line,
     error_line,
     error_line_from,
@@ -117,6 +127,17 @@ class _InFlightBatchRequest:
 
 
 @dataclass
+class _Preparing:
+    """A request whose input a worker thread is processing; ``future`` gives what
+    `EngineLoop._prepare` (online) or `EngineLoop._prepare_batch` returns."""
+
+    future: Future
+    online: OnlineRequest | None = None
+    cursor: _BatchCursor | None = None
+    pending: st.PendingRequest | None = None
+
+
+@dataclass
 class _BatchCursor:
     """An in-progress batch as the engine loop sees it."""
 
@@ -190,6 +211,11 @@ class EngineLoop:
         self._online: dict[str, OnlineRequest] = {}
         self._sent: dict[str, dict[int, int]] = {}  # streamed chars per sample
         self._online_waiting: collections.deque[OnlineRequest] = collections.deque()
+        self._preparing: dict[str, _Preparing] = {}  # insertion order = hand-over order
+        # One worker per kind: an online request never waits behind a long batch prompt, and
+        # each kind's requests reach the engine in admission order.
+        self._online_worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-input-online")
+        self._batch_worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-input-batch")
         self._started: list[tuple[str, int]] = []
         self._finished: list[st.FinishedRequest] = []
         self._changed: set[str] = set()
@@ -213,6 +239,8 @@ class EngineLoop:
         self._commands.put(("wake",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        for worker in (self._online_worker, self._batch_worker):
+            worker.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -241,14 +269,16 @@ class EngineLoop:
         except Exception as exc:  # a bug in the loop itself: report it on /health
             logger.exception("the engine loop stopped")
             self.fatal_error = f"{type(exc).__name__}: {exc}"
-            for request in list(self._online.values()) + list(self._online_waiting):
+            preparing = [p.online for p in self._preparing.values() if p.online is not None]
+            for request in [*self._online.values(), *self._online_waiting, *preparing]:
                 self._emit_error(request, 503, "the engine stopped", "engine_stopped")
 
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished_requests() or self._has_admissible_work()
-        self._drain_commands(block=not busy)
+        self._drain_commands(block=not busy)  # a worker that finishes sends "wake"
         self._check_expiry()
         self._admit()
+        self._take_prepared()
         outputs: list[RequestOutput] = []
         if self.engine.has_unfinished_requests():
             try:
@@ -264,7 +294,9 @@ class EngineLoop:
         self._update_stats()
 
     def _has_admissible_work(self) -> bool:
-        return bool(self._online_waiting) or any(
+        if self._online_waiting or any(p.future.done() for p in self._preparing.values()):
+            return True
+        return self._num_in_flight < self.max_in_flight and any(
             c.buffer or not c.exhausted for c in self._batches.values()
         )
 
@@ -315,6 +347,10 @@ class EngineLoop:
             if req.batch_id == batch_id:
                 del self._batch_in_flight[request_id]
                 self.engine.abort_request(request_id)
+        for request_id, prep in list(self._preparing.items()):
+            if prep.pending is not None and prep.pending.batch_id == batch_id:
+                del self._preparing[request_id]  # its result is dropped when it comes
+                prep.future.cancel()
 
     def _cancel(self, batch_id: str) -> None:
         if batch_id not in self._batches:
@@ -347,7 +383,7 @@ class EngineLoop:
     # ---- admission ----------------------------------------------------------------------
     @property
     def _num_in_flight(self) -> int:
-        return len(self._batch_in_flight) + len(self._online)
+        return len(self._batch_in_flight) + len(self._online) + len(self._preparing)
 
     def _admit(self) -> None:
         while self._online_waiting:
@@ -376,51 +412,91 @@ class EngineLoop:
 
     def _admit_batch_request(self, cursor: _BatchCursor, pending: st.PendingRequest) -> None:
         cursor.remaining = max(0, cursor.remaining - 1)
-        try:
-            parsed = parse_batch_line(pending.input, pending.line)
-        except BatchLineError as err:  # validated before; only if the protocol changed since
-            self._record_failure(pending.batch_id, pending.idx, error_line_from(err))
-            return
-        request_id = f"req_{uuid.uuid4().hex}"
-        api = parsed.request
-        try:
-            prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
-            self.engine.add_request(
-                request_id, prompt, api.sampling_params, max_tokens_must_fit=True
-            )
-        except ValueError as err:
-            message = f"line {pending.line}: {err}"
-            code, param = rejected_error(api, err)
-            line = error_line(parsed.custom_id, code, message, param=param, line=pending.line)
-            self._record_failure(pending.batch_id, pending.idx, line)
-            return
-        self._started.append((pending.batch_id, pending.idx))
         cursor.in_flight += 1
-        self._batch_in_flight[request_id] = _InFlightBatchRequest(
-            pending.batch_id, pending.idx, pending.line, parsed.custom_id, api
+        future = self._batch_worker.submit(self._prepare_batch, pending)
+        self._hand_over(
+            f"req_{uuid.uuid4().hex}", _Preparing(future, cursor=cursor, pending=pending)
         )
 
     def _admit_online(self, request: OnlineRequest) -> None:
-        api = request.api
+        future = self._online_worker.submit(self._prepare, request.api)
+        self._hand_over(request.request_id, _Preparing(future, online=request))
+
+    def _hand_over(self, request_id: str, prep: _Preparing) -> None:
+        self._preparing[request_id] = prep
+        prep.future.add_done_callback(lambda _: self._commands.put(("wake",)))
+
+    def _prepare(self, api: ApiRequest) -> ProcessedPrompt:
+        """On a worker thread: chat template, tokenization, length checks (ValueError)."""
+        processor = self.engine.input_processor
+        prompt = processor.apply_chat_template(api.messages) if api.is_chat else api.prompt
+        return processor.process(prompt, api.sampling_params, max_tokens_must_fit=True)
+
+    def _prepare_batch(self, pending: st.PendingRequest) -> tuple[BatchRequest, ProcessedPrompt]:
+        """On a worker thread: parse the stored line (`BatchLineError`), then `_prepare` it
+        (its exceptions carry the parsed line in ``err.batch_request``)."""
+        parsed = parse_batch_line(pending.input, pending.line)
         try:
-            prompt = self.engine.apply_chat_template(api.messages) if api.is_chat else api.prompt
-            self.engine.add_request(
-                request.request_id, prompt, api.sampling_params, max_tokens_must_fit=True
-            )
-        except ValueError as err:
-            code, param = rejected_error(api, err)
-            self._emit_error(request, 400, str(err), code, param)
+            return parsed, self._prepare(parsed.request)
+        except Exception as err:
+            err.batch_request = parsed
+            raise
+
+    def _take_prepared(self) -> None:
+        """Queue in the engine every request whose input processing has finished (in hand-over
+        order), or record why it cannot run."""
+        for request_id, prep in list(self._preparing.items()):
+            if not prep.future.done():
+                continue
+            del self._preparing[request_id]
+            if prep.online is not None:
+                self._take_online(request_id, prep)
+            else:
+                self._take_batch(request_id, prep)
+
+    def _take_online(self, request_id: str, prep: _Preparing) -> None:
+        request = prep.online
+        api = request.api
+        exc = _exception(prep.future)
+        if isinstance(exc, ValueError):
+            code, param = rejected_error(api, exc)
+            self._emit_error(request, 400, str(exc), code, param)
             return
-        self._online[request.request_id] = request
+        if exc is not None:  # a bug in input processing: this request fails, not the loop
+            logger.error("input of online request %s failed", request_id, exc_info=exc)
+            self._emit_error(request, 500, _input_failure(exc), REQUEST_FAILED)
+            return
+        processed = prep.future.result()
+        self.engine.add_processed_request(request_id, processed, api.sampling_params)
+        self._online[request_id] = request
         if request.stream:
-            self._sent[request.request_id] = {}
+            self._sent[request_id] = {}
             request.emit(OnlineEvent("admitted"))
+
+    def _take_batch(self, request_id: str, prep: _Preparing) -> None:
+        cursor, pending = prep.cursor, prep.pending
+        exc = _exception(prep.future)
+        if exc is not None:
+            cursor.in_flight -= 1
+            self._record_failure(pending.batch_id, pending.idx, _input_error_line(pending, exc))
+            return
+        parsed, processed = prep.future.result()
+        api = parsed.request
+        self.engine.add_processed_request(request_id, processed, api.sampling_params)
+        self._started.append((pending.batch_id, pending.idx))
+        self._batch_in_flight[request_id] = _InFlightBatchRequest(
+            pending.batch_id, pending.idx, pending.line, parsed.custom_id, api
+        )
 
     def _abort_online(self, request_id: str) -> None:
         for i, waiting in enumerate(self._online_waiting):
             if waiting.request_id == request_id:
                 del self._online_waiting[i]
                 return
+        prep = self._preparing.pop(request_id, None)
+        if prep is not None:
+            prep.future.cancel()
+            return
         if self._online.pop(request_id, None) is not None:
             self._sent.pop(request_id, None)
             self.engine.abort_request(request_id)
@@ -508,7 +584,8 @@ class EngineLoop:
     def _fail_all_in_flight(self, exc: Exception) -> None:
         reason = f"the engine failed while running this request ({type(exc).__name__})"
         for req in list(self._batch_in_flight.values()):
-            line = error_line(req.custom_id, REQUEST_FAILED, f"line {req.line}: {reason}")
+            message = f"line {req.line}: {reason}"
+            line = error_line(req.custom_id, REQUEST_FAILED, message, line=req.line)
             self._record_failure(req.batch_id, req.idx, line)
             cursor = self._batches.get(req.batch_id)
             if cursor is not None:
@@ -561,6 +638,33 @@ class EngineLoop:
             tile_density=self._tile_density,
             finished=dict(self._counts),
         )
+
+
+def _exception(future: Future) -> BaseException | None:
+    """The exception a finished worker job raised, or None. Read with ``future.exception()``
+    rather than by re-raising ``future.result()``: re-raised here, its traceback would take in
+    the engine thread's frames, whose locals hold the future, a reference cycle that kept each
+    failed request's prompt (megabytes for an oversized one) alive until a full GC."""
+    return future.exception()
+
+
+def _input_failure(exc: Exception) -> str:
+    return f"the server failed while processing this request's input ({type(exc).__name__})"
+
+
+def _input_error_line(pending: st.PendingRequest, exc: Exception) -> dict:
+    """The error line of a batch request whose input processing raised ``exc``."""
+    if isinstance(exc, BatchLineError):  # validated before; only if the protocol changed since
+        return error_line_from(exc)
+    parsed: BatchRequest | None = getattr(exc, "batch_request", None)
+    custom_id = parsed.custom_id if parsed is not None else None
+    if isinstance(exc, ValueError) and parsed is not None:  # the engine refused the prompt
+        code, param = rejected_error(parsed.request, exc)
+        message = f"line {pending.line}: {exc}"
+        return error_line(custom_id, code, message, param=param, line=pending.line)
+    logger.error("input of batch %s line %d failed", pending.batch_id, pending.line, exc_info=exc)
+    message = f"line {pending.line}: {_input_failure(exc)}"
+    return error_line(custom_id, REQUEST_FAILED, message, line=pending.line)
 
 
 def _tile_density(engine: Any) -> float | None:

@@ -8,6 +8,7 @@ logged here and answered with a fixed 500 message.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -54,6 +55,18 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status_code, INVALID_REQUEST_ERROR)
 
 
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that always renders: text holding a lone surrogate (which UTF-8 cannot
+    encode; JSON's ``"\\ud800"`` escape decodes to one) is written with ``\\u`` escapes
+    instead of failing the response with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_body(
     message: str, *, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -64,7 +77,7 @@ def error_body(
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSON response for ``err`` (status ``err.status_code``)."""
     body = error_body(err.message, type=err.type, param=err.param, code=err.code)
-    return JSONResponse(body, status_code=err.status_code, headers=headers)
+    return SafeJSONResponse(body, status_code=err.status_code, headers=headers)
 
 
 def not_found(kind: str, object_id: str, param: str = "id") -> APIError:
@@ -112,6 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        # Starlette re-raises the exception after this response and the server then drops the
+        # connection: say so, so that clients open a new one instead of failing the next call.
         return error_response(
-            APIError(500, "internal server error (logged on the server)", code="internal_error")
+            APIError(500, "internal server error (logged on the server)", code="internal_error"),
+            {"Connection": "close"},
         )

@@ -9,9 +9,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchgen.service.errors import APIError, error_response
 
+# Routes open without the API key (liveness and Prometheus scraping); everything else needs it,
+# /openapi.json included (the interactive /docs pages are off).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
 
 class GuardMiddleware:
-    """API key check on ``/v1`` routes and a body size limit, before any route reads a byte.
+    """API key check on every route but `OPEN_PATHS`, and a body size limit, before any route
+    reads a byte.
 
     A declared ``Content-Length`` over the limit is refused at once; a body without one is
     counted as it streams and refused (413) once it passes the limit.
@@ -28,7 +33,7 @@ class GuardMiddleware:
             return
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+        if self.api_key is not None and path not in OPEN_PATHS:
             err = self._auth_error(headers.get("authorization"))
             if err is not None:
                 await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def file_object(row: dict) -> dict[str, Any]:
@@ -29,7 +32,7 @@ def batch_object(row: dict, model: str) -> dict[str, Any]:
         "object": "batch",
         "endpoint": row["endpoint"],
         "model": model,
-        "errors": json.loads(row["errors"]) if row["errors"] else None,
+        "errors": _stored_json(row["errors"], row["id"], "errors"),
         "input_file_id": row["input_file_id"],
         "completion_window": row["completion_window"],
         "status": row["status"],
@@ -49,7 +52,7 @@ def batch_object(row: dict, model: str) -> dict[str, Any]:
             "completed": row["completed"],
             "failed": row["failed"],
         },
-        "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+        "metadata": _stored_json(row["metadata"], row["id"], "metadata"),
         "usage": {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": 0},
@@ -68,3 +71,27 @@ def list_object(data: list[dict], has_more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+def _stored_json(text: str | None, batch_id: str, column: str) -> Any:
+    """A JSON column of a stored batch, such that reading it never fails: strings that hold a
+    lone surrogate (stored by versions that let ``"\\ud800"`` through) come back with the
+    surrogate spelled as a ``\\ud800`` escape, and unreadable JSON as None (logged)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        logger.warning("batch %s: stored %s is not JSON; shown as null", batch_id, column)
+        return None
+    return _encodable(value)
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value

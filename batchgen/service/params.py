@@ -3,12 +3,12 @@ metadata. Each raises `APIError` (400) with a message naming the parameter."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from fastapi import Request
 
+from batchgen.service.bodies import parse_json_object
 from batchgen.service.errors import APIError
 
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
@@ -16,20 +16,18 @@ _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MAX_WINDOW_S = 365 * 86400
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def json_object(request: Request) -> dict[str, Any]:
+async def json_object(request: Request, *, max_bytes: int) -> dict[str, Any]:
+    """The JSON object body of a route whose bodies are small (parsed on the event loop; see
+    `parse_json_object` for what is refused). Raises `APIError` 413 above ``max_bytes``."""
     raw = await request.body()
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as err:
-        message = f"the request body is not valid JSON ({err})"
-        raise APIError(400, message, code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
+    if len(raw) > max_bytes:
+        raise APIError(
+            413,
+            f"request body too large: {request.method} {request.url.path} takes at most "
+            f"{max_bytes} bytes",
+            code="request_too_large",
+        )
+    return parse_json_object(raw)
 
 
 def parse_window(value: Any) -> int:

@@ -20,6 +20,8 @@ from batchgen.service.params import json_object, parse_metadata, parse_window, q
 from batchgen.service.runtime import Service
 
 _MAX_RESULTS_WAIT_S = 30
+# A batch creation body is a file id, an endpoint, a window and <= 16 short metadata pairs.
+_MAX_CREATE_BODY_BYTES = 1 << 20
 
 
 def add_batch_routes(app: FastAPI, svc: Service) -> None:
@@ -33,7 +35,7 @@ def add_batch_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
-        body = await json_object(request)
+        body = await json_object(request, max_bytes=_MAX_CREATE_BODY_BYTES)
         unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
         if unknown:
             raise APIError(400, f"unknown field '{unknown[0]}'", param=unknown[0])

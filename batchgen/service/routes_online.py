@@ -1,5 +1,6 @@
 """``POST /v1/completions`` and ``/v1/chat/completions`` on the shared engine: a JSON response,
-or with ``stream: true`` server-sent events (text streamed as the engine generates it)."""
+or with ``stream: true`` server-sent events (text streamed as the engine generates it). Bodies
+are parsed by `batchgen.service.bodies` (large ones in a child process)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchgen.entrypoints.openai_protocol import (
-    UNSUPPORTED_PARAMETER,
-    ProtocolError,
-    parse_request_body,
-)
 from batchgen.service.engine_loop import OnlineEvent, OnlineRequest
 from batchgen.service.errors import APIError
-from batchgen.service.params import json_object
 from batchgen.service.runtime import Service
 from batchgen.service.streaming import StreamFormatter
 
@@ -34,27 +29,8 @@ def add_online_routes(app: FastAPI, svc: Service) -> None:
 
 async def _online(svc: Service, request: Request, url: str) -> Response:
     """Run one online request on the engine; JSON or an SSE stream."""
-    body = await json_object(request)
-    stream = body.pop("stream", False)
-    options = body.pop("stream_options", None)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", param="stream")
-    if options is not None and not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    include_usage = bool(options and options.get("include_usage"))
-    try:
-        api = parse_request_body(url, body)
-    except ProtocolError as err:
-        raise APIError(400, str(err), param=err.param, code=err.code) from None
-    if stream and api.sampling_params.logprobs is not None:
-        raise APIError(
-            400,
-            "'logprobs' cannot be combined with 'stream' in BatchGen",
-            param="logprobs",
-            code=UNSUPPORTED_PARAMETER,
-        )
+    parsed = await svc.bodies.parse(await request.body(), url)
+    api, stream, include_usage = parsed.api, parsed.stream, parsed.include_usage
     svc.engine_up()
     aloop = asyncio.get_running_loop()
     events: asyncio.Queue[OnlineEvent] = asyncio.Queue()

@@ -12,6 +12,7 @@ from typing import Any
 
 from batchgen.service import metrics
 from batchgen.service import store as st
+from batchgen.service.bodies import OnlineBodyParser, PromptLimits
 from batchgen.service.engine_loop import EngineLoop
 from batchgen.service.errors import APIError
 from batchgen.service.jobs import JobWorker
@@ -81,6 +82,7 @@ class Service:
         self.config = config
         self.store = st.Store(config.state_dir)
         self.notifier = ResultNotifier()
+        self.bodies = OnlineBodyParser(_prompt_limits(engine))
         self.aloop: asyncio.AbstractEventLoop | None = None
         max_in_flight = config.max_in_flight or _running_seqs(engine.config)
         self.jobs = JobWorker(self.store, on_ready=self._on_ready, on_change=self._notify)
@@ -128,3 +130,11 @@ def _running_seqs(config: Any) -> int:
     """The engine's limit on sequences running at once."""
     limit = getattr(config, "max_running_seqs", None)
     return int(limit) if limit else int(config.max_num_seqs)
+
+
+def _prompt_limits(engine: Any) -> PromptLimits | None:
+    """The engine's prompt limits, for refusing an oversized prompt while parsing its body."""
+    processor = getattr(engine, "input_processor", None)
+    if processor is None:
+        return None
+    return PromptLimits(processor.max_model_len, processor.prompt_bound)

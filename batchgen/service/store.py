@@ -18,6 +18,11 @@ Durability rules:
 * File ids are opaque (``file-<32 hex>``); a blob's path is derived from an id only after the id
   was found in the ``files`` table, so no client string ever becomes a path.
 
+Confidentiality: inputs and results are readable by this user only. The directories are created
+0700 and every file 0600 (the database before SQLite opens it: SQLite gives its ``-wal`` and
+``-shm`` files the database's mode); a state directory written by an older version (0755, files
+0644) is tightened when opened.
+
 Thread safety: each thread gets its own connection; writes are serialised by one in-process
 lock (``BEGIN IMMEDIATE``), so SQLite never answers "database is locked" to our own writers.
 Readers never block (WAL).
@@ -186,6 +191,23 @@ class StoredResult:
     result: str
 
 
+def _make_private(state_dir: Path, blob_dir: Path, db_path: Path) -> None:
+    """Create the state and blob directories (0700) and the database file (0600), and tighten
+    what an older version left readable by others."""
+    ours = db_path.exists() or not state_dir.exists()
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    blob_dir.mkdir(mode=0o700, exist_ok=True)
+    os.close(os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600))
+    # The state directory itself only when it is ours: --state-dir may name a shared folder.
+    dirs = [state_dir, blob_dir] if ours else [blob_dir]
+    files = [p for p in state_dir.glob(DB_NAME + "*") if p.is_file()]
+    files += [p for p in blob_dir.iterdir() if p.is_file()]
+    for path, mode in [(d, 0o700) for d in dirs] + [(f, 0o600) for f in files]:
+        with contextlib.suppress(OSError):  # not our file, or a filesystem without modes
+            if path.stat().st_mode & 0o077:
+                path.chmod(mode)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not supported on every platform / filesystem
         fd = os.open(path, os.O_RDONLY)
@@ -206,8 +228,8 @@ class Store:
     def __init__(self, state_dir: str | os.PathLike) -> None:
         self.state_dir = Path(state_dir)
         self.blob_dir = self.state_dir / BLOB_DIR
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.state_dir / DB_NAME
+        _make_private(self.state_dir, self.blob_dir, self.db_path)
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
@@ -276,7 +298,7 @@ class Store:
         tmp = self.blob_dir / f".tmp-{uuid.uuid4().hex}"
         size = 0
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
                     size += len(chunk)
