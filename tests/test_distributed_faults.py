@@ -286,7 +286,7 @@ def test_stuck_rank_is_named_within_the_timeout(checkpoint_dir):
         with pytest.raises(RuntimeError, match=r"rank 1 .*silent") as info:
             _drain(engine, timeout=60)
         assert time.monotonic() - t0 < 20
-        assert info.value.ranks == [1]
+        assert info.value.ranks == [1], str(info.value)
     finally:
         try:
             os.kill(stopped, signal.SIGCONT)

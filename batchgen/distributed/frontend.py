@@ -46,6 +46,8 @@ STEP_WAIT_S = 0.5
 # Requests buffered per rank before they are sent (they are also sent at every `step`).
 SEND_BATCH = 64
 CONNECT_TIMEOUT_S = 300.0
+# A rank whose heartbeat (every second) is this late when another rank fails is named stuck.
+STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
 
 
 class RankFailedError(RuntimeError):
@@ -75,6 +77,14 @@ class _Rank:
 @dataclass
 class _KVUsage:
     usage: float
+
+
+def _silence(rank: _Rank, now: float) -> str:
+    return (
+        f"rank {rank.rank} (pid {rank.pid} on {rank.host}) silent for "
+        f"{now - rank.last_seen:.0f} s (last seen at step {rank.step_id}, {rank.phase}): "
+        "stuck or stopped"
+    )
 
 
 def _describe_exit(process: subprocess.Popen | None) -> str:
@@ -311,35 +321,43 @@ class DPEngineClient:
         return [(r, m) for r, m in got if not isinstance(m, (msg.Heartbeat, msg.Failed))]
 
     def _fail(self, broken: list[_Rank], failed: list[tuple[_Rank, str]]) -> None:
-        """Report the ranks at fault. A rank that died takes its peers' collectives down with
-        it, so their `Failed` reports arrive too; wait a moment for the deaths to show and
-        name the dead first."""
+        """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
+        down with it, so their `Failed` reports arrive too: wait a moment for the deaths to
+        show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
+        ranks that failed on their own."""
         time.sleep(0.5)
+        reported = {r.rank for r, _ in failed}  # these exit by themselves after reporting
         for rank in self._ranks:
             if rank.process is not None and rank.process.poll() is not None:
                 if rank not in broken:
                     broken.append(rank)
-        dead = sorted({r.rank: r for r in broken}.values(), key=lambda r: r.rank)
+        dead = sorted(
+            {r.rank: r for r in broken if r.rank not in reported}.values(), key=lambda r: r.rank
+        )
         parts = [
             f"rank {r.rank} (pid {r.pid} on {r.host}) died: {_describe_exit(r.process)}"
             for r in dead
         ]
-        dead_ids = {r.rank for r in dead}
+        now = time.monotonic()
+        culprit_ids = {r.rank for r in dead}
+        stuck = [
+            r
+            for r in self._ranks
+            if r.rank not in culprit_ids and now - r.last_seen > STUCK_AFTER_S
+        ]
+        parts += [_silence(r, now) for r in stuck]
+        culprit_ids |= {r.rank for r in stuck}
         for rank, text in failed:
-            if rank.rank not in dead_ids:
+            if rank.rank not in culprit_ids:
                 first = text.strip().splitlines()[0] if text.strip() else "unknown error"
                 parts.append(f"rank {rank.rank} failed: {first}")
-        culprits = [r.rank for r in dead] or [r.rank for r, _ in failed]
+        culprits = sorted(culprit_ids) or [r.rank for r, _ in failed]
         self._failure = RankFailedError("; ".join(parts), culprits)
         self.shutdown()
         raise self._failure
 
     def _fail_silent(self, silent: list[_Rank], now: float) -> None:
-        parts = [
-            f"rank {r.rank} (pid {r.pid} on {r.host}) silent for {now - r.last_seen:.0f} s "
-            f"(last seen at step {r.step_id}, {r.phase}): stuck or stopped"
-            for r in silent
-        ]
+        parts = [_silence(r, now) for r in silent]
         self._failure = RankFailedError("; ".join(parts), [r.rank for r in silent])
         self.shutdown()
         raise self._failure
