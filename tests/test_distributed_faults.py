@@ -293,3 +293,21 @@ def test_stuck_rank_is_named_within_the_timeout(checkpoint_dir):
         except ProcessLookupError:
             pass
         llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_outputs_taken_in_by_a_metrics_read_are_still_returned(ep_llm):
+    """The service reads `stats` between steps; that read takes in finished outputs, which
+    `step` must still return (a served batch once waited forever for them)."""
+    engine = ep_llm.llm_engine
+    engine.add_request("polled", "polled between steps", _greedy(3))
+    for rank in engine._ranks:
+        engine._flush(rank)
+    deadline = time.monotonic() + 60
+    while not engine._finished:
+        assert time.monotonic() < deadline
+        engine.stats  # noqa: B018 (the read takes in messages)
+        time.sleep(0.05)
+    assert engine.has_unfinished_requests()
+    assert [o.request_id for o in engine.step()] == ["polled"]
+    assert not engine.has_unfinished_requests()

@@ -43,7 +43,13 @@ def test_service_on_two_expert_parallel_ranks(tmp_path):
             json={"model": "m", "prompt": "online", "max_tokens": 5, "temperature": 0},
             timeout=120,
         ).json()
-        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        # The ranks' token counters reach /metrics through their heartbeats (every second).
+        deadline = time.monotonic() + 15
+        while True:
+            metrics = httpx.get(server.url + "/metrics", timeout=30).text
+            if _generated(metrics) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         server.stop()
     deadline = time.monotonic() + 30
@@ -66,13 +72,16 @@ def test_service_on_two_expert_parallel_ranks(tmp_path):
         .text
     )
     assert online["choices"][0]["text"] == single
-    # The ranks' token counters reach /metrics through their heartbeats.
-    generated = [
+    assert _generated(metrics) >= 6 * 7 + 1, metrics
+
+
+def _generated(metrics: str) -> float:
+    values = [
         float(line.split()[-1])
         for line in metrics.splitlines()
         if line.startswith("batchgen_generation_tokens")
     ]
-    assert generated and generated[0] > 0, metrics
+    return values[0] if values else 0.0
 
 
 def _alive(pid: int) -> bool:

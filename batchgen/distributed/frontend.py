@@ -449,10 +449,11 @@ class DPEngineClient:
                 pass
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs or its finished output waits to be returned by `step`."""
+        return bool(self.requests or self._finished)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self._finished)
 
     def step(self) -> list[RequestOutput]:
         """Send queued requests, then return the outputs that finished (waiting up to
@@ -499,11 +500,21 @@ class DPEngineClient:
         ranks = [self._metrics.pop(k) for k in keys]
         return aggregate_metrics(ranks, time.perf_counter() - self._started)
 
+    def _poll(self) -> None:
+        """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
+        waiting; a failure is left for `step` to raise."""
+        if self._failure is None and not self._closed:
+            try:
+                self._dispatch(self._receive(0))
+            except RankFailedError:
+                pass
+
     @property
     def stats(self):
         """`EngineStats` summed over the ranks' last heartbeats (at most a second old)."""
         from batchgen.engine.llm_engine import EngineStats
 
+        self._poll()
         def total(key: str) -> int:
             return sum(r.counters.get(key, 0) for r in self._ranks)
 
@@ -516,6 +527,7 @@ class DPEngineClient:
     @property
     def kv_cache(self) -> _KVUsage:
         """``.usage``: the mean KV cache use over the ranks (last heartbeats)."""
+        self._poll()
         usages = [r.counters.get("kv_cache_usage", 0.0) for r in self._ranks]
         return _KVUsage(sum(usages) / len(usages) if usages else 0.0)
 
@@ -523,6 +535,7 @@ class DPEngineClient:
         """Figures from the ranks' last heartbeats, without a round trip (the service reads
         these every second): ``tile_density`` over all ranks, ``num_running``,
         ``num_waiting``."""
+        self._poll()
         rows = sum(r.counters.get("expert_rows", 0) for r in self._ranks)
         tile_rows = sum(r.counters.get("expert_tile_rows", 0) for r in self._ranks)
         return {

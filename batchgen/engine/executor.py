@@ -229,10 +229,11 @@ class StageExecutor:
             rows = None
             if local_prefill and self.layer_is_moe[layer]:
                 rows = self._prefill_rows(peers)
+            extra = () if rows is None else (rows,)
             if len(peers) == 1:
-                group.hidden = self.model.ffn_stage(layer, group.hidden, rows)
+                group.hidden = self.model.ffn_stage(layer, group.hidden, *extra)
             else:  # coalesced: one FFN call over every waiting group's tokens
-                merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]), rows)
+                merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]), *extra)
                 for g, h in zip(peers, merged.split([g.num_tokens for g in peers]), strict=True):
                     g.hidden = h
             stage_seconds["moe" if self.layer_is_moe[layer] else "dense_ffn"] += self._clock() - t0

@@ -381,7 +381,10 @@ class LLMEngine:
         if local_prefill:
             self.expert_parallel.begin_streamed_step()
         try:
-            sampling, logits = self.executor.execute(sched.scheduled, local_prefill)
+            if local_prefill:
+                sampling, logits = self.executor.execute(sched.scheduled, local_prefill=True)
+            else:
+                sampling, logits = self.executor.execute(sched.scheduled)
         except Exception as exc:
             if self.expert_parallel is not None:
                 # The other ranks of the group are inside this step's collectives: failing the
