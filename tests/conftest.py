@@ -23,6 +23,9 @@ TINY = dict(
 # name -> (make_model arch, config overrides): one entry per code path worth proving.
 CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "mixtral": ("mixtral", dict(TINY, num_local_experts=4, num_experts_per_tok=2)),
+    # 8 experts, top-4: on 2 expert-parallel ranks nearly every token has an expert on each,
+    # so dispatch pads rows instead of exchanging counts (`pad_dispatch_rows`).
+    "mixtral_top4": ("mixtral", dict(TINY, num_local_experts=8, num_experts_per_tok=4)),
     "llama": ("llama", dict(TINY)),
     "llama_mqa_bias_llama3": (
         "llama",

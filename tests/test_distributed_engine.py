@@ -113,6 +113,7 @@ def _model_config(path):
 
 
 MORE = [
+    ("mixtral_top4", dict(enable_expert_parallel=True)),  # padded dispatch rows
     ("qwen3_moe", dict(enable_expert_parallel=True)),
     ("olmoe", dict(enable_expert_parallel=True)),
     ("deepseek_v2", dict(enable_expert_parallel=True, prefill_strategy="data_parallel_offload")),

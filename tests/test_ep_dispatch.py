@@ -38,7 +38,7 @@ def _rowwise_expert(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     return ((e + 1) * x + e) * weights.to(torch.float64)[:, None]
 
 
-def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, oracle):
+def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, oracle, pad=False):
     import torch.distributed as dist
 
     from batchgen.distributed.all_to_all import (
@@ -54,6 +54,8 @@ def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, orac
         d = AllGatherDispatcher(dist.group.WORLD, placement, rank)
     else:
         d = AllToAllDispatcher(dist.group.WORLD, placement)
+        if pad:  # every rank's token count known from the step: padded rows, no count exchange
+            d.pad_rows, d.step_tokens = True, num_tokens
     recv = d.dispatch(hidden, ids, weights)
     owned = set(placement.experts_of(rank))
     assert set(recv.expert_ids.tolist()) <= owned
@@ -86,10 +88,11 @@ CASES = {
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("pad", [False, True], ids=["counted", "padded"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_dispatch_combine_exact(name):
+def test_dispatch_combine_exact(name, pad):
     world, tokens, experts, top_k, skew = CASES[name]
-    results = run_ranks(_dispatch_rank, world, 1, tokens, experts, top_k, skew, False)
+    results = run_ranks(_dispatch_rank, world, 1, tokens, experts, top_k, skew, False, pad)
     received = 0
     for rank, (out_shape, want_shape, equal, _, recv_rows) in enumerate(results):
         assert out_shape == (tokens[rank], H) and want_shape == (tokens[rank], H)

@@ -124,6 +124,10 @@ class AllToAllDispatcher:
             )
         self.stats = stats if stats is not None else CommStats()
         self._owner: dict[torch.device, torch.Tensor] = {}
+        # Tokens of every rank of the group in the current step (set by the rank loop after
+        # the control exchange; None: unknown, exchange counts per dispatch).
+        self.step_tokens: list[int] | None = None
+        self.pad_rows = False
 
     def _owner_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._owner:
@@ -174,37 +178,51 @@ class AllToAllDispatcher:
         pair_order = valid.index_select(0, order)  # [P]
         dest, experts = dest.index_select(0, order), experts.index_select(0, order)
         tokens = pair_order // top_k
-        # One row per (destination, token): a new row wherever the pair key changes.
-        key = dest * max(num_tokens, 1) + tokens
-        new_row = torch.ones_like(key, dtype=torch.bool)
-        new_row[1:] = key[1:] != key[:-1]
-        row_of_pair = torch.cumsum(new_row, 0) - 1  # [P] index into the rows sent
-        num_rows = int(new_row.sum())
-        slot = pair_order % top_k
-        ids = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=device)
-        ids[row_of_pair, slot] = experts.to(torch.int32)
-        weights = torch.zeros(num_rows, top_k, dtype=torch.float32, device=device)
-        weights[row_of_pair, slot] = topk_weights.reshape(-1).index_select(0, pair_order).float()
-        rows = hidden.index_select(0, tokens[new_row])  # [U, H]
+        weights_sorted = topk_weights.reshape(-1).index_select(0, pair_order).float()
+        tokens_of = self.step_tokens
+        if tokens_of is not None and tokens_of[self.rank] == num_tokens and self.pad_rows:
+            # Every rank's token count is known from the step's control exchange: send all T
+            # rows to every rank (ids -1 where a slot goes elsewhere), receive T_src from each
+            # source, and skip the count exchange (DeepEP's low-latency mode pads the same way).
+            # Cheap when nearly every token has an expert on every rank (`pad_rows`).
+            ids = torch.full((w, num_tokens, top_k), -1, dtype=torch.int32, device=device)
+            ids[dest, tokens, pair_order % top_k] = experts.to(torch.int32)
+            weights = torch.zeros(w, num_tokens, top_k, dtype=torch.float32, device=device)
+            weights[dest, tokens, pair_order % top_k] = weights_sorted
+            rows = hidden.unsqueeze(0).expand(w, -1, -1).reshape(w * num_tokens, hidden.shape[1])
+            ids, weights = ids.view(w * num_tokens, top_k), weights.view(w * num_tokens, top_k)
+            send_rows, recv_rows = [num_tokens] * w, list(tokens_of)
+        else:
+            # One row per (destination, token): a new row wherever the pair key changes.
+            key = dest * max(num_tokens, 1) + tokens
+            new_row = torch.ones_like(key, dtype=torch.bool)
+            new_row[1:] = key[1:] != key[:-1]
+            row_of_pair = torch.cumsum(new_row, 0) - 1  # [P] index into the rows sent
+            num_rows = int(new_row.sum())
+            ids = torch.full((num_rows, top_k), -1, dtype=torch.int32, device=device)
+            ids[row_of_pair, pair_order % top_k] = experts.to(torch.int32)
+            weights = torch.zeros(num_rows, top_k, dtype=torch.float32, device=device)
+            weights[row_of_pair, pair_order % top_k] = weights_sorted
+            rows = hidden.index_select(0, tokens[new_row])  # [U, H]
+            send_rows_t = torch.bincount(dest[new_row], minlength=w)
+            recv_rows_t = torch.empty_like(send_rows_t)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv_rows_t, send_rows_t, group=self.group)
+            waited = time.perf_counter() - t0
+            self.stats.add(0, waited)
+            self.stats.wait_seconds += waited
+            send_rows, recv_rows = send_rows_t.tolist(), recv_rows_t.tolist()
         payload = torch.cat(
             [_bytes(rows), _bytes(ids), _bytes(weights)], dim=1
-        )  # [U, H * itemsize + 8K] uint8
-        send_rows_t = torch.bincount(dest[new_row], minlength=w)
-        recv_rows_t = torch.empty_like(send_rows_t)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv_rows_t, send_rows_t, group=self.group)
-        waited = time.perf_counter() - t0
-        self.stats.add(0, waited)
-        self.stats.wait_seconds += waited
-        recv_rows = recv_rows_t.tolist()
-        received = self._exchange(payload, send_rows_t.tolist(), recv_rows)  # [U_r, bytes]
+        )  # [rows, H * itemsize + 8K] uint8
+        received = self._exchange(payload, send_rows, recv_rows)  # [U_r, bytes]
         hidden_bytes = rows.shape[1] * rows.element_size()
         r_rows = received[:, :hidden_bytes].view(hidden.dtype)  # [U_r, H]
         r_ids = received[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32)
         r_weights = received[:, hidden_bytes + 4 * top_k :].view(torch.float32)
         row, col = (r_ids >= 0).nonzero(as_tuple=True)  # pairs in (source, token, slot) order
         source = torch.repeat_interleave(
-            torch.arange(w, device=device), recv_rows_t.to(device)
+            torch.arange(w, device=device), torch.tensor(recv_rows, device=device)
         ).index_select(0, row)
         send_pairs = torch.bincount(dest, minlength=w).tolist()
         recv_pairs = torch.bincount(source, minlength=w).tolist()

@@ -515,6 +515,7 @@ class DPEngineClient:
         from batchgen.engine.llm_engine import EngineStats
 
         self._poll()
+
         def total(key: str) -> int:
             return sum(r.counters.get(key, 0) for r in self._ranks)
 

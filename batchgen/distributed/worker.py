@@ -296,6 +296,8 @@ class RankLoop:
             idle = not plan.any_work
             if not plan.any_tokens:
                 continue
+            if ep is not None:
+                ep.set_step_tokens(plan.num_tokens)
             self.link.phase = "step"
             if tokens:
                 stream = ep is not None and ep.should_stream(prefill)
