@@ -4,7 +4,6 @@ is killed and joined before returning, whatever happens."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import socket
 import time
@@ -71,7 +70,3 @@ def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
-
-
-def env_threads() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")

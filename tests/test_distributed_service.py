@@ -47,7 +47,7 @@ def test_service_on_two_expert_parallel_ranks(tmp_path):
         deadline = time.monotonic() + 15
         while True:
             metrics = httpx.get(server.url + "/metrics", timeout=30).text
-            if _generated(metrics) > 0 or time.monotonic() > deadline:
+            if _generated(metrics) >= 6 * 7 + 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     finally:

@@ -317,8 +317,3 @@ def _failed_output(request_id, processed, error: str) -> RequestOutput:
         finished=True,
         error=error,
     )
-
-
-def spawn_entry(launch: RankLaunch) -> None:
-    """Target of a locally spawned rank process."""
-    sys.exit(rank_main(launch))

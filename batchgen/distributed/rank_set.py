@@ -1,0 +1,361 @@
+"""The frontend's ranks: starting them (local processes, or ranks that connect from other
+machines or from torchrun), talking to them, and telling when one fails.
+
+A `RankSet` owns a listener (`multiprocessing.connection`, HMAC-authenticated), the rank
+processes it started, and one connection per rank. `receive` is the only way messages come in,
+and it is where failures are found:
+
+- a rank whose connection closes (it died; its process exit code says how) is reported at once;
+- a rank that sends `Failed` reports its own error (often a peer's death seen from a
+  collective), so the dead and the stuck are named before it;
+- a rank silent for ``distributed_timeout_s`` (it heartbeats every `HEARTBEAT_S`, even
+  mid-step) is reported stuck, with the step and phase it was last seen in.
+
+Every failure stops the remaining ranks and raises `RankFailedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+
+from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.distributed import protocol as msg
+from batchgen.distributed.launch import rank_command
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 300.0
+# A rank whose heartbeat is this late when another rank fails is named stuck.
+STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
+
+
+class RankFailedError(RuntimeError):
+    """A rank died, failed or went silent. ``ranks``: the ranks at fault."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass
+class RankHandle:
+    """The frontend's view of one rank: its connection and process, what its heartbeats say,
+    and the requests queued for it (``load``: their estimated tokens)."""
+
+    rank: int
+    conn: Connection
+    host: str
+    pid: int
+    process: subprocess.Popen | None = None  # a rank this frontend started
+    load: int = 0  # estimated tokens of its unfinished requests
+    unfinished: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    step_id: int = 0
+    phase: str = "starting"
+    pending: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)  # from its last heartbeat
+
+
+def _silence(rank: RankHandle, now: float) -> str:
+    return (
+        f"rank {rank.rank} (pid {rank.pid} on {rank.host}) silent for "
+        f"{now - rank.last_seen:.0f} s (last seen at step {rank.step_id}, {rank.phase}): "
+        "stuck or stopped"
+    )
+
+
+def _describe_exit(process: subprocess.Popen | None) -> str:
+    code = None if process is None else process.poll()
+    if code is None:
+        return "its connection closed"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RankSet:
+    """Start ``parallel.data_parallel_size`` ranks and hand them ``config``.
+
+    Raises:
+        ValueError: ranks expected from elsewhere without ``$BATCHGEN_DP_AUTHKEY``.
+        RankFailedError: a rank failed or did not connect while starting.
+    """
+
+    def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
+        self.config, self.parallel = config, parallel
+        self.ranks: list[RankHandle] = []
+        self.failure: RankFailedError | None = None
+        self.closed = False
+        self._listener, self._authkey = self._listen()
+        self._finalizer = weakref.finalize(self, RankSet._kill, [], self._listener)
+        try:
+            self.ready = self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def max_model_len(self) -> int:
+        return min(r.max_model_len for r in self.ready)
+
+    def _num_local(self) -> int:
+        """Ranks this frontend starts itself (the others connect from elsewhere)."""
+        local = self.parallel.data_parallel_size_local
+        return self.parallel.data_parallel_size if local is None else local
+
+    def _listen(self) -> tuple[Listener, bytes]:
+        p = self.parallel
+        external = self._num_local() < p.data_parallel_size
+        if external:
+            key = os.environ.get(msg.AUTHKEY_ENV)
+            if not key:
+                raise ValueError(
+                    f"ranks started on other machines need a shared key: set ${msg.AUTHKEY_ENV} "
+                    "to the same secret for the frontend and every `batchgen.distributed."
+                    "launch` / torchrun process"
+                )
+            authkey = key.encode()
+            address = p.data_parallel_address
+        else:
+            authkey, address = os.urandom(16).hex().encode(), "127.0.0.1"
+        listener = Listener((address, p.data_parallel_rpc_port or 0), authkey=authkey)
+        return listener, authkey
+
+    def _start(self) -> list[msg.Ready]:
+        p = self.parallel
+        world, local = p.data_parallel_size, self._num_local()
+        address, port = self._listener.address
+        env = dict(os.environ, **{msg.AUTHKEY_ENV: self._authkey.decode()})
+        processes = {}
+        for r in range(local):
+            # A fresh interpreter per rank (not multiprocessing's spawn, which re-imports the
+            # user's main module); the key travels in the environment, not the command line.
+            processes[r] = subprocess.Popen(
+                rank_command(r, r, local, "127.0.0.1", port), env=env, stdin=subprocess.DEVNULL
+            )
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(
+            self, RankSet._kill, list(processes.values()), self._listener
+        )
+        if local < world:
+            logger.info(
+                "waiting for %d ranks from other machines at %s:%d", world - local, address, port
+            )
+        hellos = self._accept(world, processes)
+        init_method = self._init_method(hellos)
+        for rank in self.ranks:
+            rank.conn.send(msg.Setup(self.config, p, init_method))
+        return self._wait_ready()
+
+    def _accept(self, world: int, processes: dict) -> dict[int, tuple[msg.Hello, str]]:
+        """Accept ``world`` ranks (in a thread: `Listener.accept` has no timeout), watching the
+        local processes meanwhile."""
+        arrived: queue.Queue = queue.Queue()
+
+        def accept_all():
+            while True:
+                try:
+                    conn = self._listener.accept()
+                except (OSError, EOFError):
+                    return  # listener closed
+                except Exception as exc:  # a client with a wrong key
+                    logger.warning("refused a rank connection: %s", exc)
+                    continue
+                peer = self._listener.last_accepted
+                arrived.put((conn, peer[0] if isinstance(peer, tuple) else "127.0.0.1"))
+
+        threading.Thread(target=accept_all, name="batchgen-accept", daemon=True).start()
+        hellos: dict[int, tuple[msg.Hello, str]] = {}
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while len(hellos) < world:
+            for r, proc in processes.items():
+                if r not in hellos and proc.poll() is not None:
+                    raise RankFailedError(
+                        f"rank {r} (pid {proc.pid}) {_describe_exit(proc)} before connecting",
+                        [r],
+                    )
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(hellos))
+                raise RankFailedError(
+                    f"ranks {missing} did not connect within {CONNECT_TIMEOUT_S:.0f} s", missing
+                )
+            try:
+                conn, peer = arrived.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if not conn.poll(30):
+                conn.close()
+                continue
+            hello = conn.recv()
+            if not isinstance(hello, msg.Hello) or not 0 <= hello.rank < world:
+                conn.close()
+                continue
+            if hello.rank in hellos:
+                conn.close()
+                raise RankFailedError(f"two processes claim rank {hello.rank}", [hello.rank])
+            hellos[hello.rank] = (hello, peer)
+            self.ranks.append(
+                RankHandle(hello.rank, conn, hello.host, hello.pid, processes.get(hello.rank))
+            )
+        self.ranks.sort(key=lambda r: r.rank)
+        return hellos
+
+    @staticmethod
+    def _init_method(hellos: dict[int, tuple[msg.Hello, str]]) -> str:
+        """``env://`` when torchrun started every rank, else rank 0's machine and port."""
+        torchrun = {h.torchrun for h, _ in hellos.values()}
+        if torchrun == {True}:
+            return "env://"
+        if True in torchrun:
+            raise ValueError("ranks started by torchrun and by other means cannot be mixed")
+        hello, peer = hellos[0]
+        return f"tcp://{peer}:{hello.store_port}"
+
+    def _wait_ready(self) -> list[msg.Ready]:
+        ready: dict[int, msg.Ready] = {}
+        while len(ready) < len(self.ranks):
+            for rank, message in self.receive(timeout=1.0):
+                if isinstance(message, msg.Ready):
+                    ready[rank.rank] = message
+        return [ready[r] for r in sorted(ready)]
+
+    # ---- messages ------------------------------------------------------------------------
+    def send(self, rank: RankHandle, message) -> None:
+        rank.conn.send(message)
+
+    def broadcast(self, message) -> None:
+        for rank in self.ranks:
+            rank.conn.send(message)
+
+    def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
+        """Messages that arrive within ``timeout`` seconds (all that are ready once one is).
+
+        Raises:
+            RankFailedError: a rank's connection closed or its process exited, a rank sent
+                `Failed`, or a rank was silent for ``distributed_timeout_s``.
+        """
+        if self.failure is not None:
+            raise self.failure
+        by_conn = {r.conn: r for r in self.ranks}
+        ready = wait(list(by_conn), timeout)  # a dead rank's connection reads as EOF
+        got: list[tuple[RankHandle, object]] = []
+        broken: list[RankHandle] = []
+        failed: list[tuple[RankHandle, str]] = []
+        for obj in ready:
+            rank = by_conn[obj]
+            try:
+                while rank.conn.poll(0):
+                    got.append((rank, rank.conn.recv()))
+            except (EOFError, OSError):
+                broken.append(rank)
+        now = time.monotonic()
+        for rank, message in got:
+            rank.last_seen = now
+            if isinstance(message, msg.Heartbeat):
+                rank.step_id, rank.phase = message.step_id, message.phase
+                rank.counters = message.counters
+            elif isinstance(message, msg.Failed):
+                failed.append((rank, message.message))
+        if broken or failed:
+            self._fail(broken, failed)
+        silent = [r for r in self.ranks if now - r.last_seen > self.parallel.distributed_timeout_s]
+        if silent:
+            self._fail_silent(silent, now)
+        return [(r, m) for r, m in got if not isinstance(m, (msg.Heartbeat, msg.Failed))]
+
+    def _fail(self, broken: list[RankHandle], failed: list[tuple[RankHandle, str]]) -> None:
+        """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
+        down with it, so their `Failed` reports arrive too: wait a moment for the deaths to
+        show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
+        ranks that failed on their own."""
+        time.sleep(0.5)
+        reported = {r.rank for r, _ in failed}  # these exit by themselves after reporting
+        for rank in self.ranks:
+            if rank.process is not None and rank.process.poll() is not None:
+                if rank not in broken:
+                    broken.append(rank)
+        dead = sorted(
+            {r.rank: r for r in broken if r.rank not in reported}.values(), key=lambda r: r.rank
+        )
+        parts = [
+            f"rank {r.rank} (pid {r.pid} on {r.host}) died: {_describe_exit(r.process)}"
+            for r in dead
+        ]
+        now = time.monotonic()
+        culprit_ids = {r.rank for r in dead}
+        stuck = [
+            r for r in self.ranks if r.rank not in culprit_ids and now - r.last_seen > STUCK_AFTER_S
+        ]
+        parts += [_silence(r, now) for r in stuck]
+        culprit_ids |= {r.rank for r in stuck}
+        for rank, text in failed:
+            if rank.rank not in culprit_ids:
+                first = text.strip().splitlines()[0] if text.strip() else "unknown error"
+                parts.append(f"rank {rank.rank} failed: {first}")
+        culprits = sorted(culprit_ids) or [r.rank for r, _ in failed]
+        self.failure = RankFailedError("; ".join(parts), culprits)
+        self.shutdown()
+        raise self.failure
+
+    def _fail_silent(self, silent: list[RankHandle], now: float) -> None:
+        parts = [_silence(r, now) for r in silent]
+        self.failure = RankFailedError("; ".join(parts), [r.rank for r in silent])
+        self.shutdown()
+        raise self.failure
+
+    # ---- shutdown ------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the ranks (politely, then by force) and close the listener. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for rank in self.ranks:
+            try:
+                rank.conn.send(msg.Shutdown())
+            except OSError:
+                pass
+        deadline = time.monotonic() + (timeout if self.failure is None else 2.0)
+        for rank in self.ranks:  # a rank closes its connection when it leaves
+            try:
+                while time.monotonic() < deadline and rank.conn.poll(
+                    max(0.0, deadline - time.monotonic())
+                ):
+                    rank.conn.recv()
+            except (EOFError, OSError):
+                pass
+        for rank in self.ranks:
+            if rank.process is not None:
+                try:
+                    rank.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._finalizer()  # kills what is left, closes the listener
+        for rank in self.ranks:
+            rank.conn.close()
+
+    @staticmethod
+    def _kill(processes: list[subprocess.Popen], listener: Listener) -> None:
+        for proc in processes:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in processes:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            listener.close()
+        except OSError:
+            pass
