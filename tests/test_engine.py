@@ -332,3 +332,47 @@ def test_greedy_tokens_do_not_depend_on_which_cpu_kernels_run(checkpoint_dir, mo
     assert tokens["0"] == tokens["1"]
     assert tokens["fused_moe"] == tokens["1"]
     assert tokens["paged_decode_attention"] == tokens["1"]
+
+
+def test_max_num_seqs_and_max_active_coroutines_are_one_limit():
+    from batchgen.config import EngineConfig
+
+    assert EngineConfig().max_running_seqs == 1024  # coalesce's default
+    assert EngineConfig(scheduler_policy="lockstep").max_running_seqs == 256  # vLLM's
+    for policy in ("coalesce", "lockstep"):
+        assert EngineConfig(scheduler_policy=policy, max_num_seqs=64).max_running_seqs == 64
+        cfg = EngineConfig(scheduler_policy=policy, max_active_coroutines=48)
+        assert cfg.max_running_seqs == 48
+    assert EngineConfig(max_num_seqs=64, max_active_coroutines=64).max_running_seqs == 64
+    with pytest.raises(ValueError, match="max_num_seqs=64 and max_active_coroutines=128 name"):
+        EngineConfig(max_num_seqs=64, max_active_coroutines=128)
+    with pytest.raises(ValueError, match="max_active_coroutines must be an integer >= 1"):
+        EngineConfig(max_active_coroutines=0)
+
+
+@pytest.mark.parametrize("policy", ["coalesce", "lockstep"])
+@pytest.mark.parametrize("knob", ["max_num_seqs", "max_active_coroutines"])
+def test_max_num_seqs_bounds_running_sequences_under_every_policy(checkpoint_dir, policy, knob):
+    llm = LLM(
+        str(checkpoint_dir("mixtral")),
+        device="cpu",
+        kv_cache_memory_gb=0.05,
+        scheduler_policy=policy,
+        **{knob: 3},
+    )
+    engine = llm.llm_engine
+    running: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        running.append(len(engine.scheduler.running))
+        return out
+
+    engine.scheduler.schedule = spy
+    outs = llm.generate(
+        ["one two three"] * 10, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert max(running) == 3  # reached, never exceeded (the step held 10 before the fix)
+    assert engine.config.max_running_seqs == 3

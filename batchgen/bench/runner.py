@@ -176,12 +176,12 @@ def run_batchgen(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_gb=kv_cache_gb,
         expert_coalesce_threshold=threshold,
-        max_active_coroutines=MAX_ACTIVE_COROUTINES,
         max_step_tokens=MAX_STEP_TOKENS,
         max_model_len=4096,
-        # lockstep may run as many sequences as its token budget can decode in one step
-        # (vLLM's default of 256 would leave half of each decode step empty here).
-        max_num_seqs=MAX_NUM_BATCHED_TOKENS,
+        # coalesce: MAX_ACTIVE_COROUTINES. lockstep may run as many sequences as its token
+        # budget can decode in one step (vLLM's default of 256 would leave half of each decode
+        # step empty here).
+        max_num_seqs=MAX_ACTIVE_COROUTINES if policy == "coalesce" else MAX_NUM_BATCHED_TOKENS,
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)

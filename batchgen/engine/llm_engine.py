@@ -190,14 +190,14 @@ class LLMEngine:
     def _activation_reserve_bytes(self, cfg: ModelConfig) -> int:
         """Device memory kept free for one step's activations (bytes): a float32 upper estimate
         per batched token (residual, QKV, attention output, MLP/expert intermediates for every
-        selected expert) plus the sampler's copies of ``max_num_seqs`` rows of logits, plus
+        selected expert) plus the sampler's copies of ``max_running_seqs`` rows of logits, plus
         1 GiB of slack for the allocator and kernels' workspaces. An estimate, not a profile."""
         c = self.config
         experts = max(cfg.num_experts_per_tok, 1)
         per_token = 4 * (
             16 * cfg.hidden_size + experts * (4 * cfg.intermediate_size + 2 * cfg.hidden_size)
         )
-        logits = 4 * 4 * min(c.max_num_seqs, c.max_num_batched_tokens) * cfg.vocab_size
+        logits = 4 * 4 * min(c.max_running_seqs, c.max_num_batched_tokens) * cfg.vocab_size
         return c.max_num_batched_tokens * per_token + logits + _GiB
 
     # ---- requests ---------------------------------------------------------------------
