@@ -376,3 +376,28 @@ def test_max_num_seqs_bounds_running_sequences_under_every_policy(checkpoint_dir
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert max(running) == 3  # reached, never exceeded (the step held 10 before the fix)
     assert engine.config.max_running_seqs == 3
+
+
+def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog):
+    import torch
+    from transformers import AutoConfig
+
+    from batchgen.models.loader import resolve_dtype
+    from batchgen.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(checkpoint_dir("mixtral")))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
+        assert resolve_dtype("bfloat16", cpu, cfg) == torch.bfloat16  # honoured, with a word
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1
+        assert warned[0].startswith("dtype bfloat16 on CPU runs at about half the speed")
+        assert "float32-only" in warned[0]
+        caplog.clear()
+        assert resolve_dtype("float16", cpu, cfg) == torch.float16
+        assert len(caplog.records) == 1 and "dtype float16 on CPU" in caplog.text
+        caplog.clear()
+        assert resolve_dtype("auto", cpu, cfg) == torch.float32
+        assert resolve_dtype("float32", cpu, cfg) == torch.float32
+        assert resolve_dtype("bfloat16", cuda, cfg) == torch.bfloat16
+        assert not caplog.records

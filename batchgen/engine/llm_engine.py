@@ -77,10 +77,15 @@ class LLMEngine:
 
         self.config = config
         if config.model is None:
-            from batchgen.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+            from batchgen.models.default_model import (
+                DEFAULT_MODEL_NAME,
+                RANDOM_WEIGHTS_NOTE,
+                default_model_path,
+            )
 
             config.model = default_model_path()
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
+            logger.warning(RANDOM_WEIGHTS_NOTE)
         else:
             self.model_name = config.model
         path = resolve_model_path(config.model)
