@@ -17,6 +17,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
+from batchgen.engine.cpu_threads import configure_cpu_threads
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
@@ -94,6 +95,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
         if self.device.type == "cpu":
+            configure_cpu_threads()
             tune_glibc_malloc()
             kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
