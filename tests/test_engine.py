@@ -378,6 +378,41 @@ def test_max_num_seqs_bounds_running_sequences_under_every_policy(checkpoint_dir
     assert engine.config.max_running_seqs == 3
 
 
+def test_chat_returns_the_rendered_prompt(llm):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected  # was None
+    assert out.prompt.endswith("<|im_start|>assistant\n") and "Be brief." in out.prompt
+    assert tok.encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
+
+
+def test_request_metrics_follow_a_request_through_the_engine(checkpoint_dir):
+    import time
+
+    llm = LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05, max_num_seqs=1)
+    t0 = time.time()
+    outs = llm.generate(
+        ["a b", "c d", "e f"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    t1 = time.time()
+    for out in outs:
+        m = out.metrics
+        assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+        assert m.first_token_time <= m.last_token_time <= m.finished_time <= t1
+        assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+    # One sequence at a time: each request is first scheduled after the previous one ended,
+    # so the later ones waited in the queue for at least the earlier ones' run time.
+    for before, after in zip(outs, outs[1:]):
+        assert after.metrics.first_scheduled_time >= before.metrics.finished_time
+        assert after.metrics.time_in_queue >= before.metrics.finished_time - (
+            before.metrics.first_scheduled_time
+        )
+    bad = llm.generate([[]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert bad.error is not None and bad.metrics is None  # never entered the engine
+
+
 def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog):
     import torch
     from transformers import AutoConfig

@@ -243,11 +243,19 @@ class LLMEngine:
         self.add_processed_request(request_id, processed, params)
 
     def add_processed_request(
-        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request whose prompt `InputProcessor.process` has already validated (the
         data-parallel ranks get requests this way from the frontend).
 
+        Args:
+            arrival_time: when the request arrived (``time.time()`` seconds), for
+                `RequestMetrics`; default now.
         Raises:
             ValueError: duplicate ``request_id``.
         """
@@ -255,6 +263,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = processed.prompt, processed.prompt_token_ids
         request = Request(request_id, text, ids, params, self._arrivals)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         self._arrivals += 1
         for i in range(params.n):
             seq = SequenceCoroutine(self._next_seq_id, request, i)
@@ -327,6 +337,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
+        _note_first_scheduled(sched.scheduled)
         m.stage_seconds["scheduling"] += time.perf_counter() - t0
         if sched.block_copies:
             self.runner.copy_blocks(sched.block_copies)
@@ -384,6 +395,10 @@ class LLMEngine:
         token = out.sampled_token_ids[row]
         p = seq.params
         seq.output_token_ids.append(token)
+        metrics = seq.request.metrics
+        metrics.last_token_time = time.time()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.last_token_time
         self.stats.num_generated_tokens += 1
         seq.cumulative_logprob += out.sampled_logprobs[row]
         top = out.top_logprobs[row]
@@ -428,6 +443,25 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
+        metrics = request.metrics
+        metrics.finished_time = time.time()
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished=True
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished=True,
+            metrics=metrics,
         )
+
+
+def _note_first_scheduled(scheduled: list) -> None:
+    """Stamp `RequestMetrics.first_scheduled_time` (and ``time_in_queue``) of the requests
+    that a step computes for the first time."""
+    now = None
+    for entry in scheduled:
+        metrics = entry.seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            now = now or time.time()
+            metrics.first_scheduled_time = now
+            metrics.time_in_queue = now - metrics.arrival_time

@@ -97,6 +97,7 @@ class Service:
                 lambda: self.loop.stats,
                 self.store.count_batches_by_status,
                 lambda: self.loop.is_alive,
+                self.loop.latency,
             )
         )
 
