@@ -30,7 +30,7 @@ from batchgen.engine.input_processor import (
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import ScheduledSeq, Scheduler
 from batchgen.engine.sequence import Request, SequenceCoroutine
 from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.layers.moe import SparseMoeBlock
@@ -455,7 +455,7 @@ class LLMEngine:
         )
 
 
-def _note_first_scheduled(scheduled: list) -> None:
+def _note_first_scheduled(scheduled: list[ScheduledSeq]) -> None:
     """Stamp `RequestMetrics.first_scheduled_time` (and ``time_in_queue``) of the requests
     that a step computes for the first time."""
     now = None
