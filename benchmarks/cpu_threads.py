@@ -8,7 +8,9 @@ Settings (the environment of the measured process):
 
 - ``default``: nothing set, torch's default threads (libgomp spins ~300k iterations at a
   barrier before it sleeps);
-- ``batchgen``: what ``batchgen run/serve/bench`` do (`batchgen.engine.cpu_threads`);
+- ``batchgen``: what ``batchgen run/serve/bench`` do (`batchgen.engine.cpu_threads`: a short
+  spin, ``GOMP_SPINCOUNT=10000``, or ``OMP_WAIT_POLICY=PASSIVE`` when the load average is
+  already 1 or more when the process starts; the line names the policy each run got);
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE``; ``spin10k``: ``GOMP_SPINCOUNT=10000``;
   ``kmp0``: ``KMP_BLOCKTIME=0`` (Intel OpenMP's knob; torch's CPU wheels use GNU OpenMP);
 - ``one``: ``OMP_NUM_THREADS=1``.
@@ -18,7 +20,9 @@ measurement: 0 is the idle machine, 1 is "another busy process". The load averag
 load level is printed, since other jobs on a shared machine add to it. Workload: the embedded
 default model (Mixtral architecture, hidden 128, 8 experts, 4 layers; or ``--model``),
 ``--prompts`` greedy prompts of ``--max-tokens`` tokens, after a warm-up call. Prints the
-median tokens/s of each setting at each load and its ratio to ``default``.
+median and the best tokens/s of each setting at each load, with their ratios to the first
+setting's (the best run is the one least disturbed by other jobs on a shared machine), and the
+load average before and after each load level.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ SETTINGS = {
     "default": {},
     "batchgen": None,  # set by `set_openmp_wait_policy` in the child
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin100k": {"GOMP_SPINCOUNT": "100000"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin100": {"GOMP_SPINCOUNT": "100"},
     "kmp0": {"KMP_BLOCKTIME": "0"},
     "one": {"OMP_NUM_THREADS": "1"},
 }
@@ -59,7 +66,16 @@ def _child(args: argparse.Namespace) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"tokens_per_s": tokens / seconds, "threads": torch.get_num_threads()}))
+    policy = ",".join(f"{k}={os.environ[k]}" for k in _THREAD_VARS[1:] if k in os.environ)
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / seconds,
+                "threads": torch.get_num_threads(),
+                "policy": policy or "libgomp default",
+            }
+        )
+    )
 
 
 def _measure(args: argparse.Namespace, setting: str) -> dict:
@@ -103,22 +119,30 @@ def main() -> None:
     )
     for load in (int(x) for x in args.loads.split(",")):
         rates: dict[str, list[float]] = {s: [] for s in settings}
+        policies: dict[str, set[str]] = {s: set() for s in settings}
         before = os.getloadavg()[0]
         busy = _busy(load)
         try:
             for _ in range(args.repeats):  # interleaved, so drifting load hits every setting
                 for setting in settings:
-                    rates[setting].append(_measure(args, setting)["tokens_per_s"])
+                    result = _measure(args, setting)
+                    rates[setting].append(result["tokens_per_s"])
+                    policies[setting].add(result["policy"])
         finally:
             for proc in busy:
                 proc.kill()
                 proc.wait()
         base = statistics.median(rates[settings[0]])
-        print(f"busy processes {load} (load average before: {before:.2f})")
+        best_base = max(rates[settings[0]])
+        after = os.getloadavg()[0]
+        print(f"busy processes {load} (load average before {before:.2f}, after {after:.2f})")
         for setting in settings:
-            med = statistics.median(rates[setting])
+            med, best = statistics.median(rates[setting]), max(rates[setting])
             runs = ", ".join(f"{r:.0f}" for r in rates[setting])
-            print(f"  {setting:<9} {med:8.1f} tok/s  x{med / base:5.2f}  ({runs})")
+            print(
+                f"  {setting:<9} median {med:7.1f} tok/s x{med / base:5.2f}, best {best:7.1f} "
+                f"x{best / best_base:5.2f}  ({runs}; {' / '.join(sorted(policies[setting]))})"
+            )
 
 
 if __name__ == "__main__":

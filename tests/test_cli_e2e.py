@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def test_run_examples_with_default_model(tmp_path):
     assert "--model allenai/OLMoE-1B-7B-0924" in proc.stderr and "28 GB" in proc.stderr
     # Threads chosen and logged; the wait policy was set before torch loaded OpenMP.
     assert "CPU threads: " in proc.stderr
-    assert "OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE" in proc.stderr
+    policy = re.search(r"OpenMP wait policy: (\S+)", proc.stderr).group(1)
+    assert policy in ("OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000")  # busy / idle machine
 
 
 @pytest.fixture(scope="module")

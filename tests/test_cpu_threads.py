@@ -35,17 +35,21 @@ def test_available_cpus_is_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path
     assert ct.available_cpus(tmp_path) == mask
 
 
-def test_wait_policy_is_set_only_when_the_user_did_not_choose():
+def test_wait_policy_follows_the_load_and_never_overrides_the_user():
     env: dict = {}
-    assert ct.set_openmp_wait_policy(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert ct.set_openmp_wait_policy(env, load=0.3) == {"GOMP_SPINCOUNT": "10000"}  # idle
+    assert env == {"GOMP_SPINCOUNT": "10000"}
+    for load in (1.0, 3.5):  # another process is running: sleep at once
+        env = {}
+        assert ct.set_openmp_wait_policy(env, load=load) == {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
     for name, value in (
         ("OMP_WAIT_POLICY", "ACTIVE"),
-        ("GOMP_SPINCOUNT", "100000"),
+        ("GOMP_SPINCOUNT", "300000"),
         ("KMP_BLOCKTIME", "200"),
     ):
         env = {name: value}
-        assert ct.set_openmp_wait_policy(env) == {} and env == {name: value}
+        assert ct.set_openmp_wait_policy(env, load=5.0) == {} and env == {name: value}
 
 
 def test_threads_are_the_cpus_divided_among_local_processes(fresh, monkeypatch, caplog):

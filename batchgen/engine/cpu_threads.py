@@ -8,15 +8,18 @@ Two settings, made once per process:
   set. A data-parallel launcher that starts N rank processes on one machine passes N, so the
   ranks do not fight over cores. ``OMP_NUM_THREADS`` set by the user wins.
 - **What idle threads do.** GNU OpenMP (the ``libgomp`` that torch's CPU wheels and our C++
-  kernels use) lets a thread that reaches a barrier spin for about 300,000 iterations before it
-  sleeps. On idle cores that saves a wake-up; beside another busy process it burns the time
-  slices the straggling thread needs, and a step can take tens of times longer
-  (`benchmarks/cpu_threads.py` measures it). `set_openmp_wait_policy` sets
-  ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) unless the user chose a policy or a spin count
-  (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``, or ``KMP_BLOCKTIME`` for Intel's OpenMP).
-  libgomp reads these variables once, when it is loaded with torch, so the command line sets
-  them before it imports torch; in a process that has imported torch already they only reach
-  child processes.
+  kernels use) lets a thread that reaches a barrier spin for about 300,000 iterations (tens of
+  milliseconds) before it sleeps. On idle cores that saves a wake-up; beside another busy
+  process it burns the time slices the straggling thread needs, and a step can take tens of
+  times longer. `set_openmp_wait_policy` bounds the spin: on a machine already busy when
+  BatchGen starts (1-minute load average of 1 or more) threads sleep at once
+  (``OMP_WAIT_POLICY=PASSIVE``, the largest gain there); on an idle one they spin at most
+  10,000 iterations (``GOMP_SPINCOUNT``: under a millisecond, which keeps the idle speed and
+  limits the loss if load arrives later). Measured with `benchmarks/cpu_threads.py`. The
+  user's choice wins: nothing is set when ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or
+  ``KMP_BLOCKTIME`` (Intel's OpenMP) is set. libgomp reads these variables once, when it is
+  loaded with torch, so the command line sets them before it imports torch; in a process that
+  has imported torch already they only reach child processes.
 
 `configure_cpu_threads` logs the choice at engine start and warns once when the load average
 already exceeds the CPUs (other processes compete for the cores).
@@ -32,7 +35,9 @@ logger = logging.getLogger(__name__)
 
 # Variables that decide how long an idle OpenMP thread spins; any one set means the user chose.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+BUSY_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}  # another process is already running
+IDLE_WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
+BUSY_LOAD = 1.0  # a 1-minute load average from this on means "busy" at start
 
 _configured: int | None = None  # threads chosen by `configure_cpu_threads` in this process
 _warned_oversubscribed = False
@@ -54,22 +59,31 @@ def available_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     return max(1, cpus)
 
 
-def set_openmp_wait_policy(environ: dict | None = None) -> dict[str, str]:
-    """Make idle OpenMP threads sleep instead of spinning (`WAIT_POLICY`), unless one of
+def set_openmp_wait_policy(environ: dict | None = None, load: float | None = None) -> dict:
+    """Bound how long idle OpenMP threads spin: `BUSY_WAIT_POLICY` (sleep at once) when the
+    machine is busy, else `IDLE_WAIT_POLICY` (a short spin); nothing when one of
     `WAIT_POLICY_VARS` is set already (the user's choice wins).
 
     Takes effect only in a process that has not loaded torch yet (and in its children).
 
     Args:
         environ: the environment to change (default ``os.environ``).
+        load: the 1-minute load average (default ``os.getloadavg()[0]``); `BUSY_LOAD` or more
+            is busy: another process already competes for the cores.
     Returns:
         The variables set (empty when the user had chosen).
     """
     env = os.environ if environ is None else environ
     if any(name in env for name in WAIT_POLICY_VARS):
         return {}
-    env.update(WAIT_POLICY)
-    return dict(WAIT_POLICY)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    policy = BUSY_WAIT_POLICY if load >= BUSY_LOAD else IDLE_WAIT_POLICY
+    env.update(policy)
+    return dict(policy)
 
 
 def configure_cpu_threads(num_local_processes: int | None = None) -> int:
