@@ -16,6 +16,12 @@ def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so that `import batchgen`
     # (e.g. for SamplingParams in a client process) stays light.
     if name == "LLM":
+        import sys
+
+        if "torch" not in sys.modules:  # OpenMP reads its wait policy when torch loads it
+            from batchgen.engine.cpu_threads import set_openmp_wait_policy
+
+            set_openmp_wait_policy()
         from batchgen.entrypoints.llm import LLM
 
         return LLM

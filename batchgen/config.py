@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("coalesce", "lockstep")
+# Sequences running at once when neither max_num_seqs nor max_active_coroutines is given:
+# coalesce wants many coroutines to merge at each MoE layer; lockstep keeps vLLM's 256.
+DEFAULT_MAX_NUM_SEQS = {"coalesce": 1024, "lockstep": 256}
 
 
 def _is_int(value: object) -> bool:
@@ -58,7 +61,15 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata=_help("max prompt+output tokens per sequence (default: model's)")
     )
-    max_num_seqs: int = field(default=256, metadata=_help("max sequences running at once"))
+    max_num_seqs: int | None = field(
+        default=None,
+        metadata=_help(
+            "max sequences running at once (KV permitting), under every policy; "
+            "max_active_coroutines is another name for it "
+            f"(default: {DEFAULT_MAX_NUM_SEQS['coalesce']} with coalesce, "
+            f"{DEFAULT_MAX_NUM_SEQS['lockstep']} with lockstep)"
+        ),
+    )
     max_num_batched_tokens: int = field(
         default=2048, metadata=_help("max tokens per engine step (chunked prefill budget)")
     )
@@ -79,8 +90,12 @@ class EngineConfig:
             "across attention micro-batches; lockstep is classic continuous batching"
         ),
     )
-    max_active_coroutines: int = field(
-        default=1024, metadata=_help("coalesce: max sequences running at once (KV permitting)")
+    max_active_coroutines: int | None = field(
+        default=None,
+        metadata=_help(
+            "the same limit as max_num_seqs, by its name in the cluster YAML "
+            "(coroutine_scheduler.max_active_coroutines); give one, or both equal"
+        ),
     )
     max_step_tokens: int | None = field(
         default=None,
@@ -128,21 +143,35 @@ class EngineConfig:
                 f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}"
             )
         for name in (
-            "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
             "seed",
-            "max_active_coroutines",
             "expert_coalesce_threshold",
             "tile_size",
         ):
             value = getattr(self, name)
             if not _is_int(value) or (name != "seed" and value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("max_model_len", "num_gpu_blocks_override", "max_step_tokens"):
+        for name in (
+            "max_model_len",
+            "num_gpu_blocks_override",
+            "max_step_tokens",
+            "max_num_seqs",
+            "max_active_coroutines",
+        ):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if (
+            self.max_num_seqs is not None
+            and self.max_active_coroutines is not None
+            and self.max_num_seqs != self.max_active_coroutines
+        ):
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} and max_active_coroutines="
+                f"{self.max_active_coroutines} name the same limit (sequences running at "
+                "once): give one of them, or both equal"
+            )
         if self.kv_cache_memory_gb is not None and not (
             _is_number(self.kv_cache_memory_gb) and 0 < self.kv_cache_memory_gb < math.inf
         ):
@@ -165,10 +194,14 @@ class EngineConfig:
 
     @property
     def max_running_seqs(self) -> int:
-        """``max_num_seqs`` for lockstep, ``max_active_coroutines`` for coalesce."""
-        if self.scheduler_policy == "lockstep":
-            return self.max_num_seqs
-        return self.max_active_coroutines
+        """Most sequences running at once, under every policy: ``max_num_seqs`` (vLLM's name)
+        or ``max_active_coroutines`` (the cluster YAML's name for the same limit), else
+        `DEFAULT_MAX_NUM_SEQS` of the policy."""
+        return (
+            self.max_num_seqs
+            or self.max_active_coroutines
+            or DEFAULT_MAX_NUM_SEQS[self.scheduler_policy]
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -46,6 +46,29 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request passed each point of its life (vLLM's ``RequestMetrics`` names).
+
+    Times are seconds since the epoch (``time.time()``, as vLLM's); None until reached.
+
+    Attributes:
+        arrival_time: the engine accepted the request (`LLMEngine.add_request`).
+        last_token_time: the latest token of any sample was generated.
+        first_scheduled_time: a step first computed any of its tokens.
+        first_token_time: its first output token (of any sample) was generated.
+        time_in_queue: ``first_scheduled_time - arrival_time`` (seconds).
+        finished_time: its last sample finished.
+    """
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """All samples of one request, returned in input order by ``LLM.generate``.
 
@@ -57,6 +80,8 @@ class RequestOutput:
         finished: True when every sample has finished.
         error: message when the request failed on its own (e.g. prompt longer than
             ``max_model_len``); the other requests are unaffected.
+        metrics: the request's timestamps (`RequestMetrics`); None for a request that never
+            entered the engine.
     """
 
     request_id: str
@@ -65,6 +90,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    metrics: RequestMetrics | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -31,14 +31,21 @@ def test_workloads_follow_their_definitions():
         make_workloads(512, quick=True, rollouts_requests=0)
 
 
-def test_bench_record_on_a_tiny_model(checkpoint_dir):
+def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):
     record = run(
         quick=True,
         device="cpu",
         modes=("hf_generate", "lockstep", "coalesce"),
         workloads=("extraction",),
         model=str(checkpoint_dir("mixtral")),
+        progress=True,
     )
+    # One tqdm bar per mode on stderr, over the workload's useful tokens, each completed.
+    err = capsys.readouterr().err
+    total = record["workloads"]["extraction"]["useful_tokens"]
+    sample = record["workloads"]["extraction"]["hf_generate"]["useful_tokens"]
+    for mode, tokens in (("hf_generate", sample), ("lockstep", total), ("coalesce", total)):
+        assert f"extraction/{mode}: 100%" in err and f"{tokens}/{tokens}" in err, mode
     json.dumps(record)  # machine-readable
     assert record["peak_gflops"] > 0 and record["dtype"] == "float32"
     w = record["workloads"]["extraction"]
@@ -51,6 +58,19 @@ def test_bench_record_on_a_tiny_model(checkpoint_dir):
     assert w["hf_generate"]["tile_density"] is None
     table = format_table(record)
     assert "extraction" in table and "coalesce" in table
+    for term in ("x hf_gen   ", "tile dens  ", "rows/GEMM  ", "MFU        ", "dec MFU    "):
+        assert f"\n{term}" in table, term
+    # The quick extraction workload (8 requests) fits hf_generate's sample whole: no mark.
+    w = record["workloads"]["extraction"]
+    assert w["hf_generate"]["extra"]["sampled_requests"] == w["requests"] == 8
+    rows = {line.split()[1] for line in table.splitlines() if line.startswith("extraction")}
+    assert rows == {"hf_generate", "lockstep", "coalesce"} and "\n*" not in table
+    # A row that ran on part of its workload is marked, and the legend says on how much.
+    w["requests"] = 40
+    table = format_table(record)
+    rows = {line.split()[1] for line in table.splitlines() if line.startswith("extraction")}
+    assert rows == {"hf_generate*", "lockstep", "coalesce"}
+    assert "sample's rate: extraction/hf_generate 8 of 40 requests" in table
 
 
 def test_bench_profile_names_the_top_operators(checkpoint_dir):
@@ -125,3 +145,14 @@ def test_bench_model_arch_is_checked():
     assert set(BENCH_MODELS) == {"mixtral", "deepseek_v3"}
     with pytest.raises(ValueError, match="deepseek_v3"):
         bench_model_path("gpt2")
+
+
+def test_psutil_is_installed_with_batchgen():
+    """transformers logs errors on import without psutil; it comes with BatchGen."""
+    import importlib.metadata
+
+    requires = importlib.metadata.requires("batchgen")
+    assert any(r.replace(" ", "").startswith("psutil>=") for r in requires), requires
+    import psutil
+
+    assert psutil.cpu_count() >= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ BATCHGEN = [sys.executable, "-m", "batchgen.entrypoints.cli"]
 
 def _env(tmp_path: Path) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", BATCHGEN_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("VIRTUAL_ENV", None)
+    for name in ("VIRTUAL_ENV", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        env.pop(name, None)
     return env
 
 
@@ -76,6 +78,14 @@ def test_run_examples_with_default_model(tmp_path):
         if limit is not None:
             assert usage["completion_tokens"] <= limit * req.get("n", 1)
     assert "49 ok, 0 failed" in proc.stderr
+    # The first run says why its text is gibberish, at start and in the summary.
+    assert proc.stderr.count("has random weights, so its text is gibberish") == 2
+    assert "batchgen run: note: the default model batchgen/default-mixtral-v1" in proc.stderr
+    assert "--model allenai/OLMoE-1B-7B-0924" in proc.stderr and "28 GB" in proc.stderr
+    # Threads chosen and logged; the wait policy was set before torch loaded OpenMP.
+    assert "CPU threads: " in proc.stderr
+    policy = re.search(r"OpenMP wait policy: (\S+)", proc.stderr).group(1)
+    assert policy in ("OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000")  # busy / idle machine
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +185,7 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
     assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
     lp = next(r for r in results if r["custom_id"] == "ok-2")["response"]["body"]["choices"][0]
     assert len(lp["logprobs"]["tokens"]) == 4
+    assert "random weights" not in proc.stderr  # said of the default model only
 
 
 def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):

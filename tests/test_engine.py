@@ -332,3 +332,107 @@ def test_greedy_tokens_do_not_depend_on_which_cpu_kernels_run(checkpoint_dir, mo
     assert tokens["0"] == tokens["1"]
     assert tokens["fused_moe"] == tokens["1"]
     assert tokens["paged_decode_attention"] == tokens["1"]
+
+
+def test_max_num_seqs_and_max_active_coroutines_are_one_limit():
+    from batchgen.config import EngineConfig
+
+    assert EngineConfig().max_running_seqs == 1024  # coalesce's default
+    assert EngineConfig(scheduler_policy="lockstep").max_running_seqs == 256  # vLLM's
+    for policy in ("coalesce", "lockstep"):
+        assert EngineConfig(scheduler_policy=policy, max_num_seqs=64).max_running_seqs == 64
+        cfg = EngineConfig(scheduler_policy=policy, max_active_coroutines=48)
+        assert cfg.max_running_seqs == 48
+    assert EngineConfig(max_num_seqs=64, max_active_coroutines=64).max_running_seqs == 64
+    with pytest.raises(ValueError, match="max_num_seqs=64 and max_active_coroutines=128 name"):
+        EngineConfig(max_num_seqs=64, max_active_coroutines=128)
+    with pytest.raises(ValueError, match="max_active_coroutines must be an integer >= 1"):
+        EngineConfig(max_active_coroutines=0)
+
+
+@pytest.mark.parametrize("policy", ["coalesce", "lockstep"])
+@pytest.mark.parametrize("knob", ["max_num_seqs", "max_active_coroutines"])
+def test_max_num_seqs_bounds_running_sequences_under_every_policy(checkpoint_dir, policy, knob):
+    llm = LLM(
+        str(checkpoint_dir("mixtral")),
+        device="cpu",
+        kv_cache_memory_gb=0.05,
+        scheduler_policy=policy,
+        **{knob: 3},
+    )
+    engine = llm.llm_engine
+    running: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        running.append(len(engine.scheduler.running))
+        return out
+
+    engine.scheduler.schedule = spy
+    outs = llm.generate(
+        ["one two three"] * 10, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert max(running) == 3  # reached, never exceeded (the step held 10 before the fix)
+    assert engine.config.max_running_seqs == 3
+
+
+def test_chat_returns_the_rendered_prompt(llm):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected  # was None
+    assert out.prompt.endswith("<|im_start|>assistant\n") and "Be brief." in out.prompt
+    assert tok.encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
+
+
+def test_request_metrics_follow_a_request_through_the_engine(checkpoint_dir):
+    import time
+
+    llm = LLM(str(checkpoint_dir("mixtral")), device="cpu", kv_cache_memory_gb=0.05, max_num_seqs=1)
+    t0 = time.time()
+    outs = llm.generate(
+        ["a b", "c d", "e f"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    t1 = time.time()
+    for out in outs:
+        m = out.metrics
+        assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+        assert m.first_token_time <= m.last_token_time <= m.finished_time <= t1
+        assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+    # One sequence at a time: each request is first scheduled after the previous one ended,
+    # so the later ones waited in the queue for at least the earlier ones' run time.
+    for before, after in zip(outs, outs[1:]):
+        assert after.metrics.first_scheduled_time >= before.metrics.finished_time
+        assert after.metrics.time_in_queue >= before.metrics.finished_time - (
+            before.metrics.first_scheduled_time
+        )
+    bad = llm.generate([[]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert bad.error is not None and bad.metrics is None  # never entered the engine
+
+
+def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog):
+    import torch
+    from transformers import AutoConfig
+
+    from batchgen.models.loader import resolve_dtype
+    from batchgen.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(checkpoint_dir("mixtral")))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
+        assert resolve_dtype("bfloat16", cpu, cfg) == torch.bfloat16  # honoured, with a word
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1
+        assert warned[0].startswith("dtype bfloat16 on CPU runs at about half the speed")
+        assert "float32-only" in warned[0]
+        caplog.clear()
+        assert resolve_dtype("float16", cpu, cfg) == torch.float16
+        assert len(caplog.records) == 1 and "dtype float16 on CPU" in caplog.text
+        caplog.clear()
+        assert resolve_dtype("auto", cpu, cfg) == torch.float32
+        assert resolve_dtype("float32", cpu, cfg) == torch.float32
+        assert resolve_dtype("bfloat16", cuda, cfg) == torch.bfloat16
+        assert not caplog.records

@@ -646,6 +646,21 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
         assert (name, ()) in samples, name
     assert 0.0 <= samples[("batchgen_kv_cache_usage_ratio", ())] <= 1.0
     assert 0.0 < samples[("batchgen_tile_density", ())] <= 1.0  # a Mixtral ran expert GEMMs
+    # Per-request latency histograms (vLLM's, batchgen_ for vllm:), from RequestMetrics.
+    batch = (("source", "batch"),)
+    finished = samples[("batchgen_e2e_request_latency_seconds_count", batch)]
+    assert finished >= samples[finished_ok] >= 2  # observed before the counter's snapshot
+    for name in (
+        "batchgen_request_queue_time_seconds",
+        "batchgen_time_to_first_token_seconds",
+        "batchgen_e2e_request_latency_seconds",
+    ):
+        assert samples[(name + "_count", batch)] == finished, name
+        assert samples[(name + "_bucket", (("le", "+Inf"), *batch))] == finished, name
+    e2e = samples[("batchgen_e2e_request_latency_seconds_sum", batch)]
+    ttft = samples[("batchgen_time_to_first_token_seconds_sum", batch)]
+    queue = samples[("batchgen_request_queue_time_seconds_sum", batch)]
+    assert 0 <= queue <= ttft < e2e < 600 * finished
 
 
 def _submit_cli(server, tmp_path, src):

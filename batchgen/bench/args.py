@@ -14,6 +14,7 @@ EXPERT_COALESCE_THRESHOLD = 2048
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print the machine-readable record")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")

@@ -116,6 +116,20 @@ def _workload_flops(cfg, workload: Workload) -> int:
     )
 
 
+def _progress(workload: Workload, mode: str, enabled: bool):
+    """A tqdm bar on stderr over the useful tokens of ``mode`` on ``workload``."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=workload.useful_tokens,
+        desc=f"{workload.name}/{mode}",
+        unit="tok",
+        disable=not enabled,
+        dynamic_ncols=True,
+        leave=True,
+    )
+
+
 PROFILE_TOP_OPS = 12
 PROFILE_EVERY_STEPS = 10  # profile one engine step in this many (tracing every op is slow)
 
@@ -165,6 +179,7 @@ def run_batchgen(
     threshold: int,
     profile: bool = False,
     kv_cache_gb: float = KV_CACHE_GB,
+    progress: bool = False,
 ) -> tuple[ModeResult, list[list[int]]]:
     from batchgen import LLM, SamplingParams
 
@@ -176,12 +191,12 @@ def run_batchgen(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_gb=kv_cache_gb,
         expert_coalesce_threshold=threshold,
-        max_active_coroutines=MAX_ACTIVE_COROUTINES,
         max_step_tokens=MAX_STEP_TOKENS,
         max_model_len=4096,
-        # lockstep may run as many sequences as its token budget can decode in one step
-        # (vLLM's default of 256 would leave half of each decode step empty here).
-        max_num_seqs=MAX_NUM_BATCHED_TOKENS,
+        # coalesce: MAX_ACTIVE_COROUTINES. lockstep may run as many sequences as its token
+        # budget can decode in one step (vLLM's default of 256 would leave half of each decode
+        # step empty here).
+        max_num_seqs=MAX_ACTIVE_COROUTINES if policy == "coalesce" else MAX_NUM_BATCHED_TOKENS,
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)
@@ -197,25 +212,33 @@ def run_batchgen(
         for i, r in enumerate(workload.requests)
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-    sampled = None
-    if profile:
-        engine = llm.llm_engine
-        sampled = _SampledProfile(engine.device)
-        step = engine.step
+    engine = llm.llm_engine
+    step = engine.step
+    sampled = _SampledProfile(engine.device) if profile else None
+    bar = _progress(workload, policy, progress)
+    # Every generated token is useful here (ignore_eos, exact max_tokens).
+    counted = [engine.stats.num_generated_tokens]
 
-        def profiled_step():
-            out = step()
+    def bench_step():
+        out = step()
+        if sampled is not None:
             sampled.prof.step()
-            return out
+        bar.update(engine.stats.num_generated_tokens - counted[0])
+        counted[0] = engine.stats.num_generated_tokens
+        return out
 
-        engine.step = profiled_step
+    engine.step = bench_step
+    if sampled is not None:
         sampled.prof.start()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        seconds = time.perf_counter() - t0
+        bar.close()
+        del engine.step
     if sampled is not None:
         sampled.prof.stop()
-        del llm.llm_engine.step
     produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
     if produced != workload.useful_tokens:
         raise RuntimeError(
@@ -265,11 +288,14 @@ def _hf_model(path: str, dtype: torch.dtype, device: str):
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def run_hf_generate(model, workload: Workload, batch_size: int = 64) -> ModeResult:
+def run_hf_generate(
+    model, workload: Workload, batch_size: int = 64, progress: bool = False
+) -> ModeResult:
     device = next(model.parameters()).device
     rows = [
         (r.prompt_token_ids, r.output_len, r.n > 1) for r in workload.requests for _ in range(r.n)
     ]
+    bar = _progress(workload, "hf_generate", progress)
     t0 = time.perf_counter()
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
@@ -290,18 +316,19 @@ def run_hf_generate(model, workload: Workload, batch_size: int = 64) -> ModeResu
                 pad_token_id=0,
                 eos_token_id=None,
             )
+        bar.update(sum(o for _, o, _ in batch))
     seconds = time.perf_counter() - t0
+    bar.close()
     useful = workload.useful_tokens
     return ModeResult(tokens_per_s=useful / seconds, seconds=seconds, useful_tokens=useful, mfu=0.0)
 
 
-def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
+def run_hf_generate_batch(model, workload: Workload, progress: bool = False) -> ModeResult:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     buckets: dict[int, list[list[int]]] = {}
     for r in workload.requests:
-        bucket = 1 << math.ceil(math.log2(r.output_len))
-        buckets.setdefault(bucket, []).extend([r.prompt_token_ids] * r.n)
+        buckets.setdefault(_bucket(r), []).extend([r.prompt_token_ids] * r.n)
     # No block sharing: with n = 16 copies of a prompt, prefix sharing made generate_batch
     # stall for minutes on CPU here.
     cb = ContinuousBatchingConfig(
@@ -310,6 +337,7 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
         page_size=64,
         allow_block_sharing=False,
     )
+    bar = _progress(workload, "hf_generate_batch", progress)
     t0 = time.perf_counter()
     for max_new, prompts in sorted(buckets.items()):
         gen = GenerationConfig(
@@ -326,7 +354,10 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
                     f"transformers generate_batch returned {len(out.generated_tokens)} of "
                     f"{max_new} tokens for a request: {getattr(out, 'error', None)}"
                 )
+        # Useful tokens of the bucket's requests (their own output lengths, not max_new).
+        bar.update(sum(r.output_len * r.n for r in workload.requests if _bucket(r) == max_new))
     seconds = time.perf_counter() - t0
+    bar.close()
     useful = workload.useful_tokens
     return ModeResult(
         tokens_per_s=useful / seconds,
@@ -335,6 +366,12 @@ def run_hf_generate_batch(model, workload: Workload) -> ModeResult:
         mfu=0.0,
         extra={"buckets": sorted(buckets)},
     )
+
+
+def _bucket(request) -> int:
+    """``generate_batch``'s ``max_new_tokens`` bucket of a request: its output length rounded
+    up to a power of two."""
+    return 1 << math.ceil(math.log2(request.output_len))
 
 
 # Sequences of each workload the `transformers` baselines run on (full, quick).
@@ -368,8 +405,10 @@ def run(
     profile: bool = False,
     arch: str = "mixtral",
     rollouts_requests: int | None = None,
+    progress: bool = False,
 ) -> dict:
-    """Run the benchmark; returns the ``--json`` record (see `format_table`)."""
+    """Run the benchmark; returns the ``--json`` record (see `format_table`). ``progress``:
+    a tqdm bar per mode on stderr, over the useful tokens."""
     from batchgen.engine.llm_engine import resolve_device
     from batchgen.models.loader import _DTYPES
 
@@ -435,6 +474,7 @@ def run(
                     profile,
                     kv_gb,
                     hf_model,
+                    progress,
                 )
             except Exception as exc:  # one failing mode must not lose the others' figures
                 logger.warning("%s/%s failed: %s", workload.name, mode, exc)
@@ -457,19 +497,33 @@ def run(
 
 
 def _run_mode(
-    mode, path, workload, cfg, flops, quick, dtype, device, threshold, profile, kv_gb, hf_model
+    mode,
+    path,
+    workload,
+    cfg,
+    flops,
+    quick,
+    dtype,
+    device,
+    threshold,
+    profile,
+    kv_gb,
+    hf_model,
+    progress=False,
 ) -> dict:
     """One mode on one workload: the `ModeResult` as a dict (MFU filled in later)."""
     if mode in ("lockstep", "coalesce"):
-        res, _ = run_batchgen(path, workload, mode, dtype, device, threshold, profile, kv_gb)
+        res, _ = run_batchgen(
+            path, workload, mode, dtype, device, threshold, profile, kv_gb, progress
+        )
         mode_flops = flops
     else:
         hf = hf_model()
         sample = _hf_sample(workload, quick, mode)
         res = (
-            run_hf_generate(hf, sample)
+            run_hf_generate(hf, sample, progress=progress)
             if mode == "hf_generate"
-            else run_hf_generate_batch(hf, sample)
+            else run_hf_generate_batch(hf, sample, progress=progress)
         )
         res.extra["sampled_requests"] = len(sample.requests)
         mode_flops = _workload_flops(cfg, sample)
@@ -522,10 +576,12 @@ def format_table(record: dict) -> str:
                 else "-"
             )
             dm = f"{r['decode_mfu']:.3f}" if r["decode_mfu"] is not None else "-"
+            label = mode + ("*" if _sampled(w, mode) else "")
             lines.append(
-                f"{name:<11} {mode:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
+                f"{name:<11} {label:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
                 f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
             )
+    lines += _legend(record)
     for name, w in record["workloads"].items():
         for mode in MODES:
             extra = w.get(mode, {}).get("extra", {})
@@ -551,6 +607,40 @@ def format_table(record: dict) -> str:
                     f"{op['calls']:>8}"
                 )
     return "\n".join(lines)
+
+
+def _sampled(workload: dict, mode: str) -> bool:
+    """Whether ``mode`` ran on fewer requests than ``workload`` (a record's entry) has."""
+    taken = workload.get(mode, {}).get("extra", {}).get("sampled_requests")
+    return taken is not None and taken < workload["requests"]
+
+
+def _legend(record: dict) -> list[str]:
+    """The table's column legend, and which rows ran on a sample of their workload."""
+    samples = [
+        f"{name}/{mode} {w[mode]['extra']['sampled_requests']} of {w['requests']} requests"
+        for name, w in record["workloads"].items()
+        for mode in MODES
+        if _sampled(w, mode)
+    ]
+    lines = [
+        "",
+        "tok/s      useful tokens per second (each sample's requested output tokens)",
+        "x hf_gen   tok/s over hf_generate's on the same workload (- without hf_generate)",
+        "tile dens  share of launched expert-GEMM tile rows (64) that carry a token: "
+        "sum(m_e) / sum(ceil(m_e/64)*64)",
+        "rows/GEMM  mean rows (token activations) per expert GEMM",
+        "MFU        model FLOPs of the useful work (a shared prompt counted once) per second, "
+        "over the measured matmul peak",
+        "dec MFU    the same over the decode-only steps",
+        "secs       the mode's wall time on its workload, or on its sample",
+    ]
+    if samples:
+        lines.append(
+            "*          ran on a sample, the workload's first requests, and reports that "
+            "sample's rate: " + ", ".join(samples)
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -596,6 +686,7 @@ def run_from_args(args) -> int:
         profile=args.profile,
         arch=args.arch,
         rollouts_requests=args.rollouts_requests,
+        progress=not args.no_progress,
     )
     print(json.dumps(record) if args.json else format_table(record))
     return 0

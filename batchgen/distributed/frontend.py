@@ -128,10 +128,13 @@ class DPEngineClient:
         processed: ProcessedPrompt,
         params: SamplingParams,
         data_parallel_rank: int | None = None,
+        *,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue an already validated prompt on the least-loaded rank, or on
         ``data_parallel_rank`` (vLLM's argument) when given; it is sent at the next `step` or
-        once `SEND_BATCH` requests wait for that rank.
+        once `SEND_BATCH` requests wait for that rank. ``arrival_time`` (``time.time()``, default
+        now) travels with it, so the rank's `RequestMetrics` count from the real arrival.
 
         Raises:
             ValueError: a duplicate ``request_id``, or a ``data_parallel_rank`` outside
@@ -158,7 +161,8 @@ class DPEngineClient:
         budget = params.max_tokens or (self.max_model_len - prompt_len)
         load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
         rank.load += load
-        rank.pending.append((request_id, processed, params))
+        arrival = time.time() if arrival_time is None else arrival_time
+        rank.pending.append((request_id, processed, params, arrival))
         self.requests[request_id] = (rank.rank, load)
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)

@@ -27,8 +27,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from batchgen.distributed.protocol import AUTHKEY_ENV
-from batchgen.distributed.worker import RankLaunch, rank_main
+# The secret shared by the frontend and its ranks (the connection's HMAC key).
+AUTHKEY_ENV = "BATCHGEN_DP_AUTHKEY"
 
 
 def rank_command(rank: int, local_rank: int, local_world_size: int, address: str, port: int):
@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from batchgen.engine.cpu_threads import set_openmp_wait_policy
+
+    set_openmp_wait_policy()  # before torch loads libgomp (the worker imports torch)
+    from batchgen.distributed.worker import RankLaunch, rank_main
+
     key = os.environ.get(AUTHKEY_ENV)
     if not key:
         print(

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.distributed.launch import AUTHKEY_ENV  # noqa: F401  (re-exported)
 from batchgen.engine.input_processor import ProcessedPrompt
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 HEARTBEAT_S = 1.0
-AUTHKEY_ENV = "BATCHGEN_DP_AUTHKEY"
 
 
 @dataclass
@@ -52,7 +52,9 @@ class Ready:
 
 @dataclass
 class AddRequests:
-    requests: list[tuple[str, ProcessedPrompt, SamplingParams]]
+    """``(request_id, prompt, params, arrival_time)`` each (``time.time()`` seconds)."""
+
+    requests: list[tuple[str, ProcessedPrompt, SamplingParams, float]]
 
 
 @dataclass

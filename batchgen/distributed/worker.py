@@ -60,13 +60,6 @@ class RankLaunch:
     torchrun: bool = False
 
 
-def cpu_threads_per_rank(local_world_size: int) -> int:
-    """The cores this process may use (its affinity mask) divided among the ranks of the
-    machine, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, local_world_size))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -171,7 +164,9 @@ class RankLoop:
         from batchgen.engine.llm_engine import LLMEngine, resolve_device
 
         self.rank, self.link = launch.rank, link
-        torch.set_num_threads(cpu_threads_per_rank(launch.local_world_size))
+        from batchgen.engine.cpu_threads import configure_cpu_threads
+
+        configure_cpu_threads(launch.local_world_size)  # the machine's CPUs split among ranks
         device = resolve_device(setup.engine.device)
         if device.type == "cuda":
             device = torch.device("cuda", launch.local_rank)
@@ -227,9 +222,11 @@ class RankLoop:
         engine = self.engine
         if isinstance(message, msg.AddRequests):
             failed = []
-            for request_id, processed, params in message.requests:
+            for request_id, processed, params, arrival_time in message.requests:
                 try:
-                    engine.add_processed_request(request_id, processed, params)
+                    engine.add_processed_request(
+                        request_id, processed, params, arrival_time=arrival_time
+                    )
                 except ValueError as exc:
                     failed.append(_failed_output(request_id, processed, str(exc)))
             if failed:

@@ -6,11 +6,11 @@ Policies (`EngineConfig.scheduler_policy`):
 
 - ``lockstep``: classic continuous batching. A step is one group of at most
   ``max_num_batched_tokens`` tokens that runs through every layer (the vLLM-style baseline).
-- ``coalesce``: a step holds up to ``max_step_tokens`` tokens of up to ``max_active_coroutines``
-  coroutines, cut into attention micro-batches (groups) of at most ``max_num_batched_tokens``
-  tokens each (this bounds attention's activation memory). Attention runs per group; the FFN
-  stage of a layer runs once for all groups waiting there, prefill chunks and decode tokens
-  alike, so each expert GEMM gets the rows of every group.
+- ``coalesce``: a step holds up to ``max_step_tokens`` tokens of up to ``max_num_seqs`` (alias
+  ``max_active_coroutines``) coroutines, cut into attention micro-batches (groups) of at most
+  ``max_num_batched_tokens`` tokens each (this bounds attention's activation memory). Attention
+  runs per group; the FFN stage of a layer runs once for all groups waiting there, prefill
+  chunks and decode tokens alike, so each expert GEMM gets the rows of every group.
 
 `ExpertBatchCoalescer` decides when an FFN stage may run: it holds the stage back while some
 group is still behind it (and can therefore reach it) and the tokens already waiting would give

@@ -192,7 +192,12 @@ class InputProcessor:
         return list(ids)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation with the generation prompt appended.
+        """Token ids of a conversation with the generation prompt appended (`render_chat`)."""
+        return self.render_chat(messages).prompt_token_ids
+
+    def render_chat(self, messages: list[dict]) -> ProcessedPrompt:
+        """A conversation as the model reads it: the chat template's text with the generation
+        prompt appended, and its token ids (vLLM returns that text as the chat's prompt).
 
         Raises ValueError when messages are malformed or the tokenizer has no chat template
         (that error has ``param`` ``"model"``: the messages are fine, the model cannot take them).
@@ -225,4 +230,4 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja2 TemplateError from `raise_exception`, and the like
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
-        return self._encode(text, add_special_tokens=False)
+        return ProcessedPrompt(text, self._encode(text, add_special_tokens=False))

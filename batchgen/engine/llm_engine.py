@@ -34,6 +34,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
+from batchgen.engine.cpu_threads import configure_cpu_threads
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
@@ -104,10 +105,15 @@ class LLMEngine:
 
         self.config = config
         if config.model is None:
-            from batchgen.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+            from batchgen.models.default_model import (
+                DEFAULT_MODEL_NAME,
+                RANDOM_WEIGHTS_NOTE,
+                default_model_path,
+            )
 
             config.model = default_model_path()
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
+            logger.warning(RANDOM_WEIGHTS_NOTE)
         else:
             self.model_name = served_model_name(config.model)
         self.model_name = config.served_model_name or self.model_name
@@ -117,6 +123,7 @@ class LLMEngine:
         self.device = rank.device if rank is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
         if self.device.type == "cpu":
+            configure_cpu_threads()
             tune_glibc_malloc()
             kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
@@ -226,14 +233,14 @@ class LLMEngine:
     def _activation_reserve_bytes(self, cfg: ModelConfig) -> int:
         """Device memory kept free for one step's activations (bytes): a float32 upper estimate
         per batched token (residual, QKV, attention output, MLP/expert intermediates for every
-        selected expert) plus the sampler's copies of ``max_num_seqs`` rows of logits, plus
+        selected expert) plus the sampler's copies of ``max_running_seqs`` rows of logits, plus
         1 GiB of slack for the allocator and kernels' workspaces. An estimate, not a profile."""
         c = self.config
         experts = max(cfg.num_experts_per_tok, 1)
         per_token = 4 * (
             16 * cfg.hidden_size + experts * (4 * cfg.intermediate_size + 2 * cfg.hidden_size)
         )
-        logits = 4 * 4 * min(c.max_num_seqs, c.max_num_batched_tokens) * cfg.vocab_size
+        logits = 4 * 4 * min(c.max_running_seqs, c.max_num_batched_tokens) * cfg.vocab_size
         return c.max_num_batched_tokens * per_token + logits + _GiB
 
     # ---- requests ---------------------------------------------------------------------
@@ -272,11 +279,19 @@ class LLMEngine:
         self.add_processed_request(request_id, processed, params)
 
     def add_processed_request(
-        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request whose prompt `InputProcessor.process` has already validated (the
         data-parallel ranks get requests this way from the frontend).
 
+        Args:
+            arrival_time: when the request arrived (``time.time()`` seconds), for
+                `RequestMetrics`; default now.
         Raises:
             ValueError: duplicate ``request_id``.
         """
@@ -284,6 +299,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = processed.prompt, processed.prompt_token_ids
         request = Request(request_id, text, ids, params, self._arrivals)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         self._arrivals += 1
         for i in range(params.n):
             seq = SequenceCoroutine(self._next_seq_id, request, i)
@@ -366,6 +383,7 @@ class LLMEngine:
         self._step_started = time.perf_counter()
         self._stage_before = dict(self.metrics.stage_seconds)
         sched = self.scheduler.schedule()
+        _note_first_scheduled(sched.scheduled)
         self.metrics.stage_seconds["scheduling"] += time.perf_counter() - self._step_started
         return sched
 
@@ -555,6 +573,10 @@ class LLMEngine:
         token = out.sampled_token_ids[row]
         p = seq.params
         seq.output_token_ids.append(token)
+        metrics = seq.request.metrics
+        metrics.last_token_time = time.time()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.last_token_time
         self.stats.num_generated_tokens += 1
         seq.cumulative_logprob += out.sampled_logprobs[row]
         top = out.top_logprobs[row]
@@ -599,8 +621,15 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
+        metrics = request.metrics
+        metrics.finished_time = time.time()
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, finished=True
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished=True,
+            metrics=metrics,
         )
 
 
@@ -608,3 +637,15 @@ def _describe(exc: Exception) -> str:
     """``"TypeName: message"``, the message cut to 200 characters."""
     text = str(exc)
     return f"{type(exc).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
+
+
+def _note_first_scheduled(scheduled: list[ScheduledSeq]) -> None:
+    """Stamp `RequestMetrics.first_scheduled_time` (and ``time_in_queue``) of the requests
+    that a step computes for the first time."""
+    now = None
+    for entry in scheduled:
+        metrics = entry.seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            now = now or time.time()
+            metrics.first_scheduled_time = now
+            metrics.time_in_queue = now - metrics.arrival_time

@@ -11,8 +11,11 @@ catching up with ``num_tokens``; a sequence is in prefill while the gap exceeds 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from batchgen.outputs import RequestMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +139,8 @@ class SequenceCoroutine:
 
 @dataclass(eq=False)
 class Request:
-    """A user request: one prompt, one `SamplingParams`, ``params.n`` sequences."""
+    """A user request: one prompt, one `SamplingParams`, ``params.n`` sequences, and its
+    timestamps (`RequestMetrics`, filled in by the engine)."""
 
     request_id: str
     prompt: str | None
@@ -144,6 +148,7 @@ class Request:
     params: SamplingParams
     arrival_index: int
     seqs: list[SequenceCoroutine] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
     @property
     def is_finished(self) -> bool:

@@ -7,9 +7,11 @@ Engine flags (``--max-num-seqs``, ``--dtype``...) are generated from `EngineConf
 and their ``metadata["help"]``, so they follow the config without edits here.
 
 User errors (missing input file, invalid setting, unknown architecture) print one line
-``batchgen <command>: error: ...`` to stderr and exit with code 2, without a traceback.
-Heavy modules (torch, the engine) are imported only by the subcommand that needs them, so
-``batchgen --help`` is instant.
+``batchgen <command>: error: ...`` to stderr and exit with code 2, without a traceback; a flag
+the subcommand does not know prints that subcommand's usage first, as argparse does for its own
+errors. Heavy modules (torch, the engine) are imported only by the subcommand that needs them,
+so ``batchgen --help`` is instant; before one is, the OpenMP wait policy is set
+(`batchgen.engine.cpu_threads`), which OpenMP reads only once, when torch loads it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen import __version__
 from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOTE
 
 PROG = "batchgen"
 
@@ -44,12 +48,14 @@ class Subcommand:
         add_arguments: adds the subcommand's flags to its parser.
         run: runs it with the parsed arguments; returns the exit code. Raises `CliError` for
             user errors.
+        uses_torch: runs torch (the OpenMP settings are made before it loads).
     """
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    uses_torch: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +126,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-in-flight",
         type=int,
-        default=1024,
+        default=None,
         metavar="N",
-        help="most requests in the engine at once (default: 1024)",
+        help="most requests in the engine at once (default: the engine's running-sequence "
+        "limit, --max-num-seqs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_arguments(parser)
@@ -134,8 +141,13 @@ def _check_run_paths(args: argparse.Namespace) -> None:
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
         raise CliError(f"output directory {str(out_dir)!r} does not exist")
-    if args.max_in_flight < 1:
+    if args.max_in_flight is not None and args.max_in_flight < 1:
         raise CliError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+
+
+def _max_running_seqs(engine) -> int:
+    """The engine's limit on sequences running at once (`EngineConfig.max_running_seqs`)."""
+    return int(getattr(getattr(engine, "config", None), "max_running_seqs", 1024))
 
 
 def _start_engine(kwargs: dict):
@@ -163,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
             args.input,
             args.output,
             resume=args.resume,
-            max_in_flight=args.max_in_flight,
+            max_in_flight=args.max_in_flight or _max_running_seqs(engine),
             progress=not args.no_progress,
         )
     except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
@@ -178,6 +190,8 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         _shutdown(engine)
     print(f"{PROG} run: {summary.describe()}; results in {args.output}", file=sys.stderr)
+    if getattr(engine, "model_name", None) == f"batchgen/{DEFAULT_MODEL_NAME}":
+        print(f"{PROG} run: note: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
     return 0
 
 
@@ -264,6 +278,13 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory or hub id, as in `vllm serve MODEL` (the same as --model)",
+    )
+    parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine)"
     )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
@@ -288,12 +309,21 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="most requests in the engine at once, shared by all batches (default: --max-num-seqs)",
+        help="most requests in the engine at once, shared by all batches (default: the "
+        "engine's running-sequence limit, --max-num-seqs: 1024 with the coalesce policy, 256 "
+        "with lockstep)",
     )
     add_engine_arguments(parser)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if getattr(args, "model", args.model_tag) != args.model_tag:
+            raise CliError(
+                f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; "
+                "give one"
+            )
+        args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
     if not args.max_upload_mb > 0:
@@ -428,6 +458,7 @@ SUBCOMMANDS: list[Subcommand] = [
         "submit a batch file to a `batchgen serve` server and download its results",
         _add_submit_arguments,
         _submit,
+        uses_torch=False,
     ),
     Subcommand(
         "bench",
@@ -449,11 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Throughput-first batch inference for Mixture-of-Experts LLMs."
     )
+    parser.add_argument("--version", action="version", version=__version__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in SUBCOMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(sub)
-        sub.set_defaults(_subcommand=command)
+        sub.set_defaults(_subcommand=command, _parser=sub)
     return parser
 
 
@@ -463,8 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     0: done (individual requests may still have failed: see the output file and summary);
     2: usage or user error; 130: interrupted (rerun with ``--resume`` to continue).
     """
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
     command: Subcommand = args._subcommand
+    if unknown:  # argparse would report them with the top-level usage, not the subcommand's
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     # Start-up facts (model, device, KV cache blocks/tokens) go to stderr beside the progress bar.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
@@ -473,6 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = logging.getLogger("batchgen")
     root.addHandler(handler)
     root.setLevel(os.environ.get("BATCHGEN_LOG_LEVEL", "INFO").upper())
+    if command.uses_torch:
+        from batchgen.engine.cpu_threads import set_openmp_wait_policy
+
+        set_openmp_wait_policy()
     try:
         return command.run(args)
     except CliError as err:

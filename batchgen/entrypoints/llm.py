@@ -104,8 +104,9 @@ class LLM:
         """Generate replies to one conversation or a list of conversations, applying the
         tokenizer's chat template with the generation prompt.
 
-        A conversation that cannot run gets ``error`` set, as in `generate`; the warning names
-        its index in the list of conversations.
+        Each `RequestOutput.prompt` is the rendered conversation (the template's text, as
+        vLLM returns it). A conversation that cannot run gets ``error`` set, as in `generate`;
+        the warning names its index in the list of conversations.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         engine = self.llm_engine
@@ -116,7 +117,10 @@ class LLM:
                 # Same normalisation as the batch/HTTP path: text content parts are joined,
                 # role "developer" becomes "system".
                 conv = parse_messages(conv)
-                prompts.append({"prompt_token_ids": engine.apply_chat_template(conv)})
+                rendered = engine.input_processor.render_chat(conv)
+                prompts.append(
+                    {"prompt_token_ids": rendered.prompt_token_ids, "prompt": rendered.prompt}
+                )
             except ValueError as exc:
                 errors[i] = str(exc)
                 prompts.append({"prompt_token_ids": []})

@@ -14,6 +14,14 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "default-mixtral-v1"
+# What `batchgen run` / `serve` / `LLM()` say when they run it: at start and in the run summary.
+RANDOM_WEIGHTS_NOTE = (
+    f"the default model batchgen/{DEFAULT_MODEL_NAME} has random weights, so its text is "
+    "gibberish (every code path is real). For real text, point --model (LLM(model=...)) at a "
+    "Hugging Face checkpoint directory or hub id, e.g. --model allenai/OLMoE-1B-7B-0924 "
+    "(an MoE of 6.9B parameters: about 28 GB of memory in float32 on CPU, 14 GB in "
+    "bfloat16; Mixtral-8x7B needs about 187 GB / 94 GB)"
+)
 
 
 def cache_dir() -> Path:

@@ -59,6 +59,7 @@ from batchgen.entrypoints.openai_protocol import (
 )
 from batchgen.outputs import RequestOutput
 from batchgen.service import store as st
+from batchgen.service.latency import LatencyHistograms
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class EngineLoop:
         self._tile_density: float | None = None
         self._metrics_at = 0.0
         self.stats = LoopStats()
+        self.latency = LatencyHistograms()  # observed here, read by /metrics
         self.fatal_error: str | None = None
 
     # ---- API for other threads ----------------------------------------------------------
@@ -505,11 +507,13 @@ class EngineLoop:
     def _on_output(self, output: RequestOutput) -> None:
         online = self._online.pop(output.request_id, None)
         if online is not None:
+            self.latency.observe(output, "online")
             self._finish_online(online, output)
             return
         req = self._batch_in_flight.pop(output.request_id, None)
         if req is None:
             return  # aborted batch request that finished in the same step
+        self.latency.observe(output, "batch")
         cursor = self._batches.get(req.batch_id)
         if cursor is not None:
             cursor.in_flight -= 1

@@ -23,6 +23,9 @@ tile_density                          gauge  expert-GEMM tile density (DESIGN.md
                                              NaN while the engine does not report it
 engine_up                             gauge  1 while the engine thread runs
 ====================================  =====  ===================================================
+
+Plus the request-latency histograms of `batchgen.service.latency` (queue time, time to first
+token, end to end; vLLM's names with ``batchgen_`` for ``vllm:``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from batchgen.service import store as st
 from batchgen.service.engine_loop import LoopStats
+from batchgen.service.latency import LatencyHistograms
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _STATUSES = (
@@ -57,6 +61,7 @@ class ServiceCollector(Collector):
         stats: returns the current `LoopStats`.
         batch_counts: returns ``{status: number of batches}``.
         engine_up: returns whether the engine thread is alive.
+        latency: the engine loop's request-latency histograms, if any.
     """
 
     def __init__(
@@ -64,10 +69,12 @@ class ServiceCollector(Collector):
         stats: Callable[[], LoopStats],
         batch_counts: Callable[[], dict[str, int]],
         engine_up: Callable[[], bool],
+        latency: LatencyHistograms | None = None,
     ) -> None:
         self._stats = stats
         self._batch_counts = batch_counts
         self._engine_up = engine_up
+        self._latency = latency
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -128,6 +135,8 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily(
             "batchgen_engine_up", "1 while the engine thread runs", value=int(self._engine_up())
         )
+        if self._latency is not None:
+            yield from self._latency.collect()
 
 
 def make_registry(collector: ServiceCollector) -> CollectorRegistry:

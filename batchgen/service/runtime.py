@@ -29,8 +29,9 @@ class ServiceConfig:
         api_key: required as ``Authorization: Bearer <key>`` on ``/v1`` routes; None: open.
         max_upload_bytes: largest request body accepted (file uploads, JSON bodies), bytes.
         max_in_flight: most requests in the engine at once; None: the engine's
-            running-sequence limit (``EngineConfig.max_running_seqs``: ``max_active_coroutines``,
-            or ``max_num_seqs`` with lockstep), so that admitted requests run at once and the
+            running-sequence limit (``EngineConfig.max_running_seqs``: ``max_num_seqs``, alias
+            ``max_active_coroutines``; 1024 with coalesce, 256 with lockstep by default), so
+            that admitted requests run at once and the
             engine keeps no long queue of its own in front of a newly arrived batch.
     """
 
@@ -98,6 +99,7 @@ class Service:
                 lambda: self.loop.stats,
                 self.store.count_batches_by_status,
                 lambda: self.loop.is_alive,
+                self.loop.latency,
             )
         )
 

@@ -1,0 +1,163 @@
+"""CPU threads: how many torch and the OpenMP kernels use, and what their idle threads do.
+
+Two settings, made once per process:
+
+- **How many.** ``cpus // num_local_processes`` threads (at least 1), where ``cpus`` is the
+  number of CPUs this process may run on: its affinity mask (``os.sched_getaffinity``: taskset,
+  cpusets, container CPU pinning), capped by a cgroup v2 CPU quota (``cpu.max``) when one is
+  set. A data-parallel launcher that starts N rank processes on one machine passes N, so the
+  ranks do not fight over cores. ``OMP_NUM_THREADS`` set by the user wins.
+- **What idle threads do.** GNU OpenMP (the ``libgomp`` that torch's CPU wheels and our C++
+  kernels use) lets a thread that reaches a barrier spin for about 300,000 iterations (tens of
+  milliseconds) before it sleeps. On idle cores that saves a wake-up; beside another busy
+  process it burns the time slices the straggling thread needs, and a step can take tens of
+  times longer. `set_openmp_wait_policy` bounds the spin: on a machine already busy when
+  BatchGen starts (1-minute load average of 1 or more) threads sleep at once
+  (``OMP_WAIT_POLICY=PASSIVE``, the largest gain there); on an idle one they spin at most
+  10,000 iterations (``GOMP_SPINCOUNT``: under a millisecond, which keeps the idle speed and
+  limits the loss if load arrives later). Measured with `benchmarks/cpu_threads.py`. The
+  user's choice wins: nothing is set when ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or
+  ``KMP_BLOCKTIME`` (Intel's OpenMP) is set. libgomp reads these variables once, when it is
+  loaded with torch, so the command line sets them before it imports torch; in a process that
+  has imported torch already they only reach child processes.
+
+`configure_cpu_threads` logs the choice at engine start and warns once when the load average
+already exceeds the CPUs (other processes compete for the cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Variables that decide how long an idle OpenMP thread spins; any one set means the user chose.
+WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+BUSY_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}  # another process is already running
+IDLE_WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
+BUSY_LOAD = 1.0  # a 1-minute load average from this on means "busy" at start
+
+_configured: int | None = None  # threads chosen by `configure_cpu_threads` in this process
+_warned_oversubscribed = False
+
+
+def available_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use: the size of its affinity mask, capped by the cgroup v2 CPU
+    quota (``cpu.max``: ``quota period`` in microseconds, or ``max`` for none), rounded up."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = (Path(cgroup_root) / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def set_openmp_wait_policy(environ: dict | None = None, load: float | None = None) -> dict:
+    """Bound how long idle OpenMP threads spin: `BUSY_WAIT_POLICY` (sleep at once) when the
+    machine is busy, else `IDLE_WAIT_POLICY` (a short spin); nothing when one of
+    `WAIT_POLICY_VARS` is set already (the user's choice wins).
+
+    Takes effect only in a process that has not loaded torch yet (and in its children).
+
+    Args:
+        environ: the environment to change (default ``os.environ``).
+        load: the 1-minute load average (default ``os.getloadavg()[0]``); `BUSY_LOAD` or more
+            is busy: another process already competes for the cores.
+    Returns:
+        The variables set (empty when the user had chosen).
+    """
+    env = os.environ if environ is None else environ
+    if any(name in env for name in WAIT_POLICY_VARS):
+        return {}
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    policy = BUSY_WAIT_POLICY if load >= BUSY_LOAD else IDLE_WAIT_POLICY
+    env.update(policy)
+    return dict(policy)
+
+
+def configure_cpu_threads(num_local_processes: int | None = None) -> int:
+    """Set torch's intra-op threads for this process; returns their number.
+
+    Args:
+        num_local_processes: processes of this job sharing the machine's CPUs (a data-parallel
+            launcher passes its ranks per machine); each gets ``available_cpus() // N``
+            threads, at least 1. None keeps an earlier call's choice, else means 1.
+    Raises:
+        ValueError: ``num_local_processes`` < 1.
+
+    ``OMP_NUM_THREADS`` set by the user wins over the computed number. The first call logs
+    the number and the wait policy in force; it also warns, once per process, when the
+    1-minute load average is already at or above the CPUs.
+    """
+    global _configured
+    if num_local_processes is None:
+        if _configured is not None:
+            return _configured
+        num_local_processes = 1
+    if num_local_processes < 1:
+        raise ValueError(f"num_local_processes must be >= 1, got {num_local_processes}")
+    import torch
+
+    cpus = available_cpus()
+    user_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if user_threads.isdigit() and int(user_threads) > 0:
+        threads = int(user_threads)
+        source = "OMP_NUM_THREADS"
+    else:
+        threads = max(1, cpus // num_local_processes)
+        source = f"{cpus} CPUs available / {num_local_processes} local process(es)"
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    first = _configured is None
+    _configured = threads
+    if first:
+        policy = ", ".join(f"{k}={os.environ[k]}" for k in WAIT_POLICY_VARS if k in os.environ)
+        logger.info(
+            "CPU threads: %d (%s); OpenMP wait policy: %s",
+            threads,
+            source,
+            policy or "libgomp's default (spin, then sleep)",
+        )
+        warn_if_oversubscribed(cpus)
+    return threads
+
+
+def warn_if_oversubscribed(cpus: int | None = None, load: float | None = None) -> bool:
+    """Warn (once per process) when the 1-minute load average is at or above ``cpus``: other
+    processes then compete with every step for the cores. Returns whether it warned now.
+
+    Args:
+        cpus: CPUs of this process (default `available_cpus`).
+        load: the load average to judge (default ``os.getloadavg()[0]``).
+    """
+    global _warned_oversubscribed
+    if _warned_oversubscribed:
+        return False
+    cpus = cpus or available_cpus()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return False
+    if load < cpus:
+        return False
+    _warned_oversubscribed = True
+    logger.warning(
+        "the machine is busy: load average %.1f over the last minute on %d CPU(s); other "
+        "processes compete with BatchGen for the cores, so steps will be slower. Set "
+        "OMP_NUM_THREADS to the cores that are actually free",
+        load,
+        cpus,
+    )
+    return True

@@ -1,0 +1,121 @@
+"""The ``batchgen`` command line's vLLM habits, in process with fake engines (no model):
+``serve MODEL``, ``--version``, ``python -m batchgen``, subcommand usage on errors, and the
+defaults that follow the engine's running-sequence limit."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from test_batch_runner import FakeEngine, completion_line, write_lines
+
+import batchgen
+from batchgen.config import EngineConfig
+from batchgen.entrypoints import cli
+
+
+@pytest.fixture
+def serve_calls(monkeypatch):
+    """``batchgen serve`` without a model or a server: records the engine kwargs and config."""
+    calls: dict = {}
+
+    def fake_start(kwargs):
+        calls["engine"] = kwargs
+        return SimpleNamespace(config=EngineConfig(**kwargs))
+
+    def fake_run_server(engine, config, host, port):
+        calls["service"] = config
+
+    import batchgen.service.server as server
+
+    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(server, "run_server", fake_run_server)
+    return calls
+
+
+def test_serve_takes_the_model_as_a_positional_argument(serve_calls, tmp_path):
+    state = ["--state-dir", str(tmp_path / "state")]
+    assert cli.main(["serve", "/models/mixtral", *state]) == 0
+    assert serve_calls["engine"] == {"model": "/models/mixtral"}
+    assert cli.main(["serve", "--model", "/models/m2", *state]) == 0  # --model still works
+    assert serve_calls["engine"] == {"model": "/models/m2"}
+    assert cli.main(["serve", "/models/m3", "--model", "/models/m3", *state]) == 0
+    assert serve_calls["engine"] == {"model": "/models/m3"}
+
+
+def test_serve_refuses_two_different_models(serve_calls, tmp_path, capsys):
+    argv = ["serve", "/models/a", "--model", "/models/b", "--state-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchgen serve: error: the model is given twice")
+    assert "'/models/a'" in err and "'/models/b'" in err and "engine" not in serve_calls
+
+
+def test_version_flag_and_python_dash_m():
+    version = importlib.metadata.version("batchgen")
+    assert batchgen.__version__ == version  # one version, in pyproject.toml and the package
+    for argv in ([sys.executable, "-m", "batchgen", "--version"],):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout.strip()) == (0, version)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "usage: batchgen" in proc.stdout
+    assert all(name in proc.stdout for name in ("run", "serve", "submit", "bench"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["run", "-i", "a", "-o", "b", "--bogus"], "usage: batchgen run "),
+        (["serve", "m", "extra-word"], "usage: batchgen serve "),
+        (["submit", "-i", "a", "-o", "b", "--max-num-seqs", "4"], "usage: batchgen submit "),
+        (["run", "-i", "a"], "usage: batchgen run "),  # argparse's own errors did this already
+    ],
+)
+def test_a_subcommand_error_prints_that_subcommands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert f"batchgen {argv[0]}: error: " in err
+
+
+def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the engine's running-sequence limit, --max-num-seqs: 1024 with the " in text
+    assert "coalesce policy, 256 with lockstep)" in text
+    from batchgen.service.runtime import _running_seqs
+
+    # The service's default: what the help says, under both policies and both knob names.
+    assert _running_seqs(EngineConfig()) == 1024
+    assert _running_seqs(EngineConfig(scheduler_policy="lockstep")) == 256
+    assert _running_seqs(EngineConfig(max_num_seqs=7)) == 7
+    assert _running_seqs(EngineConfig(max_active_coroutines=9)) == 9
+    cli.main(["serve", "m", "--max-num-seqs", "5", "--state-dir", str(tmp_path)])
+    assert serve_calls["service"].max_in_flight is None  # resolved by the service
+
+
+def test_run_keeps_at_most_max_num_seqs_requests_in_flight(tmp_path, monkeypatch):
+    src = write_lines(tmp_path / "in.jsonl", [completion_line(f"r{i}") for i in range(20)])
+    engine = FakeEngine(per_step=1, limit=3)
+    engine.config = EngineConfig(max_num_seqs=3)
+
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: engine)
+    argv = ["run", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
+    assert cli.main([*argv, "--max-num-seqs", "3"]) == 0
+    assert engine.max_unfinished == 3  # the engine's limit, not a fixed 1024
+
+
+def test_the_cli_module_does_not_load_torch():
+    """The OpenMP wait policy must be set before torch loads libgomp: the CLI imports torch
+    only in the subcommands, after `set_openmp_wait_policy`."""
+    code = "import sys, batchgen.entrypoints.cli; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr

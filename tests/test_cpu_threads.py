@@ -1,0 +1,88 @@
+"""`batchgen.engine.cpu_threads`: threads from the affinity mask and cgroup quota, the OpenMP
+wait policy (never over the user's choice), the once-only oversubscription warning."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from batchgen.engine import cpu_threads as ct
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Module state and torch's thread count restored after the test; no user variables."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(ct, "_configured", None)
+    monkeypatch.setattr(ct, "_warned_oversubscribed", False)
+    for name in ("OMP_NUM_THREADS", *ct.WAIT_POLICY_VARS):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_available_cpus_is_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path):
+    mask = len(os.sched_getaffinity(0))
+    assert ct.available_cpus(tmp_path) == mask  # no cpu.max: the mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert ct.available_cpus(tmp_path) == mask
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: one thread
+    assert ct.available_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("6400000 100000\n")  # 64 CPUs of quota: the mask rules
+    assert ct.available_cpus(tmp_path) == mask
+
+
+def test_wait_policy_follows_the_load_and_never_overrides_the_user():
+    env: dict = {}
+    assert ct.set_openmp_wait_policy(env, load=0.3) == {"GOMP_SPINCOUNT": "10000"}  # idle
+    assert env == {"GOMP_SPINCOUNT": "10000"}
+    for load in (1.0, 3.5):  # another process is running: sleep at once
+        env = {}
+        assert ct.set_openmp_wait_policy(env, load=load) == {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for name, value in (
+        ("OMP_WAIT_POLICY", "ACTIVE"),
+        ("GOMP_SPINCOUNT", "300000"),
+        ("KMP_BLOCKTIME", "200"),
+    ):
+        env = {name: value}
+        assert ct.set_openmp_wait_policy(env, load=5.0) == {} and env == {name: value}
+
+
+def test_threads_are_the_cpus_divided_among_local_processes(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(ct, "available_cpus", lambda: 8)
+    with caplog.at_level(logging.INFO, logger="batchgen.engine.cpu_threads"):
+        assert ct.configure_cpu_threads(4) == 2
+    assert torch.get_num_threads() == 2
+    assert "CPU threads: 2 (8 CPUs available / 4 local process(es))" in caplog.text
+    assert ct.configure_cpu_threads() == 2  # the engine's call keeps a launcher's choice
+    assert ct.configure_cpu_threads(1) == 8 and torch.get_num_threads() == 8
+    assert ct.configure_cpu_threads(16) == 1  # never 0
+    with pytest.raises(ValueError, match="num_local_processes must be >= 1, got 0"):
+        ct.configure_cpu_threads(0)
+
+
+def test_omp_num_threads_from_the_user_wins(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(ct, "available_cpus", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    with caplog.at_level(logging.INFO, logger="batchgen.engine.cpu_threads"):
+        assert ct.configure_cpu_threads(2) == 3
+    assert torch.get_num_threads() == 3
+    assert "CPU threads: 3 (OMP_NUM_THREADS); OpenMP wait policy: GOMP_SPINCOUNT=1000" in (
+        caplog.text
+    )
+
+
+def test_oversubscription_is_warned_once(fresh, caplog):
+    with caplog.at_level(logging.WARNING, logger="batchgen.engine.cpu_threads"):
+        assert not ct.warn_if_oversubscribed(cpus=2, load=1.5)
+        assert ct.warn_if_oversubscribed(cpus=2, load=3.2)
+        assert not ct.warn_if_oversubscribed(cpus=2, load=9.0)  # once per process
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "load average 3.2 over the last minute on 2 CPU(s)" in warnings[0]
+    assert "OMP_NUM_THREADS" in warnings[0]
