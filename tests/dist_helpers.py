@@ -33,7 +33,7 @@ def _entry(target, rank, world_size, port, results, args):
             dist.destroy_process_group()
 
 
-def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:
+def run_ranks(target, world_size: int, *args, timeout: float = 240.0) -> list:
     """``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the results in
     rank order. Raises AssertionError with the failing rank's traceback, or on timeout."""
     ctx = mp.get_context("spawn")

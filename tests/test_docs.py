@@ -46,4 +46,5 @@ def test_the_readme_points_at_the_architecture_in_the_repository():
     arch = (REPO / "docs/architecture.md").read_text(encoding="utf-8")
     for topic in ("Sequence coroutines", "The executor", "The engine step", "The service"):
         assert f"\n## {topic}" in arch
-    assert "## Not built yet" in arch and "Phase-specific parallelism" in arch
+    assert "## Not built yet" in arch and "phase-specific parallelism" in arch
+    assert "(docs/distributed.md)" in readme and "(distributed.md)" in arch
