@@ -224,11 +224,15 @@ class ParallelConfig:
 
     data_parallel_size: int = field(
         default=1,
-        metadata=_help(
-            "ranks (processes), each running attention on its own requests with its own KV "
-            "cache (vLLM's flag); with --enable-expert-parallel all of them form one "
-            "expert-parallel group, as in vLLM"
-        ),
+        metadata={
+            **_help(
+                "ranks (processes), each running attention on its own requests with its own KV "
+                "cache (vLLM's flag; engine settings such as the KV cache budget and "
+                "--max-num-seqs apply to each rank); with --enable-expert-parallel all of them "
+                "form one expert-parallel group, as in vLLM"
+            ),
+            "short": "-dp",
+        },
     )
     enable_expert_parallel: bool = field(
         default=False,
@@ -360,6 +364,32 @@ class ParallelConfig:
                 "hold, so it needs expert parallelism (--enable-expert-parallel or "
                 "expert_parallel_size > 1)"
             )
+
+    def ineffective_settings(self) -> list[str]:
+        """Settings given (not left at their defaults) that have no effect in this combination,
+        each as a sentence naming it; the engine warns about them at start."""
+        default = ParallelConfig()
+        one_rank = not self.is_distributed
+        out = []
+        if one_rank and self.enable_expert_parallel:
+            out.append("enable_expert_parallel has no effect with one rank (data_parallel_size=1)")
+        if one_rank and self.decode_strategy is not None:
+            out.append(f"decode_strategy={self.decode_strategy!r} has no effect with one rank")
+        if self.prefill_strategy != "data_parallel_offload":
+            for name in ("prefill_stream_min_tokens", "stream_buffer_layers"):
+                if getattr(self, name) != getattr(default, name):
+                    out.append(
+                        f"{name} has no effect without prefill_strategy='data_parallel_offload'"
+                    )
+        if one_rank:
+            for name in (
+                "distributed_timeout_s",
+                "data_parallel_address",
+                "data_parallel_rpc_port",
+            ):
+                if getattr(self, name) != getattr(default, name):
+                    out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
+        return out
 
     @property
     def resolved_expert_parallel_size(self) -> int:

@@ -139,6 +139,8 @@ def test_every_architecture_on_two_ranks(checkpoint_dir, reference, arch, kwargs
     finally:
         llm.shutdown()
     assert got == want
+    with pytest.raises(RuntimeError, match="this engine was shut down"):
+        llm.generate(["after shutdown"], use_tqdm=False)
     sharded = kwargs.get("enable_expert_parallel") and single["routed_expert_bytes"] > 0
     for r in ranks:
         if sharded:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,117 @@ def test_cli_help_maps_vllm_flags():
     r = subprocess.run([str(BIN / "batchgen"), "run", "--help"], capture_output=True, text=True)
     assert "--data-parallel-size" in r.stdout and "--enable-expert-parallel" in r.stdout
     assert "one expert-parallel group of N ranks here too" in " ".join(r.stdout.split())
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_with_another_key_is_told_which_variable_to_set(tmp_path):
+    from multiprocessing.connection import Listener
+
+    with Listener(("127.0.0.1", 0), authkey=b"the-frontends-key") as listener:
+        port = listener.address[1]
+        import threading
+
+        def refuse():
+            try:
+                listener.accept()
+            except Exception:
+                pass
+
+        threading.Thread(target=refuse, daemon=True).start()
+        env = dict(os.environ, BATCHGEN_DP_AUTHKEY="another-key")
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchgen.distributed.launch",
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(port),
+                "--rank",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=100,
+        )
+    assert r.returncode == 2
+    assert "refused rank 0's key: set $BATCHGEN_DP_AUTHKEY" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_starter_died_stops_waiting(tmp_path):
+    """A rank started by a frontend that exited before listening gives up at once instead of
+    waiting CONNECT_TIMEOUT_S for it."""
+    env = dict(os.environ, BATCHGEN_DP_AUTHKEY="k")
+    t0 = time.monotonic()
+    # Run the rank as a child of a shell that exits right away: its parent pid changes.
+    script = (
+        f"{sys.executable} -m batchgen.distributed.launch --data-parallel-address 127.0.0.1 "
+        f"--data-parallel-rpc-port {free_port()} --rank 0 --parent-pid $$ "
+        f"> /dev/null 2> {tmp_path / 'rank.err'} & sleep 2"
+    )
+    subprocess.run(["bash", "-c", script], env=env, timeout=60)
+    deadline = time.monotonic() + 60
+    err = tmp_path / "rank.err"
+    while time.monotonic() < deadline and "exited before its frontend" not in err.read_text():
+        time.sleep(0.5)
+    text = err.read_text()
+    assert "the process that started it" in text and "exited before its frontend" in text
+    assert time.monotonic() - t0 < 60
+
+
+def test_settings_without_effect_are_named():
+    assert ParallelConfig(enable_expert_parallel=True).ineffective_settings() == [
+        "enable_expert_parallel has no effect with one rank (data_parallel_size=1)"
+    ]
+    notes = ParallelConfig(
+        data_parallel_size=2, enable_expert_parallel=True, stream_buffer_layers=3
+    ).ineffective_settings()
+    assert notes == [
+        "stream_buffer_layers has no effect without prefill_strategy='data_parallel_offload'"
+    ]
+    assert "data_parallel_rpc_port has no effect with one rank (data_parallel_size=1)" in (
+        ParallelConfig(data_parallel_rpc_port=1234).ineffective_settings()
+    )
+    assert ParallelConfig(data_parallel_size=2).ineffective_settings() == []
+
+
+def test_aggregate_rates_use_the_busiest_ranks_busy_time():
+    from batchgen.distributed.frontend import aggregate_metrics
+
+    def snap(busy, generated, gemms, rows, density, attention):
+        return {
+            "prefill_tokens": 10,
+            "decode_tokens": generated,
+            "generated_tokens": generated,
+            "num_steps": 3,
+            "num_preemptions": 0,
+            "num_expert_gemms": gemms,
+            "routed_expert_bytes": 100,
+            "mean_rows_per_expert_gemm": rows,
+            "tile_density": density,
+            "busy_seconds": busy,
+            "peak_memory_bytes": 5,
+            "stage_time_share": {"attention": attention, "moe": 1 - attention},
+        }
+
+    m = aggregate_metrics(
+        [snap(2.0, 40, 10, 8.0, 0.5, 0.2), snap(4.0, 60, 30, 16.0, 0.25, 0.5)], 99
+    )
+    assert m["busy_seconds"] == 4.0
+    assert m["generated_tokens_per_s"] == 100 / 4.0
+    assert m["decode_tokens_per_s"] == 100 / 4.0
+    # tile density over all GEMMs: rows 80 + 480 over tile rows 160 + 1920
+    assert m["tile_density"] == pytest.approx(560 / 2080)
+    assert m["stage_time_share"]["attention"] == pytest.approx((0.2 * 2 + 0.5 * 4) / 6)
+    assert m["wall_seconds"] == 99
+
+
+def test_vllm_short_flag_for_data_parallel_size():
+    from batchgen.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["run", "-i", "x", "-o", "y", "-dp", "2"])
+    assert engine_kwargs(args)["data_parallel_size"] == 2

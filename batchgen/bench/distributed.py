@@ -90,6 +90,7 @@ def _run_mode(path: str, workload: Workload, dtype: str, threshold: int, kv_gb: 
                 "all_to_all_bytes": r.get("all_to_all_bytes", 0),
                 "all_to_all_seconds": r.get("all_to_all_seconds", 0.0),
                 "all_to_all_wait_seconds": r.get("all_to_all_wait_seconds", 0.0),
+                "control_seconds": r.get("control_seconds", 0.0),
                 "streamed_bytes": r.get("streamed_bytes", 0),
                 "stream_copy_seconds": r.get("stream_copy_seconds", 0.0),
                 "stream_hidden_share": r.get("stream_hidden_share"),
@@ -160,7 +161,8 @@ def format_distributed(record: dict) -> str:
         + ", ".join(f"{k}={v}" for k, v in p.items()),
         "legend: tok/s = useful generated tokens per second of the generate call; x single = "
         "ratio to one process; a2a = all-to-all payload sent by the rank to others and seconds "
-        "in those collectives (of which waiting for the slowest rank); streamed = expert bytes "
+        "in those collectives (of which in count exchanges); step sync = seconds in the per-step "
+        "control exchange, waiting for the slowest rank; streamed = expert bytes "
         "streamed for data_parallel_offload and the share of that copy time hidden behind "
         "compute; experts = resident routed-expert weights",
         f"{'workload':<11} {'mode':<7} {'tok/s':>9} {'x single':>8} {'tile dens':>9} "
@@ -191,7 +193,8 @@ def format_distributed(record: dict) -> str:
                 lines.append(
                     f"  rank {i}: {k['generated_tokens']} tok, tile dens {ktd}, a2a "
                     f"{k['all_to_all_bytes'] / 2**20:.0f} MiB in {k['all_to_all_seconds']:.1f} s "
-                    f"({k['all_to_all_wait_seconds']:.1f} s waiting for peers),"
+                    f"({k['all_to_all_wait_seconds']:.1f} s in count exchanges), "
+                    f"step sync {k['control_seconds']:.1f} s,"
                     f" {streamed}, experts {k['resident_expert_bytes'] / 2**20:.0f} MiB, peak "
                     f"RSS {k['peak_memory_bytes'] / 2**30:.2f} GiB, dummy steps "
                     f"{k['dummy_steps']}"

@@ -90,8 +90,14 @@ class DPEngineClient:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config.vocab_size, self.max_model_len
         )
+        if parallel.resolved_expert_parallel_size > 1 and not any(self.model_config.layer_is_moe):
+            logger.warning(
+                "%s has no MoE layers: expert parallelism has no effect, the ranks run "
+                "data-parallel only",
+                self.model_config.architecture,
+            )
         logger.info(
-            "data-parallel frontend: %d ranks (%d expert-parallel groups of %d)",
+            "data-parallel frontend: %d ranks (expert-parallel groups: %d of %d ranks)",
             parallel.data_parallel_size,
             parallel.data_parallel_size // parallel.resolved_expert_parallel_size,
             parallel.resolved_expert_parallel_size,
@@ -112,8 +118,7 @@ class DPEngineClient:
     ) -> None:
         """Validate and tokenize here (`InputProcessor`), then `add_processed_request`.
         Raises like `LLMEngine.add_request`, and `RankFailedError` after a rank failure."""
-        if self.rank_set.failure is not None:
-            raise self.rank_set.failure
+        self._check_open()
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -141,8 +146,7 @@ class DPEngineClient:
                 ``[0, data_parallel_size)``.
             RankFailedError: after a rank failure.
         """
-        if self.rank_set.failure is not None:
-            raise self.rank_set.failure
+        self._check_open()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if data_parallel_rank is None:
@@ -166,6 +170,12 @@ class DPEngineClient:
         self.requests[request_id] = (rank.rank, load)
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)
+
+    def _check_open(self) -> None:
+        if self.rank_set.failure is not None:
+            raise self.rank_set.failure
+        if self.rank_set.closed:
+            raise RuntimeError("this engine was shut down (LLM.shutdown); create a new LLM")
 
     def _flush(self, rank: RankHandle) -> None:
         if rank.pending:
@@ -201,7 +211,9 @@ class DPEngineClient:
         Raises:
             RankFailedError: see `_receive`; outputs that arrived before are not lost: they
                 were returned by earlier calls.
+            RuntimeError: after `shutdown`.
         """
+        self._check_open()
         for rank in self._ranks:
             self._flush(rank)
         deadline = time.monotonic() + STEP_WAIT_S
@@ -227,9 +239,9 @@ class DPEngineClient:
 
     # ---- metrics -------------------------------------------------------------------------
     def get_metrics(self) -> dict:
-        """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals: tokens summed,
-        tokens/s over the frontend's wall time since start or `reset_metrics`, tile density
-        over all ranks' expert GEMMs."""
+        """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals (`aggregate_metrics`:
+        tokens summed, rates over the busiest rank's busy time, tile density over all ranks'
+        expert GEMMs)."""
         token = next(self._metrics_token)
         self.rank_set.broadcast(msg.GetMetrics(token))
         keys = [(token, r.rank) for r in self._ranks]
@@ -299,7 +311,13 @@ class DPEngineClient:
 
 
 def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
-    """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`)."""
+    """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`).
+
+    Token counts are summed. Rates divide by the busiest rank's ``busy_seconds`` (time inside
+    engine steps; ranks step side by side), as one process divides by its own: so the figures
+    compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
+    over ranks; ``wall_seconds`` is the time since start or the last `reset_metrics`.
+    """
     total = {
         key: sum(s.get(key, 0) for s in ranks)
         for key in (
@@ -321,13 +339,22 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
         for s in ranks
         if s.get("tile_density")
     )
-    wall = wall_seconds or 1e-12
+    busy = max(s["busy_seconds"] for s in ranks) or 1e-12
+    weights = [s["busy_seconds"] for s in ranks]
+    shares: dict[str, float] = {}
+    for s, weight in zip(ranks, weights, strict=True):
+        for stage, share in s["stage_time_share"].items():
+            shares[stage] = shares.get(stage, 0.0) + share * weight / (sum(weights) or 1e-12)
     return {
         **total,
         "data_parallel_size": len(ranks),
+        "busy_seconds": busy,
         "wall_seconds": wall_seconds,
-        "generated_tokens_per_s": total["generated_tokens"] / wall,
-        "total_tokens_per_s": (total["prefill_tokens"] + total["decode_tokens"]) / wall,
+        "prefill_tokens_per_s": total["prefill_tokens"] / busy,
+        "decode_tokens_per_s": total["decode_tokens"] / busy,
+        "generated_tokens_per_s": total["generated_tokens"] / busy,
+        "total_tokens_per_s": (total["prefill_tokens"] + total["decode_tokens"]) / busy,
+        "stage_time_share": shares,
         "tile_density": rows / tile_rows if tile_rows else None,
         "mean_rows_per_expert_gemm": rows / total["num_expert_gemms"]
         if total["num_expert_gemms"]

@@ -47,6 +47,8 @@ def rank_command(rank: int, local_rank: int, local_world_size: int, address: str
         address,
         "--data-parallel-rpc-port",
         str(port),
+        "--parent-pid",  # the rank gives up waiting for a frontend whose starter is gone
+        str(os.getpid()),
     ]
 
 
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--local-world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -106,7 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rank_main(launch)
     if args.rank is not None:
         launch = RankLaunch(
-            args.rank, args.local_rank, args.local_world_size, address, port, key.encode()
+            args.rank,
+            args.local_rank,
+            args.local_world_size,
+            address,
+            port,
+            key.encode(),
+            parent_pid=args.parent_pid,
         )
         return rank_main(launch)
     n, start = args.data_parallel_size_local, args.data_parallel_start_rank

@@ -138,6 +138,8 @@ class ExpertParallelRuntime:
     Attributes:
         stream_min_tokens: prefill tokens per step from which the step streams.
         resident_expert_bytes: routed-expert parameter bytes held by this rank.
+        control_seconds: time in the per-step control exchange while this rank had work: it
+            waits there for the slowest rank of its group (set by the rank loop).
     """
 
     placement: ExpertPlacement
@@ -146,6 +148,7 @@ class ExpertParallelRuntime:
     streamer: ExpertWeightStreamer | None
     stream_min_tokens: int
     resident_expert_bytes: int
+    control_seconds: float = 0.0  # in the per-step control exchange while this rank had work
 
     def set_step_tokens(self, tokens: list[int]) -> None:
         """Every rank's tokens in this step, from the control exchange (group-rank order)."""
@@ -167,6 +170,7 @@ class ExpertParallelRuntime:
             "all_to_all_bytes": comm.bytes_sent,
             "all_to_all_seconds": comm.seconds,
             "all_to_all_wait_seconds": comm.wait_seconds,
+            "control_seconds": self.control_seconds,
             "all_to_all_calls": comm.num_calls,
             "resident_expert_bytes": self.resident_expert_bytes,
             "held_experts": len(self.placement.experts_of(self.ep_rank)),

@@ -33,7 +33,10 @@ from batchgen.distributed.launch import rank_command
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 300.0
+# Ranks must connect within max(distributed_timeout_s, this); the wait is logged every
+# CONNECT_LOG_S seconds.
+MIN_CONNECT_TIMEOUT_S = 60.0
+CONNECT_LOG_S = 10.0
 # A rank whose heartbeat is this late when another rank fails is named stuck.
 STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
 
@@ -151,7 +154,7 @@ class RankSet:
         )
         if local < world:
             logger.info(
-                "waiting for %d ranks from other machines at %s:%d", world - local, address, port
+                "waiting for %d rank(s) from other machines at %s:%d", world - local, address, port
             )
         hellos = self._accept(world, processes)
         init_method = self._init_method(hellos)
@@ -170,15 +173,21 @@ class RankSet:
                     conn = self._listener.accept()
                 except (OSError, EOFError):
                     return  # listener closed
-                except Exception as exc:  # a client with a wrong key
-                    logger.warning("refused a rank connection: %s", exc)
+                except Exception as exc:  # multiprocessing.AuthenticationError: another key
+                    logger.warning(
+                        "refused a connection with another key (%s): ranks need the frontend's $%s",
+                        exc,
+                        msg.AUTHKEY_ENV,
+                    )
                     continue
                 peer = self._listener.last_accepted
                 arrived.put((conn, peer[0] if isinstance(peer, tuple) else "127.0.0.1"))
 
         threading.Thread(target=accept_all, name="batchgen-accept", daemon=True).start()
         hellos: dict[int, tuple[msg.Hello, str]] = {}
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        timeout = max(self.parallel.distributed_timeout_s, MIN_CONNECT_TIMEOUT_S)
+        start = time.monotonic()
+        next_log = start + CONNECT_LOG_S
         while len(hellos) < world:
             for r, proc in processes.items():
                 if r not in hellos and proc.poll() is not None:
@@ -186,25 +195,42 @@ class RankSet:
                         f"rank {r} (pid {proc.pid}) {_describe_exit(proc)} before connecting",
                         [r],
                     )
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world)) - set(hellos))
+            now = time.monotonic()
+            missing = sorted(set(range(world)) - set(hellos))
+            if now - start > timeout:
                 raise RankFailedError(
-                    f"ranks {missing} did not connect within {CONNECT_TIMEOUT_S:.0f} s", missing
+                    f"ranks {missing} did not connect within {timeout:.0f} s "
+                    f"(distributed_timeout_s) to {self._listener.address[0]}:"
+                    f"{self._listener.address[1]}",
+                    missing,
                 )
+            if now >= next_log:
+                logger.info(
+                    "still waiting for ranks %s at %s:%d (%.0f of %.0f s)",
+                    missing,
+                    *self._listener.address,
+                    now - start,
+                    timeout,
+                )
+                next_log = now + CONNECT_LOG_S
             try:
                 conn, peer = arrived.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if not conn.poll(30):
-                conn.close()
-                continue
-            hello = conn.recv()
+            hello = conn.recv() if conn.poll(5) else None
             if not isinstance(hello, msg.Hello) or not 0 <= hello.rank < world:
+                logger.warning("refused a connection from %s that is not a rank of this job", peer)
                 conn.close()
                 continue
             if hello.rank in hellos:
+                logger.warning(
+                    "refused a second process claiming rank %d (pid %d on %s)",
+                    hello.rank,
+                    hello.pid,
+                    hello.host,
+                )
                 conn.close()
-                raise RankFailedError(f"two processes claim rank {hello.rank}", [hello.rank])
+                continue
             hellos[hello.rank] = (hello, peer)
             self.ranks.append(
                 RankHandle(hello.rank, conn, hello.host, hello.pid, processes.get(hello.rank))

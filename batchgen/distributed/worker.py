@@ -32,13 +32,15 @@ from multiprocessing.connection import Client, Connection
 import torch
 
 from batchgen.distributed import protocol as msg
+from batchgen.distributed.launch import AUTHKEY_ENV
 from batchgen.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 # An idle rank (no work anywhere in its group) waits this long for a message per iteration.
 IDLE_POLL_S = 0.02
-CONNECT_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 300.0
+CONNECT_LOG_S = 10.0
 
 
 @dataclass
@@ -49,6 +51,8 @@ class RankLaunch:
         rank: global rank; local_rank / local_world_size: on this machine.
         address / port: the frontend's listener. authkey: its key.
         torchrun: ranks were started by torchrun (rendezvous from its environment).
+        parent_pid: the process that started this rank (a frontend or a launcher); while the
+            rank waits for its frontend, it gives up if that process is gone.
     """
 
     rank: int
@@ -58,6 +62,7 @@ class RankLaunch:
     port: int
     authkey: bytes
     torchrun: bool = False
+    parent_pid: int | None = None
 
 
 def _free_port() -> int:
@@ -66,18 +71,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _connect(address: str, port: int, authkey: bytes) -> Connection:
-    """Connect to the frontend, retrying while it is not listening yet."""
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+def _connect(launch: RankLaunch) -> Connection:
+    """Connect to the frontend, retrying while it is not listening yet (saying so every
+    `CONNECT_LOG_S` seconds).
+
+    Raises:
+        RankStartError: no frontend within `CONNECT_TIMEOUT_S`, it refused this rank's key, or
+            the process that started the rank exited meanwhile.
+    """
+    from multiprocessing import AuthenticationError
+
+    address, port, authkey, rank = launch.address, launch.port, launch.authkey, launch.rank
+    start = next_log = time.monotonic()
     while True:
         try:
             return Client((address, port), authkey=authkey)
+        except AuthenticationError:
+            raise RankStartError(
+                f"the frontend at {address}:{port} refused rank {rank}'s key: set "
+                f"${AUTHKEY_ENV} to the frontend's secret"
+            ) from None
         except (ConnectionRefusedError, FileNotFoundError, OSError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(
+            if launch.parent_pid is not None and os.getppid() != launch.parent_pid:
+                raise RankStartError(
+                    f"rank {rank}: the process that started it (pid {launch.parent_pid}) exited "
+                    "before its frontend listened"
+                ) from None
+            now = time.monotonic()
+            if now - start > CONNECT_TIMEOUT_S:
+                raise RankStartError(
                     f"no frontend listening at {address}:{port} after {CONNECT_TIMEOUT_S:.0f} s"
                 ) from None
+            if now >= next_log:
+                logger.info(
+                    "rank %d: waiting for the frontend at %s:%d (%.0f s)",
+                    rank,
+                    address,
+                    port,
+                    now - start,
+                )
+                next_log = now + CONNECT_LOG_S
             time.sleep(0.2)
+
+
+class RankStartError(RuntimeError):
+    """A rank could not join its frontend (message for the user)."""
 
 
 class _Link:
@@ -110,9 +148,16 @@ class _Link:
 
 
 def rank_main(launch: RankLaunch) -> int:
-    """Run one rank until the frontend says stop; returns the process exit code."""
+    """Run one rank until the frontend says stop; returns the process exit code (0 done, 1
+    failed, 2 could not join, 130 interrupted)."""
     _setup_logging(launch.rank)
-    conn = _connect(launch.address, launch.port, launch.authkey)
+    try:
+        conn = _connect(launch)
+    except RankStartError as exc:
+        logger.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     link = _Link(conn, launch.rank)
     try:
         link.send(
@@ -122,13 +167,18 @@ def rank_main(launch: RankLaunch) -> int:
         link.start_heartbeat()
         return RankLoop(launch, setup, link).run()
     except (EOFError, ConnectionError, BrokenPipeError):
-        logger.error("rank %d: lost the frontend; exiting", launch.rank)
+        logger.warning("rank %d: the frontend went away; exiting", launch.rank)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the frontend reports
+        logger.info("rank %d: interrupted", launch.rank)
+        return 130
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc)[-6:])
-        logger.error("rank %d failed:\n%s", launch.rank, text)
+        first = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.error("rank %d failed: %s", launch.rank, first)
+        logger.debug("rank %d traceback:\n%s", launch.rank, text)
         try:
-            link.send(msg.Failed(launch.rank, f"{type(exc).__name__}: {exc}\n{text}"))
+            link.send(msg.Failed(launch.rank, f"{first}\n{text}"))
         except OSError:
             pass
         return 1
@@ -179,13 +229,14 @@ class RankLoop:
             device,
             setup.parallel.distributed_timeout_s,
         )
-        self.control = (
-            StepControl(groups.control, layout.ep_group_ranks(launch.rank))
-            if groups.control is not None
-            else None
-        )
         link.phase = "loading"
         self.engine = LLMEngine(setup.engine, RankContext(groups, setup.parallel, device))
+        # Ranks step together only when the model has collectives (sharded experts).
+        self.control = (
+            StepControl(groups.control, layout.ep_group_ranks(launch.rank))
+            if groups.control is not None and self.engine.expert_parallel is not None
+            else None
+        )
         self.shutdown = False
         ep = self.engine.expert_parallel
         held = len(ep.placement.experts_of(ep.ep_rank)) if ep is not None else None
@@ -255,7 +306,25 @@ class RankLoop:
             self._run_independent()
         else:
             self._run_in_step()
-        logger.info("rank %d: done", self.rank)
+        ep = self.engine.expert_parallel
+        if ep is not None:
+            m = ep.metrics()
+            streamed = (
+                f"; streamed {m['streamed_bytes'] / 2**20:.0f} MiB of experts in "
+                f"{m['streamed_layers']} layers ({m['stream_hidden_share'] or 0:.2f} of the copy "
+                "time hidden)"
+                if "streamed_bytes" in m
+                else ""
+            )
+            logger.info(
+                "rank %d: done; all-to-all %.0f MiB sent in %.1f s%s",
+                self.rank,
+                m["all_to_all_bytes"] / 2**20,
+                m["all_to_all_seconds"],
+                streamed,
+            )
+        else:
+            logger.info("rank %d: done", self.rank)
         return 0
 
     def _run_independent(self) -> None:
@@ -286,7 +355,10 @@ class RankLoop:
                 else 0
             )
             self.link.phase = "control exchange"
+            t0 = time.perf_counter()
             plan = self.control.exchange(step_id, tokens, prefill, has_work, self.shutdown)
+            if ep is not None and has_work:  # time spent waiting for the group (load imbalance)
+                ep.control_seconds += time.perf_counter() - t0
             self.link.step_id = step_id = step_id + 1
             if plan.done:
                 return

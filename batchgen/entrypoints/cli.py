@@ -85,8 +85,12 @@ def add_config_flags(group, config_cls) -> None:
         else:
             metavar = {int: "N", float: "X"}.get(kind, f.name.upper())
             kwargs.update(type=kind, metavar=metavar)
+        names = [f.metadata["short"]] if "short" in f.metadata else []  # vLLM's -dp
         group.add_argument(
-            "--" + f.name.replace("_", "-"), help=f.metadata.get("help", "") + default, **kwargs
+            *names,
+            "--" + f.name.replace("_", "-"),
+            help=f.metadata.get("help", "") + default,
+            **kwargs,
         )
 
 

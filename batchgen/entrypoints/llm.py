@@ -47,6 +47,8 @@ class LLM:
             model=model, **{k: v for k, v in kwargs.items() if k in engine_fields}
         )
         parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
+        for warning in parallel.ineffective_settings():
+            logger.warning("%s", warning)
         if parallel.is_distributed:
             from batchgen.distributed.frontend import DPEngineClient
 
