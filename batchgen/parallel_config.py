@@ -1,0 +1,278 @@
+"""`ParallelConfig`: how a job spreads over processes and machines, validated once.
+
+Flag names follow vLLM's (``--data-parallel-size``, ``--enable-expert-parallel``,
+``--data-parallel-size-local``, ``--data-parallel-address``, ``--data-parallel-rpc-port``); the
+rest are BatchGen's. ``data_parallel_size`` counts *ranks* here, as in vLLM; the cluster YAML's
+``parallelism.data_parallel_size`` counts expert-parallel *replicas* instead, and
+`batchgen.cluster_config` maps one onto the other. `batchgen.distributed.layout.resolve_layout`
+turns the sizes into the rank grid.
+
+Three settings of the cluster-operations issue (straggler rebalancing, elastic recovery and its
+snapshot store) are accepted and validated but not acted on yet: `ineffective_settings` names
+them, and the engine logs that as a warning at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from batchgen.config_fields import is_int, is_number, meta
+
+PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
+DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
+NOT_BUILT = "is accepted but not acted on yet: {what} is not built (the cluster-operations issue)"
+
+
+@dataclass
+class ParallelConfig:
+    """How a job spreads over processes and machines (DESIGN.md, phase-specific parallelism).
+
+    Validation raises `ValueError` naming the field and its allowed values.
+    """
+
+    data_parallel_size: int = field(
+        default=1,
+        metadata=meta(
+            "ranks (processes), each running attention on its own requests with its own KV "
+            "cache (vLLM's flag; engine settings such as the KV cache budget and "
+            "--max-num-seqs apply to each rank); with --enable-expert-parallel all of them "
+            "form one expert-parallel group, as in vLLM",
+            short="-dp",
+        ),
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=meta(
+            "shard the routed experts over the ranks (tokens dispatched to their experts' "
+            "ranks and combined back with all-to-all) instead of replicating them"
+        ),
+    )
+    expert_parallel_size: int | None = field(
+        default=None,
+        metadata=meta(
+            "ranks per expert-parallel group (implies expert parallelism; must divide "
+            "data_parallel_size; data_parallel_size / expert_parallel_size groups hold one "
+            "copy of the experts each). Default: all ranks with --enable-expert-parallel, else 1"
+        ),
+    )
+    prefill_strategy: str = field(
+        default="expert_parallel",
+        metadata=meta(
+            f"one of {PREFILL_STRATEGIES}: expert_parallel dispatches prefill tokens like "
+            "decode tokens; data_parallel_offload runs a large prefill's experts on its own "
+            "rank, streaming the experts it does not hold from the checkpoint, layer by layer"
+        ),
+    )
+    decode_strategy: str | None = field(
+        default=None,
+        metadata=meta(
+            f"one of {DECODE_STRATEGIES}: data-parallel attention with expert-parallel MoE, "
+            "or pure data parallelism with replicated experts (default: dp_attention_ep_moe "
+            "with expert parallelism, else data_parallel)"
+        ),
+    )
+    prefill_stream_min_tokens: int | None = field(
+        default=None,
+        metadata=meta(
+            "data_parallel_offload: a rank streams experts in a step with at least this many "
+            "prefill tokens (default: where dispatching them would move as many bytes as "
+            "streaming the experts it lacks)"
+        ),
+    )
+    stream_buffer_layers: int = field(
+        default=2,
+        metadata=meta("data_parallel_offload: layers of streamed experts held at once (>= 1)"),
+    )
+    distributed_timeout_s: float = field(
+        default=300.0,
+        metadata=meta(
+            "seconds a rank may stay silent (stuck) before the job fails naming it; a rank "
+            "that dies is reported at once"
+        ),
+    )
+    data_parallel_size_local: int | None = field(
+        default=None,
+        metadata=meta(
+            "ranks to start on this machine (default: all); the others connect from other "
+            "machines (`python -m batchgen.distributed.launch`, or torchrun)"
+        ),
+    )
+    data_parallel_address: str = field(
+        default="127.0.0.1",
+        metadata=meta("address the frontend listens on for ranks (and their rendezvous)"),
+    )
+    data_parallel_rpc_port: int | None = field(
+        default=None,
+        metadata=meta(
+            "port the frontend listens on for ranks (default: a free port; needed when ranks "
+            "start on other machines)"
+        ),
+    )
+    straggler_rebalance_interval_steps: int | None = field(
+        default=None,
+        metadata=meta(
+            "move work from slow to idle data-parallel ranks every this many steps. "
+            "NOT ACTED ON YET: accepted, validated and named in a warning",
+            section="coroutine_scheduler",
+        ),
+    )
+    enable_elastic_recovery: bool = field(
+        default=False,
+        metadata=meta(
+            "on a rank's death, re-form the world and re-queue its unfinished requests "
+            "instead of failing the job. NOT ACTED ON YET: accepted and named in a warning",
+            section="checkpoint_service",
+        ),
+    )
+    snapshot_storage_uri: str | None = field(
+        default=None,
+        metadata=meta(
+            "where recovery snapshots go, a URI such as s3://bucket/prefix/ or "
+            "file:///dir/. NOT ACTED ON YET: accepted, validated and named in a warning",
+            section="checkpoint_service",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+            )
+        for name in (
+            "expert_parallel_size",
+            "prefill_stream_min_tokens",
+            "straggler_rebalance_interval_steps",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.data_parallel_size_local is not None and (
+            not is_int(self.data_parallel_size_local)
+            or not 0 <= self.data_parallel_size_local <= self.data_parallel_size
+        ):
+            raise ValueError(
+                f"data_parallel_size_local must be an integer in [0, data_parallel_size="
+                f"{self.data_parallel_size}], got {self.data_parallel_size_local!r}"
+            )
+        if not is_int(self.stream_buffer_layers) or self.stream_buffer_layers < 1:
+            raise ValueError(
+                f"stream_buffer_layers must be an integer >= 1, got {self.stream_buffer_layers!r}"
+            )
+        if not (is_number(self.distributed_timeout_s) and 0 < self.distributed_timeout_s):
+            raise ValueError(
+                f"distributed_timeout_s must be a number > 0 (seconds), got "
+                f"{self.distributed_timeout_s!r}"
+            )
+        if self.data_parallel_rpc_port is not None and (
+            not is_int(self.data_parallel_rpc_port) or not 0 < self.data_parallel_rpc_port < 65536
+        ):
+            raise ValueError(
+                f"data_parallel_rpc_port must be in [1, 65535], got {self.data_parallel_rpc_port!r}"
+            )
+        if not isinstance(self.enable_elastic_recovery, bool):
+            raise ValueError(
+                f"enable_elastic_recovery must be true or false, got "
+                f"{self.enable_elastic_recovery!r}"
+            )
+        uri = self.snapshot_storage_uri
+        if uri is not None and not (isinstance(uri, str) and _is_uri(uri)):
+            raise ValueError(
+                "snapshot_storage_uri must be a URI with a scheme and a location "
+                f"(s3://bucket/prefix/, gs://bucket/prefix/, file:///dir/), got {uri!r}"
+            )
+        if self.prefill_strategy not in PREFILL_STRATEGIES:
+            raise ValueError(
+                f"prefill_strategy must be one of {PREFILL_STRATEGIES}, got "
+                f"{self.prefill_strategy!r}"
+            )
+        if self.decode_strategy is not None and self.decode_strategy not in DECODE_STRATEGIES:
+            raise ValueError(
+                f"decode_strategy must be one of {DECODE_STRATEGIES}, got {self.decode_strategy!r}"
+            )
+        ep = self.resolved_expert_parallel_size
+        if self.data_parallel_size % ep:
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide data_parallel_size="
+                f"{self.data_parallel_size}"
+            )
+        if self.decode_strategy == "data_parallel" and ep > 1:
+            raise ValueError(
+                "decode_strategy='data_parallel' replicates the experts, which contradicts "
+                "--enable-expert-parallel / expert_parallel_size > 1; drop one of them"
+            )
+        wants_ep = self.enable_expert_parallel or self.decode_strategy == "dp_attention_ep_moe"
+        if self.expert_parallel_size == 1 and self.data_parallel_size > 1 and wants_ep:
+            raise ValueError(
+                "expert_parallel_size=1 replicates the experts, which contradicts "
+                "--enable-expert-parallel / decode_strategy='dp_attention_ep_moe'; drop one of "
+                "them"
+            )
+        if self.prefill_strategy == "data_parallel_offload" and ep == 1:
+            raise ValueError(
+                "prefill_strategy='data_parallel_offload' streams the experts a rank does not "
+                "hold, so it needs expert parallelism (--enable-expert-parallel or "
+                "expert_parallel_size > 1)"
+            )
+
+    def ineffective_settings(self) -> list[str]:
+        """Settings given (not left at their defaults) that have no effect in this combination,
+        or not yet in any, each as a sentence naming it; the engine warns about them at start."""
+        default = ParallelConfig()
+        one_rank = not self.is_distributed
+        out = []
+        if one_rank and self.enable_expert_parallel:
+            out.append("enable_expert_parallel has no effect with one rank (data_parallel_size=1)")
+        if one_rank and self.decode_strategy is not None:
+            out.append(f"decode_strategy={self.decode_strategy!r} has no effect with one rank")
+        if self.prefill_strategy != "data_parallel_offload":
+            for name in ("prefill_stream_min_tokens", "stream_buffer_layers"):
+                if getattr(self, name) != getattr(default, name):
+                    out.append(
+                        f"{name} has no effect without prefill_strategy='data_parallel_offload'"
+                    )
+        if one_rank:
+            for name in (
+                "distributed_timeout_s",
+                "data_parallel_address",
+                "data_parallel_rpc_port",
+            ):
+                if getattr(self, name) != getattr(default, name):
+                    out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
+        for name, what in (
+            ("straggler_rebalance_interval_steps", "straggler rebalancing"),
+            ("enable_elastic_recovery", "elastic recovery"),
+            ("snapshot_storage_uri", "snapshotting for recovery"),
+        ):
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                out.append(f"{name}={value!r} " + NOT_BUILT.format(what=what))
+        return out
+
+    @property
+    def resolved_expert_parallel_size(self) -> int:
+        """Ranks per expert-parallel group after defaults (see the field's help)."""
+        if self.expert_parallel_size is not None:
+            return self.expert_parallel_size
+        if self.enable_expert_parallel or self.decode_strategy == "dp_attention_ep_moe":
+            return self.data_parallel_size
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when the job runs in rank processes (more than one rank, or ranks elsewhere)."""
+        return self.data_parallel_size > 1 or self.data_parallel_size_local == 0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _is_uri(text: str) -> bool:
+    """``scheme://location`` with a scheme of letters, digits, ``+ - .`` (RFC 3986)."""
+    scheme, sep, rest = text.partition("://")
+    return bool(
+        sep and rest and scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)
+    )
