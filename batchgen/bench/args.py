@@ -1,7 +1,18 @@
 """Command-line arguments of `batchgen bench` (no torch import, so `batchgen --help` stays
-fast)."""
+fast).
+
+With ``--config FILE`` the bench takes from the cluster file what it can use (the model, dtype,
+device, expert_coalesce_threshold and the parallel settings of `PARALLEL_FLAGS`); flags given
+override the file, and the file's other settings are named in a warning: the bench keeps its
+own engine settings so that its figures compare (docs/bench.md).
+"""
 
 from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger(__name__)
 
 MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
 # Hold every MoE stage for all of a step's micro-batches: at 256 (2,048 tokens) a 16,384-token
@@ -9,20 +20,28 @@ MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
 # tile density 0.533 vs 0.552 at 512 rollouts; simulated 0.80 vs 0.85 at 2,048), and the MoE
 # layer runs faster per token at 8,192 tokens than at 2,048 (58 vs 64-80 us on 2 cores).
 EXPERT_COALESCE_THRESHOLD = 2048
+# Settings a cluster file can give the bench, and their defaults when neither it nor a flag does.
+BENCH_DEFAULTS = {
+    "model": None,
+    "dtype": "float32",
+    "device": "auto",
+    "expert_coalesce_threshold": EXPERT_COALESCE_THRESHOLD,
+}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print the machine-readable record")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    dtypes = ["float32", "bfloat16", "float16"]
+    p.add_argument("--dtype", default=argparse.SUPPRESS, choices=dtypes, help="default: float32")
+    p.add_argument("--device", default=argparse.SUPPRESS, choices=["auto", "cpu", "cuda"])
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
     p.add_argument(
         "--expert-coalesce-threshold",
         type=int,
-        default=EXPERT_COALESCE_THRESHOLD,
+        default=argparse.SUPPRESS,
         help="coalesce: mean rows per expert below which an MoE stage waits for the step's "
         f"other micro-batches (default {EXPERT_COALESCE_THRESHOLD}: a whole 16,384-token step, "
         "top-8 of 64 experts, so every micro-batch of a step meets in one MoE call)",
@@ -40,9 +59,13 @@ def add_arguments(p) -> None:
         help="benchmark model family, built offline on first use: Mixtral or DeepSeek-V3 "
         "(MLA), both 64 experts top-8, hidden 512, 4 layers",
     )
-    p.add_argument("--model", default=None, help="checkpoint (overrides --arch)")
+    p.add_argument(
+        "--model", default=argparse.SUPPRESS, help="checkpoint (overrides --arch and --config's)"
+    )
     from batchgen.config import ParallelConfig
-    from batchgen.entrypoints.cli import add_config_flags
+    from batchgen.entrypoints.cli import add_cluster_file_argument, add_config_flags
+
+    add_cluster_file_argument(p)
 
     add_config_flags(
         p.add_argument_group(
@@ -58,3 +81,36 @@ def add_arguments(p) -> None:
         help="run the BatchGen modes under torch.profiler and print their top operators by "
         "self time (adds profiler overhead to those modes' figures)",
     )
+
+
+def resolve_settings(args) -> None:
+    """Set the bench's settings on ``args``: the flags given, else the ``--config`` file's, else
+    `BENCH_DEFAULTS`; log a warning naming what the file or the flags set that the bench does
+    not use.
+
+    Raises:
+        batchgen.cluster_config.ClusterConfigError: an invalid cluster file.
+    """
+    from batchgen.bench.distributed import PARALLEL_FLAGS
+    from batchgen.config import ParallelConfig
+
+    used = {*BENCH_DEFAULTS, *PARALLEL_FLAGS}
+    ignored = [f"--{n.replace('_', '-')}" for n in ParallelConfig.field_names() if n not in used]
+    ignored = [flag for flag in ignored if hasattr(args, flag[2:].replace("-", "_"))]
+    if getattr(args, "config", None):
+        from batchgen.cluster_config import load_cluster_config, schema_keys
+
+        paths = {k.name: k.path for k in schema_keys()}
+        for name, value in load_cluster_config(args.config).kwargs.items():
+            if name not in used or (name == "dtype" and value == "auto"):
+                ignored.append(paths[name])
+            elif not hasattr(args, name):
+                setattr(args, name, value)
+    for name, value in BENCH_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if ignored:
+        logger.warning(
+            "batchgen bench keeps its own engine settings (docs/bench.md) and does not use: %s",
+            ", ".join(ignored),
+        )

@@ -28,6 +28,7 @@ PARALLEL_FLAGS = (
     "enable_expert_parallel",
     "expert_parallel_size",
     "prefill_strategy",
+    "decode_strategy",
     "prefill_stream_min_tokens",
     "stream_buffer_layers",
 )

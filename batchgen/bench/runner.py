@@ -652,6 +652,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_from_args(args) -> int:
+    from batchgen.bench.args import resolve_settings
+    from batchgen.cluster_config import ClusterConfigError
+
+    try:
+        resolve_settings(args)
+    except ClusterConfigError as err:
+        raise SystemExit(f"batchgen bench: error: {err}") from None
     modes = tuple(m for m in args.modes.split(",") if m)
     bad = [m for m in modes if m not in MODES]
     if bad:

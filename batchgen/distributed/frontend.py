@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
+from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
 from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from batchgen.outputs import RequestOutput
@@ -78,6 +79,9 @@ class DPEngineClient:
         path = resolve_model_path(config.model)
         config.model = str(path)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+        ep = parallel.resolved_expert_parallel_size
+        if ep > 1 and self.model_config.is_moe:  # fail here, not in every rank after loading
+            ExpertPlacement(self.model_config.num_local_experts, ep)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.requests: dict[str, tuple[int, int]] = {}  # request id -> (rank, load estimate)
         self._metrics_token = itertools.count()

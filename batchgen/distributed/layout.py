@@ -81,6 +81,29 @@ def resolve_layout(parallel: ParallelConfig) -> ParallelLayout:
     return ParallelLayout(parallel.data_parallel_size, parallel.resolved_expert_parallel_size)
 
 
+def check_local_devices(parallel: ParallelConfig, device: str) -> None:
+    """Fail before anything starts when this machine would get more ranks than CUDA devices.
+
+    Knowable only on CUDA (``device`` "cuda", or "auto" with CUDA available): CPU ranks share
+    the machine's cores. The ranks started here are ``data_parallel_size_local``, default all.
+
+    Raises:
+        ValueError: more local ranks than visible CUDA devices, with both counts.
+    """
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    local = parallel.data_parallel_size_local
+    ranks = parallel.data_parallel_size if local is None else local
+    devices = torch.cuda.device_count()
+    if ranks > devices:
+        which = "data_parallel_size_local" if local is not None else "all of them by default"
+        raise ValueError(
+            f"{ranks} ranks would start on this machine ({which}) but it has {devices} visible "
+            f"CUDA device(s), one per rank: set data_parallel_size_local <= {devices} and start "
+            "the other ranks on other machines (docs/distributed.md)"
+        )
+
+
 class ExpertPlacement:
     """Logical expert -> (owner rank within the expert-parallel group, local slot).
 

@@ -1,10 +1,13 @@
-"""The ``batchgen`` command line: ``batchgen run``, ``serve``, ``submit``, ``make-model``.
+"""The ``batchgen`` command line: ``batchgen run``, ``serve``, ``submit``, ``bench``,
+``config``, ``make-model``.
 
 Each subcommand is a `Subcommand` in `SUBCOMMANDS` (its name, help, how to add its arguments,
 and the function that runs it); ``bench`` is added there the same way.
 
 Engine flags (``--max-num-seqs``, ``--dtype``...) are generated from `EngineConfig`'s fields
-and their ``metadata["help"]``, so they follow the config without edits here.
+and their ``metadata["help"]``, so they follow the config without edits here. An absent flag is
+not set on the namespace (``default=argparse.SUPPRESS``), so `engine_kwargs` holds only the
+flags given, and those override a ``--config`` cluster file key by key.
 
 User errors (missing input file, invalid setting, unknown architecture) print one line
 ``batchgen <command>: error: ...`` to stderr and exit with code 2, without a traceback; a flag
@@ -94,9 +97,22 @@ def add_config_flags(group, config_cls) -> None:
         )
 
 
+def add_cluster_file_argument(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` (not set on the namespace when absent)."""
+    parser.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="cluster file (batchgen_cluster: YAML, docs/cluster-config.md; check it with "
+        "`batchgen config check FILE`); flags given here override its settings. Its "
+        "parallelism.data_parallel_size counts replicas, --data-parallel-size counts ranks",
+    )
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--field-name`` flag per `EngineConfig` and `ParallelConfig` field (absent flags
-    keep the default)."""
+    """Add ``--config`` and one ``--field-name`` flag per `EngineConfig` and `ParallelConfig`
+    field (absent flags keep the file's setting or the default)."""
+    add_cluster_file_argument(parser)
     add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
     add_config_flags(
         parser.add_argument_group(
@@ -110,8 +126,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` and `ParallelConfig` fields given on the command line."""
-    names = EngineConfig.field_names() + ParallelConfig.field_names()
+    """The `EngineConfig` and `ParallelConfig` fields given on the command line, and
+    ``config`` (the cluster file) when given: ``LLM(**engine_kwargs(args))``."""
+    names = ["config", *EngineConfig.field_names(), *ParallelConfig.field_names()]
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
@@ -155,7 +172,8 @@ def _max_running_seqs(engine) -> int:
 
 
 def _start_engine(kwargs: dict):
-    """Build the engine; settings and model-loading problems become `CliError`."""
+    """Build the engine; cluster-file, settings and model-loading problems become `CliError`."""
+    from batchgen.cluster_config import ClusterConfigError
     from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.llm import LLM
 
@@ -163,6 +181,8 @@ def _start_engine(kwargs: dict):
         # model None: the engine builds the embedded default model on first use and reports
         # it by name (batchgen/<name>) rather than by its cache path.
         return LLM(**kwargs).llm_engine
+    except ClusterConfigError as err:  # names the file, line and key already
+        raise CliError(str(err)) from err
     except (ValueError, OSError, RankFailedError) as err:
         raise CliError(f"cannot start the engine: {err}") from err
 
@@ -444,6 +464,18 @@ def _bench_module():
     return runner
 
 
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    from batchgen.entrypoints import config_check
+
+    config_check.add_arguments(parser)
+
+
+def _config_run(args: argparse.Namespace) -> int:
+    from batchgen.entrypoints import config_check
+
+    return config_check.run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand(
         "run",
@@ -469,6 +501,13 @@ SUBCOMMANDS: list[Subcommand] = [
         "benchmark transformers generate / generate_batch against BatchGen lockstep / coalesce",
         lambda parser: _bench_args(parser),
         lambda args: _bench_module().run_from_args(args),
+    ),
+    Subcommand(
+        "config",
+        "check a cluster file (`config check FILE`: layout or errors, no weights loaded) or "
+        "list its keys (`config schema`)",
+        _config_args,
+        _config_run,
     ),
     Subcommand(
         "make-model",

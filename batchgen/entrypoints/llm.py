@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -22,7 +23,11 @@ class LLM:
     """Load a model and generate for many prompts at once.
 
     Args:
-        model: local HF checkpoint directory or hub id; None uses the embedded default model.
+        model: local HF checkpoint directory or hub id; None uses the embedded default model
+            (or the cluster file's model).
+        config: a cluster file (``batchgen_cluster:``, docs/cluster-config.md); ``model`` and
+            ``kwargs`` override its settings key by key, in their own (flag) meaning:
+            ``data_parallel_size`` here counts ranks, in the file replicas.
         **kwargs: any `EngineConfig` field (``dtype``, ``device``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory_gb``, ...) or
             `ParallelConfig` field (``data_parallel_size``, ``enable_expert_parallel``,
@@ -32,29 +37,25 @@ class LLM:
 
     Raises:
         ValueError: invalid settings (the message names the field), unsupported architecture,
-            unresolvable model.
+            unresolvable model, more local ranks than CUDA devices.
+        batchgen.cluster_config.ClusterConfigError: (a `ValueError`) an invalid cluster file,
+            before any weights load.
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        engine_fields, parallel_fields = EngineConfig.field_names(), ParallelConfig.field_names()
-        unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
-        if unknown:
-            raise ValueError(
-                f"unknown LLM arguments {sorted(unknown)}; allowed: "
-                f"{engine_fields + parallel_fields}"
-            )
-        config = EngineConfig(
-            model=model, **{k: v for k, v in kwargs.items() if k in engine_fields}
-        )
-        parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
+    def __init__(
+        self, model: str | None = None, config: str | os.PathLike | None = None, **kwargs
+    ) -> None:
+        engine, parallel = make_configs(model, config, **kwargs)
         for warning in parallel.ineffective_settings():
             logger.warning("%s", warning)
         if parallel.is_distributed:
             from batchgen.distributed.frontend import DPEngineClient
+            from batchgen.distributed.layout import check_local_devices
 
-            self.llm_engine = DPEngineClient(config, parallel)
+            check_local_devices(parallel, engine.device)
+            self.llm_engine = DPEngineClient(engine, parallel)
         else:
-            self.llm_engine = LLMEngine(config)
+            self.llm_engine = LLMEngine(engine)
         self._counter = 0
 
     def shutdown(self) -> None:
@@ -186,6 +187,33 @@ class LLM:
                 if request_id not in results:
                     engine.abort_request(request_id)
         return [results[r] for r in order]
+
+
+def make_configs(
+    model: str | None = None, config: str | os.PathLike | None = None, **kwargs
+) -> tuple[EngineConfig, ParallelConfig]:
+    """`LLM`'s arguments -> its validated settings, starting nothing: the cluster file's
+    (``config``), then ``model`` and ``kwargs`` over them key by key.
+
+    Raises:
+        ValueError: an unknown argument or an invalid setting (naming it); a
+            `batchgen.cluster_config.ClusterConfigError` for an invalid cluster file.
+    """
+    if config is not None:
+        from batchgen.cluster_config import load_cluster_config
+
+        given = kwargs if model is None else {**kwargs, "model": model}
+        kwargs = {**load_cluster_config(config).kwargs, **given}
+        model = kwargs.pop("model")
+    engine_fields, parallel_fields = EngineConfig.field_names(), ParallelConfig.field_names()
+    unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
+    if unknown:
+        raise ValueError(
+            f"unknown LLM arguments {sorted(unknown)}; allowed: {engine_fields + parallel_fields}"
+        )
+    engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k in engine_fields})
+    parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
+    return engine, parallel
 
 
 def _params_per_prompt(

@@ -1,0 +1,151 @@
+"""``batchgen config check FILE`` and ``batchgen config schema``: a cluster file's resolved
+layout, or its errors, without loading any weights; and the table of every key.
+
+``check`` prints the world size, replicas, every expert-parallel group's ranks and, when the
+model's ``config.json`` is on this machine (a directory, or a hub id in the local Hugging Face
+cache), which experts each rank holds; a hub id that is not local is reported and the layout
+printed without expert placement. Exit code 0, or 2 with the errors (`CliError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from batchgen.entrypoints.cli import CliError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = sub.add_parser(
+        "check",
+        help="validate a cluster file and print its layout (loads no weights)",
+        description="Validate a cluster file (batchgen_cluster:) and print the resolved layout: "
+        "world size, replicas, expert-parallel groups, experts per rank when the model's "
+        "config.json is local. Exit code 0, or 2 with the errors.",
+    )
+    check.add_argument("file", metavar="FILE", help="the cluster YAML")
+    sub.add_parser(
+        "schema",
+        help="print every key of the cluster file (Markdown table)",
+        description="Print every key of the cluster file: YAML key, CLI flag, default, meaning.",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from batchgen.cluster_config import ClusterConfigError, load_cluster_config, schema_markdown
+
+    if args.config_command == "schema":
+        print(schema_markdown(), end="")
+        return 0
+    try:
+        cluster = load_cluster_config(args.file)
+        lines = report(cluster)
+    except ClusterConfigError as err:
+        raise CliError(str(err)) from None
+    except ValueError as err:
+        raise CliError(f"{args.file}: {err}") from None
+    print("\n".join(lines))
+    return 0
+
+
+def report(cluster) -> list[str]:
+    """The lines `batchgen config check` prints for a valid `ClusterConfig`.
+
+    Raises:
+        ValueError: a problem only this machine can see: a model path that does not exist, an
+            unreadable or unsupported local model, fewer experts than expert-parallel ranks,
+            more local ranks than CUDA devices.
+    """
+    from batchgen.distributed.layout import ExpertPlacement, check_local_devices
+
+    layout, parallel = cluster.layout, cluster.parallel
+    world, ep, replicas = layout.world_size, layout.expert_parallel_size, layout.num_expert_replicas
+    model = cluster.engine.model
+    model_config, found = _local_model_config(model)
+    lines = [
+        f"{cluster.path}: valid",
+        f"model: {model} ({found})",
+        f"world size: {world} ranks = {replicas} replica{'s' * (replicas != 1)} "
+        f"(data_parallel_size) x {ep} rank{'s' * (ep != 1)} per expert-parallel group "
+        "(expert_parallel_size)",
+        f"prefill: {parallel.prefill_strategy}; decode: "
+        f"{parallel.decode_strategy or ('dp_attention_ep_moe' if ep > 1 else 'data_parallel')}",
+        f"expert-parallel groups (rank r is expert-parallel rank r % {ep} of replica r // {ep}):",
+    ]
+    lines += [
+        f"  replica {g}: ranks {_span(ranks)}" for g, ranks in enumerate(layout.all_ep_groups())
+    ]
+    if model_config is None:
+        lines.append("experts per rank: not shown, the model's config.json is not on this machine")
+    elif not model_config.is_moe:
+        lines.append("experts per rank: none, a dense model (the ranks run data-parallel only)")
+    elif ep == 1:
+        lines.append(f"experts per rank: all {model_config.num_local_experts} (replicated)")
+    else:
+        try:
+            placement = ExpertPlacement(model_config.num_local_experts, ep)
+        except ValueError as err:
+            raise ValueError(f"batchgen_cluster.parallelism.expert_parallel_size: {err}") from None
+        lines.append(f"experts per rank ({model_config.num_local_experts} routed experts):")
+        for r in range(ep):
+            experts = placement.experts_of(r)
+            lines.append(
+                f"  expert-parallel rank {r} ({_every(r, ep, world)}): experts "
+                f"{_span(experts)} ({len(experts)})"
+            )
+    check_local_devices(parallel, cluster.engine.device)
+    local = parallel.data_parallel_size_local
+    started = f"{local} (data_parallel_size_local)" if local is not None else f"all {world}"
+    lines.append(f"ranks started on this machine: {started}")
+    lines += [f"warning: {w}" for w in parallel.ineffective_settings()]
+    lines.append("the same as flags: " + shlex.join(cluster.flags()))
+    return lines
+
+
+def _local_model_config(model: str):
+    """(`ModelConfig` or None, how the model was found), reading only a local config.json.
+
+    Raises:
+        ValueError: a local path that does not exist or is not a checkpoint directory, or a
+            config.json that is unreadable or of an unsupported architecture.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    from batchgen.models.loader import resolve_model_path
+
+    try:
+        path = Path(model).expanduser()
+        if path.exists():
+            config_dir, found = resolve_model_path(model), "local directory"
+        else:
+            try:
+                cached = try_to_load_from_cache(model, "config.json")
+            except Exception:  # not a hub id either: say why the way a run would
+                resolve_model_path(model)
+                raise
+            if not isinstance(cached, str):
+                return None, "a hub id, not in this machine's Hugging Face cache: layout only"
+            config_dir, found = Path(cached).parent, "hub id, config.json in the local HF cache"
+        from transformers import AutoConfig
+
+        from batchgen.models.model_config import ModelConfig
+
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(config_dir)), found
+    except (OSError, ValueError) as err:
+        raise ValueError(f"batchgen_cluster.model: {err}") from None
+
+
+def _span(ids: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> "0-3" (ids are contiguous)."""
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def _every(r: int, step: int, world: int) -> str:
+    """ "ranks r, r + step, ..." below ``world``, shortened past four ("rank r" alone)."""
+    ranks = list(range(r, world, step))
+    if len(ranks) == 1:
+        return f"rank {r}"
+    listed = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{r}, {r + step}, ..., {ranks[-1]}"
+    return f"ranks {listed}"
