@@ -259,10 +259,11 @@ class _Loader:
         except ValidationError as err:
             self.fail(*(self.type_error(e) for e in err.errors()))
         if validated.model is None:
+            given = (ROOT, "model") in self.lines  # `model:` with no value
             self.fail_at(
-                (ROOT,),
-                "missing `model`: the cluster file must name the model, an HF checkpoint "
-                "directory or hub id",
+                (ROOT, "model") if given else (ROOT,),
+                f"{'empty' if given else 'missing `model`'}: the cluster file must name the "
+                "model, an HF checkpoint directory or hub id",
             )
         if not validated.model.strip():
             self.fail_at((ROOT, "model"), "must be a non-empty string")

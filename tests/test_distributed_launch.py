@@ -205,6 +205,10 @@ def test_layout_resolution(kwargs, world, ep):
             "contradicts",
         ),
         (dict(prefill_strategy="data_parallel_offload"), "needs expert parallelism"),
+        (
+            dict(data_parallel_size=2, expert_parallel_size=1, enable_expert_parallel=True),
+            "expert_parallel_size=1 replicates the experts, which contradicts",
+        ),
         (dict(stream_buffer_layers=0), "stream_buffer_layers must be an integer >= 1"),
         (dict(distributed_timeout_s=0), "distributed_timeout_s must be a number > 0"),
         (dict(data_parallel_size=2, data_parallel_size_local=3), "data_parallel_size_local"),
