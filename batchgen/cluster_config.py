@@ -42,7 +42,7 @@ from batchgen.parallel_config import ParallelConfig
 ROOT = "batchgen_cluster"
 EXAMPLE = "examples/cluster.yaml"
 DEFAULT_SECTION = {EngineConfig: "engine", ParallelConfig: "parallelism"}
-# Keys whose meaning in the file differs from their flag's (module docstring).
+# The one key that is no field: the job's ranks (module docstring).
 WORLD_HELP = (
     "the job's ranks; optional: when given it must equal data_parallel_size x "
     "expert_parallel_size (default: that product)"
@@ -145,6 +145,8 @@ class ClusterConfig:
         out: list[str] = []
         for name, value in self.kwargs.items():
             flag = "--" + name.replace("_", "-")
+            if value is None:  # `key: null` is the default: no flag
+                continue
             if isinstance(value, bool):
                 out.append(flag if value else "--no-" + flag[2:])
             else:
@@ -279,6 +281,8 @@ class _Loader:
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             return self.error(loc, f"unknown key; {hint}allowed: {', '.join(allowed)}")
+        if e["type"] == "invalid_key":
+            return self.error(loc[:-1], f"a key must be a string, got {_yaml_type(value)}")
         if len(loc) == 2 and loc[1] in SECTIONS:
             return self.error(loc, f"expected a mapping of settings, got {_yaml_type(value)}")
         key = next((k for k in self.keys if k.loc == loc), None)

@@ -204,6 +204,10 @@ BAD_FILES = {
             "batchgen_cluster.parallelism.dp: unknown key",
         ],
     ),
+    "a key that is not a string": (
+        "batchgen_cluster:\n  model: m\n  engine:\n    1: x\n",
+        ["cluster.yaml:3: batchgen_cluster.engine: a key must be a string, got an integer"],
+    ),
     "section not a mapping": (
         "batchgen_cluster:\n  model: m\n  parallelism: 8\n",
         [
@@ -357,6 +361,21 @@ def test_a_bad_file_stops_batchgen_run_before_the_engine(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"batchgen run: error: {bad}:7: batchgen_cluster.parallelism.")
     assert "did you mean 'expert_parallel_size'?" in err and "Traceback" not in err
+
+
+def test_serve_passes_the_file_and_the_flags_given(tmp_path, monkeypatch):
+    import batchgen.service.server as server
+
+    calls = []
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: calls.append(kwargs))
+    monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: None)
+    state = ["--state-dir", str(tmp_path)]
+    assert cli.main(["serve", "--config", str(SEED), *state]) == 0
+    assert cli.main(["serve", "m", "--config", str(SEED), "--max-num-seqs", "9", *state]) == 0
+    assert calls == [
+        {"config": str(SEED)},
+        {"config": str(SEED), "model": "m", "max_num_seqs": 9},
+    ]
 
 
 def test_bench_takes_what_it_can_from_the_file(caplog):
