@@ -261,6 +261,14 @@ class ParallelConfig:
         return 1
 
     @property
+    def resolved_decode_strategy(self) -> str:
+        """``decode_strategy`` after its default (see the field's help)."""
+        if self.decode_strategy is not None:
+            return self.decode_strategy
+        ep = self.resolved_expert_parallel_size
+        return "dp_attention_ep_moe" if ep > 1 else "data_parallel"
+
+    @property
     def is_distributed(self) -> bool:
         """True when the job runs in rank processes (more than one rank, or ranks elsewhere)."""
         return self.data_parallel_size > 1 or self.data_parallel_size_local == 0

@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchgen.entrypoints.cli import CliError
+
+if TYPE_CHECKING:
+    from batchgen.cluster_config import ClusterConfig
+    from batchgen.models.model_config import ModelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def report(cluster) -> list[str]:
+def report(cluster: ClusterConfig) -> list[str]:
     """The lines `batchgen config check` prints for a valid `ClusterConfig`.
 
     Raises:
@@ -70,8 +75,7 @@ def report(cluster) -> list[str]:
         f"world size: {world} ranks = {replicas} replica{'s' * (replicas != 1)} "
         f"(data_parallel_size) x {ep} rank{'s' * (ep != 1)} per expert-parallel group "
         "(expert_parallel_size)",
-        f"prefill: {parallel.prefill_strategy}; decode: "
-        f"{parallel.decode_strategy or ('dp_attention_ep_moe' if ep > 1 else 'data_parallel')}",
+        f"prefill: {parallel.prefill_strategy}; decode: {parallel.resolved_decode_strategy}",
         f"expert-parallel groups (rank r is expert-parallel rank r % {ep} of replica r // {ep}):",
     ]
     lines += [
@@ -104,7 +108,7 @@ def report(cluster) -> list[str]:
     return lines
 
 
-def _local_model_config(model: str):
+def _local_model_config(model: str) -> tuple[ModelConfig | None, str]:
     """(`ModelConfig` or None, how the model was found), reading only a local config.json.
 
     Raises:
