@@ -149,3 +149,25 @@ def test_every_architecture_on_two_ranks(checkpoint_dir, reference, arch, kwargs
         else:  # replicated experts (or none): no collectives in the model
             assert r["routed_expert_bytes"] == single["routed_expert_bytes"]
             assert "all_to_all_bytes" not in r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["expert_parallel", "data_parallel_offload"])
+def test_bfloat16_on_two_ranks(checkpoint_dir, strategy):
+    """bf16 hidden states cross gloo and streamed bf16 experts run: same tokens as one bf16
+    process (an adversarial run found every bf16 / fp16 expert-parallel job failing)."""
+    path = str(checkpoint_dir("mixtral"))
+    want = _run(LLM(path, dtype="bfloat16", num_gpu_blocks_override=KV_BLOCKS))
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        num_gpu_blocks_override=KV_BLOCKS,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        prefill_strategy=strategy,
+        prefill_stream_min_tokens=1,
+    )
+    try:
+        assert _run(llm) == want
+    finally:
+        llm.shutdown()

@@ -311,3 +311,29 @@ def test_outputs_taken_in_by_a_metrics_read_are_still_returned(ep_llm):
     assert engine.has_unfinished_requests()
     assert [o.request_id for o in engine.step()] == ["polled"]
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.timeout(240)
+def test_frontend_sending_while_ranks_send_cannot_deadlock(ep_llm):
+    """Ranks fill their pipes with large outputs (20 logprobs per token) while the frontend is
+    not stepping; then the frontend sends a second large wave of requests. With blocking sends
+    on both sides this deadlocked: rank 1 blocked writing outputs nobody read, rank 0 waited for
+    rank 1 in a collective, the frontend blocked writing to rank 0 (an adversarial run hung
+    until gloo's 300 s timeout). The frontend's sends must return at once and the job end."""
+    engine = ep_llm.llm_engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=20)
+    for i in range(1000):
+        engine.add_request(f"wave1-{i}", f"first wave {i} " * 4, params)
+    for rank in engine._ranks:
+        engine._flush(rank)
+    time.sleep(10)  # the ranks run; megabytes of outputs pile up unread
+    start = time.monotonic()
+    for i in range(2000):  # about 7 KB each: more than the sockets buffer
+        engine.add_request(f"wave2-{i}", f"second wave {i} " * 100, _greedy(1))
+    for rank in engine._ranks:
+        engine._flush(rank)
+    assert time.monotonic() - start < 30, "sending requests waited for the ranks"
+    done = _drain(engine, timeout=180)
+    assert len(done) == 3000
+    assert {len(t) for r, t in done.items() if r.startswith("wave1")} == {24}
+    assert {len(t) for r, t in done.items() if r.startswith("wave2")} == {1}

@@ -38,7 +38,9 @@ def _rowwise_expert(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     return ((e + 1) * x + e) * weights.to(torch.float64)[:, None]
 
 
-def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, oracle, pad=False):
+def _dispatch_rank(
+    rank, world, seed, num_tokens, num_experts, top_k, skew, oracle, pad=False, dtype=None
+):
     import torch.distributed as dist
 
     from batchgen.distributed.all_to_all import (
@@ -50,6 +52,8 @@ def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, orac
 
     placement = ExpertPlacement(num_experts, world)
     hidden, ids, weights = _case(seed, rank, num_tokens, num_experts, top_k, skew)
+    dtype = dtype or torch.float64
+    hidden = hidden.to(dtype)
     if oracle:
         d = AllGatherDispatcher(dist.group.WORLD, placement, rank)
     else:
@@ -59,11 +63,16 @@ def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, orac
     recv = d.dispatch(hidden, ids, weights)
     owned = set(placement.experts_of(rank))
     assert set(recv.expert_ids.tolist()) <= owned
-    out = d.combine(_rowwise_expert(recv.hidden, recv.expert_ids, recv.weights), recv.handle)
+    y = _rowwise_expert(recv.hidden.double(), recv.expert_ids, recv.weights).to(dtype)
+    out = d.combine(y, recv.handle)
     # The same arithmetic in one place: every slot's row, summed in slot order.
-    flat = _rowwise_expert(
-        hidden.repeat_interleave(top_k, 0), ids.reshape(-1), weights.reshape(-1)
-    ).view(-1, top_k, H)
+    flat = (
+        _rowwise_expert(
+            hidden.double().repeat_interleave(top_k, 0), ids.reshape(-1), weights.reshape(-1)
+        )
+        .to(dtype)
+        .view(-1, top_k, H)
+    )
     want = sum_slots(flat) if flat.shape[0] else torch.zeros(0, H)
     return (
         out.shape,
@@ -101,6 +110,19 @@ def test_dispatch_combine_exact(name, pad):
     assert received == sum(tokens) * top_k  # every (token, slot) pair went somewhere once
     if skew is not None:  # every pair was owned by rank 0
         assert results[0][4] == sum(tokens) * top_k and results[1][4] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dispatch_combine_exact_in_every_dtype(dtype):
+    """Rows cross gloo as bytes: bf16 and f16 hidden states arrive bit for bit (gloo's
+    all-to-all refuses int16, which the half-precision rows once travelled as)."""
+    world, tokens, experts, top_k, skew = CASES["10_experts_on_3_ranks_top8"]
+    for pad in (False, True):
+        results = run_ranks(
+            _dispatch_rank, world, 2, tokens, experts, top_k, skew, False, pad, dtype
+        )
+        assert all(r[2] for r in results), f"{dtype} pad={pad}: combine differs"
 
 
 @pytest.mark.timeout(300)

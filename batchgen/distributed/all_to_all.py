@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.distributed.layout import ExpertPlacement
+from batchgen.models.layers.moe import sum_slots  # noqa: F401 (re-exported: combine's order)
 
 
 @dataclass
@@ -83,25 +84,15 @@ class CommStats:
         self.num_calls += 1
 
 
-def sum_slots(pairs: torch.Tensor) -> torch.Tensor:
-    """``pairs [T, K, H]`` -> ``[T, H]`` float32: ``((y_0 + y_1) + y_2) + ...`` in slot order,
-    exactly the fused CPU kernel's last pass (``csrc/fused_moe.cpp``)."""
-    out = pairs[:, 0].to(torch.float32, copy=True)
-    for a in range(1, pairs.shape[1]):
-        out += pairs[:, a]
-    return out
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[N, C]`` of any dtype -> ``[N, C * itemsize]`` uint8, the same memory."""
     return t.contiguous().view(torch.uint8).view(t.shape[0], t.shape[1] * t.element_size())
 
 
-def _wire(t: torch.Tensor, group) -> torch.Tensor:
-    """Half-precision rows travel as int16 on gloo (which has no bf16 collectives); same bits."""
-    if t.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        return t.view(torch.int16)
-    return t
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Rows travel as their bytes (``[N, C * itemsize]`` uint8, the same memory), so every
+    dtype crosses every backend bit for bit: gloo's all-to-all refuses int16, for one."""
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 class AllToAllDispatcher:
@@ -139,8 +130,8 @@ class AllToAllDispatcher:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         t0 = time.perf_counter()
         dist.all_to_all_single(
-            _wire(recv, self.group),
-            _wire(send.contiguous(), self.group),
+            _wire(recv),
+            _wire(send.contiguous()),
             output_split_sizes=recv_counts,
             input_split_sizes=send_counts,
             group=self.group,

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.distributed.all_to_all import AllToAllDispatcher, sum_slots
+from batchgen.distributed.all_to_all import AllToAllDispatcher
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.kernels.fused_moe import fused_moe_silu
 from batchgen.models.layers.moe import (
     SparseMoeBlock,
     fused_experts_reference,
     sort_by_expert,
+    sum_slots,
 )
 
 
@@ -64,7 +65,8 @@ class ExpertParallelMoE:
             send_ids[local_rows] = -1  # computed here, not dispatched
         recv = self.dispatcher.dispatch(x, send_ids, topk_weights)
         slots = self.placement.local_slot.to(x.device).index_select(0, recv.expert_ids)  # [R]
-        y = block.experts(recv.hidden, recv.weights[:, None], slots[:, None])  # [R, H]
+        # [R, H] float32: each pair's weighted output, rounded only after the slots are summed
+        y = block.experts(recv.hidden, recv.weights[:, None], slots[:, None], torch.float32)
         pairs = self.dispatcher.combine_pairs(y, recv.handle)  # [T, K, H]
         if local_rows is not None and local_rows.numel():
             self._run_local_rows(block, x, topk_weights, topk_ids, local_rows, pairs)
@@ -83,8 +85,8 @@ class ExpertParallelMoE:
         if held.numel():
             slots = self.placement.local_slot.to(x.device).index_select(0, ids[held])
             out[held] = block.experts(
-                rows.index_select(0, held), weights[held, None], slots[:, None]
-            ).to(out.dtype)
+                rows.index_select(0, held), weights[held, None], slots[:, None], torch.float32
+            )
         other = (owner != self.ep_rank).nonzero().squeeze(1)
         weights_streamed = self.streamer.acquire(self.layer)  # waits for the prefetch
         try:
@@ -120,5 +122,5 @@ def run_streamed_experts(
             block.stats.record(counts)
         return fused_moe_silu(x, w13, w2, weights[:, None], order, counts)
     return fused_experts_reference(
-        x, w13, w2, weights[:, None], slots[:, None], block.act, block.stats
+        x, w13, w2, weights[:, None], slots[:, None], block.act, block.stats, torch.float32
     )

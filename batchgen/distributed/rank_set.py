@@ -25,11 +25,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.launch import rank_command
+from batchgen.distributed.mailbox import CLOSED, Mailbox
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ class RankHandle:
     phase: str = "starting"
     pending: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)  # from its last heartbeat
+    mailbox: Mailbox | None = None  # sends and receives in background threads, once accepted
+
+    def note(self, message: object) -> None:
+        """Called by the mailbox's reader thread for each message, as it arrives."""
+        self.last_seen = time.monotonic()
+        if isinstance(message, msg.Heartbeat):
+            self.step_id, self.phase = message.step_id, message.phase
+            self.counters = message.counters
 
 
 def _silence(rank: RankHandle, now: float) -> str:
@@ -99,6 +108,7 @@ class RankSet:
     def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
         self.config, self.parallel = config, parallel
         self.ranks: list[RankHandle] = []
+        self._inbox: queue.Queue = queue.Queue()  # (RankHandle, message or CLOSED)
         self.failure: RankFailedError | None = None
         self.closed = False
         self._listener, self._authkey = self._listen()
@@ -159,7 +169,9 @@ class RankSet:
         hellos = self._accept(world, processes)
         init_method = self._init_method(hellos)
         for rank in self.ranks:
-            rank.conn.send(msg.Setup(self.config, p, init_method))
+            rank.last_seen = time.monotonic()
+            rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
+            rank.mailbox.send(msg.Setup(self.config, p, init_method))
         return self._wait_ready()
 
     def _accept(self, world: int, processes: dict) -> dict[int, tuple[msg.Hello, str]]:
@@ -259,14 +271,15 @@ class RankSet:
 
     # ---- messages ------------------------------------------------------------------------
     def send(self, rank: RankHandle, message) -> None:
-        rank.conn.send(message)
+        """Queue ``message`` for ``rank``; never blocks (see `Mailbox`)."""
+        rank.mailbox.send(message)
 
     def broadcast(self, message) -> None:
         for rank in self.ranks:
-            rank.conn.send(message)
+            rank.mailbox.send(message)
 
     def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
-        """Messages that arrive within ``timeout`` seconds (all that are ready once one is).
+        """Messages that arrive within ``timeout`` seconds (all that are in once one is).
 
         Raises:
             RankFailedError: a rank's connection closed or its process exited, a rank sent
@@ -274,32 +287,32 @@ class RankSet:
         """
         if self.failure is not None:
             raise self.failure
-        by_conn = {r.conn: r for r in self.ranks}
-        ready = wait(list(by_conn), timeout)  # a dead rank's connection reads as EOF
-        got: list[tuple[RankHandle, object]] = []
+        items = []
+        try:
+            items.append(
+                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            )
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
         broken: list[RankHandle] = []
         failed: list[tuple[RankHandle, str]] = []
-        for obj in ready:
-            rank = by_conn[obj]
-            try:
-                while rank.conn.poll(0):
-                    got.append((rank, rank.conn.recv()))
-            except (EOFError, OSError):
+        got: list[tuple[RankHandle, object]] = []
+        for rank, message in items:
+            if message is CLOSED:
                 broken.append(rank)
-        now = time.monotonic()
-        for rank, message in got:
-            rank.last_seen = now
-            if isinstance(message, msg.Heartbeat):
-                rank.step_id, rank.phase = message.step_id, message.phase
-                rank.counters = message.counters
             elif isinstance(message, msg.Failed):
                 failed.append((rank, message.message))
+            elif not isinstance(message, msg.Heartbeat):
+                got.append((rank, message))
         if broken or failed:
             self._fail(broken, failed)
+        now = time.monotonic()
         silent = [r for r in self.ranks if now - r.last_seen > self.parallel.distributed_timeout_s]
         if silent:
             self._fail_silent(silent, now)
-        return [(r, m) for r, m in got if not isinstance(m, (msg.Heartbeat, msg.Failed))]
+        return got
 
     def _fail(self, broken: list[RankHandle], failed: list[tuple[RankHandle, str]]) -> None:
         """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
@@ -347,20 +360,24 @@ class RankSet:
         if self.closed:
             return
         self.closed = True
+        with_mail = [r for r in self.ranks if r.mailbox is not None]
+        for rank in with_mail:
+            rank.mailbox.send(msg.Shutdown())
         for rank in self.ranks:
-            try:
-                rank.conn.send(msg.Shutdown())
-            except OSError:
-                pass
+            if rank.mailbox is None:  # accepted, never set up
+                try:
+                    rank.conn.send(msg.Shutdown())
+                except OSError:
+                    pass
         deadline = time.monotonic() + (timeout if self.failure is None else 2.0)
-        for rank in self.ranks:  # a rank closes its connection when it leaves
+        open_ranks = {id(r) for r in with_mail}
+        while open_ranks and time.monotonic() < deadline:  # a rank closes its end as it leaves
             try:
-                while time.monotonic() < deadline and rank.conn.poll(
-                    max(0.0, deadline - time.monotonic())
-                ):
-                    rank.conn.recv()
-            except (EOFError, OSError):
-                pass
+                rank, message = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if message is CLOSED:
+                open_ranks.discard(id(rank))
         for rank in self.ranks:
             if rank.process is not None:
                 try:
@@ -369,7 +386,10 @@ class RankSet:
                     pass
         self._finalizer()  # kills what is left, closes the listener
         for rank in self.ranks:
-            rank.conn.close()
+            if rank.mailbox is not None:
+                rank.mailbox.close()
+            else:
+                rank.conn.close()
 
     @staticmethod
     def _kill(processes: list[subprocess.Popen], listener: Listener) -> None:

@@ -104,18 +104,20 @@ def fused_experts_reference(
     topk_ids: torch.Tensor,
     act=F.silu,
     stats=None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Plain torch expert computation: one GEMM chain per non-empty expert over its sorted rows.
 
     Args:
         x: ``[T, H]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]``; topk_weights: ``[T, A]`` (float32);
         topk_ids: ``[T, A]`` int64; stats: optional recorder with ``record(counts)`` (the
-        engine's `ExpertGemmStats`).
+        engine's `ExpertGemmStats`); out_dtype: the result's dtype (default x's).
     Returns:
-        ``[T, H]`` in x's dtype: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``.
-        The weighting and the sum over the top-k run in float32, cast once at the end (HF
-        `MixtralExperts` also weights in float32). Un-sorting is a gather with the inverse
-        permutation followed by a sum over A, which is much faster on CPU than `index_add_`.
+        ``[T, H]``: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``.
+        The weighting and the sum over the top-k run in float32 (`sum_slots`: slot order, as
+        the fused CPU kernel), cast once at the end (HF `MixtralExperts` also weights in
+        float32). Un-sorting is a gather with the inverse permutation, which is much faster
+        on CPU than `index_add_`.
     """
     num_tokens, top_k = topk_ids.shape
     order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
@@ -131,7 +133,18 @@ def fused_experts_reference(
     y_sorted.mul_(topk_weights.reshape(-1).index_select(0, order)[:, None])
     # Un-sort (a permutation, so a gather with the inverse order), then sum over the top-k.
     y = y_sorted.index_select(0, torch.argsort(order))  # [T*A, H] in (token, slot) order
-    return y.view(num_tokens, top_k, x.shape[1]).sum(dim=1).to(x.dtype)  # [T, H]
+    return sum_slots(y.view(num_tokens, top_k, x.shape[1])).to(out_dtype or x.dtype)  # [T, H]
+
+
+def sum_slots(pairs: torch.Tensor) -> torch.Tensor:
+    """``pairs [T, K, H]`` -> ``[T, H]`` float32: ``((y_0 + y_1) + y_2) + ...`` in slot order,
+    exactly the fused CPU kernel's last pass (``csrc/fused_moe.cpp``). Every expert path sums
+    this way, so a token's result does not depend on which experts ran where, on how many
+    threads, or on which rank (expert parallelism combines with it too)."""
+    out = pairs[:, 0].to(torch.float32, copy=True)
+    for a in range(1, pairs.shape[1]):
+        out += pairs[:, a]
+    return out
 
 
 # Expert-parallel across CPU cores: below this many rows per expert on average, each expert's
@@ -175,16 +188,19 @@ def fused_experts_per_expert(
     act=F.silu,
     stats=None,
     num_workers: int = 1,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Expert computation without whole-batch intermediates (the CPU path).
+    """Expert computation without whole-batch sorted intermediates (the CPU path).
 
     Same arguments, result and GEMMs as `fused_experts_reference` (one GEMM chain per
-    non-empty expert over the rows routed to it), but each expert gathers its own rows and adds
-    its weighted output into a float32 ``[T, H]`` accumulator with ``index_add_`` (a token
-    meets an expert at most once, so the adds of one call never collide). The reference
-    materialises ``[T*A, H]`` sorted inputs and outputs, which above glibc's 32 MiB mmap
-    threshold (4,096 tokens x top-8 x hidden 512 in fp32 = 64 MiB) are fresh pages on every
-    call: on the bench model this path ran 1.32x faster at 4,096 tokens and the same at <= 2,048.
+    non-empty expert over the rows routed to it), but each expert gathers its own rows and
+    writes its weighted float32 output to the rows' ``(token, slot)`` places of a ``[T*A, H]``
+    buffer, summed over the slots at the end in slot order (`sum_slots`), so the result is
+    the reference's bit for bit whatever the worker split. The reference also materialises
+    ``[T*A, H]`` sorted inputs and outputs; above glibc's 32 MiB mmap threshold (4,096 tokens
+    x top-8 x hidden 512 in fp32 = 64 MiB) each was a fresh page run on every call: with
+    per-expert gathers into a ``[T, H]`` accumulator this path ran 1.32x faster at 4,096
+    tokens on the bench model and the same at <= 2,048 (measured before the slot-order sum).
 
     With ``num_workers`` > 1 the experts are cut into that many ranges of about equal rows, each
     run on a worker thread with single-threaded GEMMs into its own accumulator, summed at the
@@ -199,8 +215,9 @@ def fused_experts_per_expert(
     one process). ``torch.set_num_threads(1)`` is in force for the whole process during the
     call and restored after.
 
-    Sums over the top-k run in expert order instead of slot order, so results can differ from
-    the reference in the last float32 bits.
+    Before the slot-order sum, the top-k sums ran in expert order per worker: results then
+    depended on the thread count in the last bits (and in bf16 that changed tokens), and
+    differed from an expert-parallel rank's.
     """
     num_tokens, top_k = topk_ids.shape
     order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
@@ -209,8 +226,11 @@ def fused_experts_per_expert(
     for m in counts:
         starts.append(starts[-1] + m)
 
-    def run(lo: int, hi: int) -> torch.Tensor:
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    # [T*A, H] float32 in (token, slot) order; every place is written once (a token meets an
+    # expert at most once), by one worker.
+    pairs = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+
+    def run(lo: int, hi: int) -> None:
         for expert in range(lo, hi):
             start, end = starts[expert], starts[expert + 1]
             if start == end:
@@ -218,11 +238,14 @@ def fused_experts_per_expert(
             rows = token_idx[start:end]  # [m]
             gate, up = F.linear(x.index_select(0, rows), w13[expert]).chunk(2, dim=-1)  # [m, I]
             y = F.linear(act(gate) * up, w2[expert]).float()  # [m, H]
-            out.index_add_(0, rows, y.mul_(weights[start:end, None]))
-        return out  # [T, H] float32
+            pairs.index_copy_(0, order[start:end], y.mul_(weights[start:end, None]))
+
+    def result() -> torch.Tensor:
+        return sum_slots(pairs.view(num_tokens, top_k, x.shape[1])).to(out_dtype or x.dtype)
 
     if num_workers <= 1:
-        return run(0, len(counts)).to(x.dtype)
+        run(0, len(counts))
+        return result()
     ranges = _split_by_rows(starts, num_workers)
     # Grad and inference modes are per thread: the workers take the caller's.
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
@@ -236,13 +259,11 @@ def fused_experts_per_expert(
     try:
         pool = _expert_pool(num_workers)
         futures = [pool.submit(run_in_caller_mode, lo, hi) for lo, hi in ranges]
-        parts = [f.result() for f in futures]
+        for f in futures:
+            f.result()
     finally:
         torch.set_num_threads(threads)
-    out = parts[0]
-    for part in parts[1:]:
-        out.add_(part)
-    return out.to(x.dtype)
+    return result()
 
 
 def cpu_expert_workers(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -352,11 +373,16 @@ class SparseMoeBlock(nn.Module):
         return not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act)
 
     def experts(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The held routed experts: ``x [T, H]``, ``topk_weights [T, A]`` float32 and
         ``topk_ids [T, A]`` *slots* of this block (equal to the logical ids unless the experts
-        are sharded) -> ``[T, H]`` (float32 on the kernel path, else x's dtype):
+        are sharded) -> ``[T, H]`` (float32 on the kernel path, else ``out_dtype``, default
+        x's dtype):
         ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in slot order on the kernel
         path. The fast path is chosen here, by measurement on CPU (see
         `batchgen.kernels.fused_moe` and `fused_experts_per_expert`); CUDA keeps the reference
@@ -370,8 +396,8 @@ class SparseMoeBlock(nn.Module):
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
         if x.device.type == "cpu":
             workers = cpu_expert_workers(x.shape[0], self.top_k, self.w13_weight.shape[0])
-            return fused_experts_per_expert(*args, num_workers=workers)
-        return fused_experts_reference(*args)
+            return fused_experts_per_expert(*args, num_workers=workers, out_dtype=out_dtype)
+        return fused_experts_reference(*args, out_dtype=out_dtype)
 
     def forward(self, x: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``local_rows`` (expert parallelism only): rows whose
