@@ -7,9 +7,9 @@ rest are BatchGen's. ``data_parallel_size`` counts *ranks* here, as in vLLM; the
 `batchgen.cluster_config` maps one onto the other. `batchgen.distributed.layout.resolve_layout`
 turns the sizes into the rank grid.
 
-Three settings of the cluster-operations issue (straggler rebalancing, elastic recovery and its
-snapshot store) are accepted and validated but not acted on yet: `ineffective_settings` names
-them, and the engine logs that as a warning at start.
+Two settings of the cluster-operations issue (straggler rebalancing and the snapshot store) are
+accepted and validated but not acted on yet: `ineffective_settings` names them, and the engine
+logs that as a warning at start.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ class ParallelConfig:
     enable_elastic_recovery: bool = field(
         default=False,
         metadata=meta(
-            "on a rank's death, re-form the world and re-queue its unfinished requests "
-            "instead of failing the job. NOT ACTED ON YET: accepted and named in a warning",
+            "when a rank dies or goes silent, start the ranks again and re-queue every "
+            "unfinished request instead of failing the job (at most 3 restarts; ranks this "
+            "frontend starts only; docs/distributed.md)",
             section="checkpoint_service",
         ),
     )
@@ -243,12 +244,20 @@ class ParallelConfig:
                     out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
         for name, what in (
             ("straggler_rebalance_interval_steps", "straggler rebalancing"),
-            ("enable_elastic_recovery", "elastic recovery"),
             ("snapshot_storage_uri", "snapshotting for recovery"),
         ):
             value = getattr(self, name)
             if value != getattr(default, name):
                 out.append(f"{name}={value!r} " + NOT_BUILT.format(what=what))
+        local = self.data_parallel_size_local
+        if self.enable_elastic_recovery and local is not None and local < self.data_parallel_size:
+            out.append(
+                "enable_elastic_recovery restarts only the ranks this frontend starts: with "
+                f"data_parallel_size_local={local} < data_parallel_size="
+                f"{self.data_parallel_size}, a rank failure still ends the job"
+            )
+        elif self.enable_elastic_recovery and self.data_parallel_size == 1:
+            out.append("enable_elastic_recovery has no effect with one rank (data_parallel_size=1)")
         return out
 
     @property

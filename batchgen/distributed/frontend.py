@@ -13,8 +13,17 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   with the key in ``$BATCHGEN_DP_AUTHKEY``.
 - **Failure**: `RankFailedError` names the dead, stuck or failed rank (see `RankSet`); every
   finished output has already been returned, and the other ranks are stopped. Resuming
-  (``batchgen run --resume``) re-runs only what did not finish; recovery without a restart
-  belongs to the elastic path (not built yet).
+  (``batchgen run --resume``) re-runs only what did not finish.
+- **Elastic recovery** (``enable_elastic_recovery``): when a rank dies or goes silent (not when
+  it raises an error, which a restart would repeat), the frontend starts a fresh set of ranks
+  (the same layout, so the experts are placed again) and re-queues every request it has not
+  returned yet, up to `MAX_RECOVERIES` times per engine (`ElasticRecovery`). Finished outputs
+  were returned before and are never run again; a re-queued request starts over, and greedy or
+  seeded requests get the same tokens (a request's tokens do not depend on its rank).
+  Survivors restart too: their expert-parallel collectives broke with the dead rank, and a
+  restart of the whole group is the one path that also works when the dead rank's machine is
+  gone for good. Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
+  headless ones).
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from dataclasses import dataclass
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.layout import ExpertPlacement
+from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
+from batchgen.distributed.recovery import MAX_RECOVERIES, ElasticRecovery  # noqa: F401
 from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -45,6 +56,19 @@ __all__ = ["DPEngineClient", "RankFailedError", "aggregate_metrics"]
 @dataclass
 class _KVUsage:
     usage: float
+
+
+@dataclass
+class _Request:
+    """An unfinished request as the frontend keeps it: where it runs, its estimated tokens, and
+    what it takes to send it again after a recovery."""
+
+    rank: int
+    load: int
+    processed: ProcessedPrompt
+    params: SamplingParams
+    arrival: float
+    pinned: int | None  # the caller's data_parallel_rank
 
 
 class DPEngineClient:
@@ -83,11 +107,13 @@ class DPEngineClient:
         if ep > 1 and self.model_config.is_moe:  # fail here, not in every rank after loading
             ExpertPlacement(self.model_config.num_local_experts, ep)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        self.requests: dict[str, tuple[int, int]] = {}  # request id -> (rank, load estimate)
+        self.requests: dict[str, _Request] = {}  # unfinished, in arrival order
         self._metrics_token = itertools.count()
         self._metrics: dict[tuple[int, int], dict] = {}
         self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
+        self.recovery = ElasticRecovery(parallel)
+        self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
         self.rank_set = RankSet(config, parallel)
         self._ranks = self.rank_set.ranks
         self.max_model_len = self.rank_set.max_model_len
@@ -153,33 +179,55 @@ class DPEngineClient:
         self._check_open()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if data_parallel_rank is None:
-            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
-        elif (
+        if data_parallel_rank is not None and not (
             isinstance(data_parallel_rank, int)
             and not isinstance(data_parallel_rank, bool)
             and 0 <= data_parallel_rank < len(self._ranks)
         ):
-            rank = self._ranks[data_parallel_rank]
-        else:
             raise ValueError(
                 f"data_parallel_rank must be in [0, {len(self._ranks)}), got {data_parallel_rank!r}"
             )
         prompt_len = len(processed.prompt_token_ids)
         budget = params.max_tokens or (self.max_model_len - prompt_len)
         load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
-        rank.load += load
         arrival = time.time() if arrival_time is None else arrival_time
-        rank.pending.append((request_id, processed, params, arrival))
-        self.requests[request_id] = (rank.rank, load)
+        self._assign(request_id, _Request(-1, load, processed, params, arrival, data_parallel_rank))
+
+    def _assign(self, request_id: str, request: _Request) -> None:
+        """Queue ``request`` on its pinned rank, else the least-loaded one."""
+        if request.pinned is None:
+            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
+        else:
+            rank = self._ranks[request.pinned]
+        request.rank = rank.rank
+        rank.load += request.load
+        rank.pending.append((request_id, request.processed, request.params, request.arrival))
+        self.requests[request_id] = request
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)
 
     def _check_open(self) -> None:
         if self.rank_set.failure is not None:
-            raise self.rank_set.failure
+            self._recover(self.rank_set.failure)
         if self.rank_set.closed:
             raise RuntimeError("this engine was shut down (LLM.shutdown); create a new LLM")
+
+    def _recover(self, failure: RankFailedError) -> None:
+        """Start fresh ranks and re-queue every unfinished request (module docstring), or
+        raise ``failure`` (see `ElasticRecovery.begin`).
+
+        Raises:
+            RankFailedError: ``failure``, or the new ranks failed to start.
+        """
+        self.recovery.begin(failure, self._ranks, self._done_tokens, len(self.requests))
+        self.rank_set.shutdown()
+        self.rank_set = RankSet(self.config, self.parallel)
+        self._ranks = self.rank_set.ranks
+        self._done_tokens = 0
+        requests, self.requests = self.requests, {}
+        for request_id, request in requests.items():
+            self._assign(request_id, request)
+        self.recovery.end(len(self._ranks))
 
     def _flush(self, rank: RankHandle) -> None:
         if rank.pending:
@@ -191,8 +239,8 @@ class DPEngineClient:
         entry = self.requests.pop(request_id, None)
         if entry is None or self.rank_set.failure is not None or self.rank_set.closed:
             return
-        rank = self._ranks[entry[0]]
-        rank.load -= entry[1]
+        rank = self._ranks[entry.rank]
+        rank.load -= entry.load
         before = len(rank.pending)
         rank.pending = [p for p in rank.pending if p[0] != request_id]
         if len(rank.pending) == before:
@@ -218,13 +266,16 @@ class DPEngineClient:
             RuntimeError: after `shutdown`.
         """
         self._check_open()
-        for rank in self._ranks:
-            self._flush(rank)
-        deadline = time.monotonic() + STEP_WAIT_S
-        while not self._finished and self.requests:
-            self._dispatch(self.rank_set.receive(max(0.0, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
-                break
+        try:
+            for rank in self._ranks:
+                self._flush(rank)
+            deadline = time.monotonic() + STEP_WAIT_S
+            while not self._finished and self.requests:
+                self._dispatch(self.rank_set.receive(max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    break
+        except RankFailedError as failure:
+            self._recover(failure)  # raises unless the ranks run again
         finished, self._finished = self._finished, []
         return finished
 
@@ -236,8 +287,11 @@ class DPEngineClient:
                 for out in message.outputs:
                     entry = self.requests.pop(out.request_id, None)
                     if entry is not None:  # else aborted meanwhile
-                        rank.load -= entry[1]
+                        rank.load -= entry.load
                         self._finished.append(out)
+                        self._done_tokens += len(out.prompt_token_ids or ()) + sum(
+                            len(c.token_ids) for c in out.outputs
+                        )
             elif isinstance(message, msg.Metrics):
                 self._metrics[(message.token, rank.rank)] = message.snapshot
 
@@ -246,13 +300,20 @@ class DPEngineClient:
         """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals (`aggregate_metrics`:
         tokens summed, rates over the busiest rank's busy time, tile density over all ranks'
         expert GEMMs)."""
-        token = next(self._metrics_token)
-        self.rank_set.broadcast(msg.GetMetrics(token))
-        keys = [(token, r.rank) for r in self._ranks]
-        while any(k not in self._metrics for k in keys):
-            self._dispatch(self.rank_set.receive(1.0))
-        ranks = [self._metrics.pop(k) for k in keys]
-        return aggregate_metrics(ranks, time.perf_counter() - self._started)
+        while True:
+            self._check_open()
+            token = next(self._metrics_token)
+            self.rank_set.broadcast(msg.GetMetrics(token))
+            keys = [(token, r.rank) for r in self._ranks]
+            try:
+                while any(k not in self._metrics for k in keys):
+                    self._dispatch(self.rank_set.receive(1.0))
+            except RankFailedError as failure:
+                self._recover(failure)
+                continue
+            ranks = [self._metrics.pop(k) for k in keys]
+            totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
+            return {**totals, **self.recovery.metrics()}
 
     def _poll(self) -> None:
         """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
@@ -312,57 +373,3 @@ class DPEngineClient:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the ranks (politely, then by force). Idempotent."""
         self.rank_set.shutdown(timeout)
-
-
-def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
-    """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`).
-
-    Token counts are summed. Rates divide by the busiest rank's ``busy_seconds`` (time inside
-    engine steps; ranks step side by side), as one process divides by its own: so the figures
-    compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
-    over ranks; ``wall_seconds`` is the time since start or the last `reset_metrics`.
-    """
-    total = {
-        key: sum(s.get(key, 0) for s in ranks)
-        for key in (
-            "prefill_tokens",
-            "decode_tokens",
-            "generated_tokens",
-            "num_steps",
-            "num_preemptions",
-            "num_expert_gemms",
-            "routed_expert_bytes",
-            "all_to_all_bytes",
-            "streamed_bytes",
-            "dummy_steps",
-        )
-    }
-    rows = sum(s["mean_rows_per_expert_gemm"] * s["num_expert_gemms"] for s in ranks)
-    tile_rows = sum(
-        s["mean_rows_per_expert_gemm"] * s["num_expert_gemms"] / s["tile_density"]
-        for s in ranks
-        if s.get("tile_density")
-    )
-    busy = max(s["busy_seconds"] for s in ranks) or 1e-12
-    weights = [s["busy_seconds"] for s in ranks]
-    shares: dict[str, float] = {}
-    for s, weight in zip(ranks, weights, strict=True):
-        for stage, share in s["stage_time_share"].items():
-            shares[stage] = shares.get(stage, 0.0) + share * weight / (sum(weights) or 1e-12)
-    return {
-        **total,
-        "data_parallel_size": len(ranks),
-        "busy_seconds": busy,
-        "wall_seconds": wall_seconds,
-        "prefill_tokens_per_s": total["prefill_tokens"] / busy,
-        "decode_tokens_per_s": total["decode_tokens"] / busy,
-        "generated_tokens_per_s": total["generated_tokens"] / busy,
-        "total_tokens_per_s": (total["prefill_tokens"] + total["decode_tokens"]) / busy,
-        "stage_time_share": shares,
-        "tile_density": rows / tile_rows if tile_rows else None,
-        "mean_rows_per_expert_gemm": rows / total["num_expert_gemms"]
-        if total["num_expert_gemms"]
-        else 0.0,
-        "peak_memory_bytes": max(s["peak_memory_bytes"] for s in ranks),
-        "ranks": ranks,
-    }

@@ -43,11 +43,15 @@ STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
 
 
 class RankFailedError(RuntimeError):
-    """A rank died, failed or went silent. ``ranks``: the ranks at fault."""
+    """A rank died, failed or went silent. ``ranks``: the ranks at fault. ``recoverable``: the
+    fault is a rank's death or silence while the job ran (a machine or process lost, which a
+    restart of the ranks can outlive), not an error raised on a rank (which a restart would
+    repeat) nor a failure to start."""
 
-    def __init__(self, message: str, ranks: list[int]) -> None:
+    def __init__(self, message: str, ranks: list[int], recoverable: bool = False) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.recoverable = recoverable
 
 
 @dataclass
@@ -344,13 +348,13 @@ class RankSet:
                 first = text.strip().splitlines()[0] if text.strip() else "unknown error"
                 parts.append(f"rank {rank.rank} failed: {first}")
         culprits = sorted(culprit_ids) or [r.rank for r, _ in failed]
-        self.failure = RankFailedError("; ".join(parts), culprits)
+        self.failure = RankFailedError("; ".join(parts), culprits, recoverable=bool(culprit_ids))
         self.shutdown()
         raise self.failure
 
     def _fail_silent(self, silent: list[RankHandle], now: float) -> None:
         parts = [_silence(r, now) for r in silent]
-        self.failure = RankFailedError("; ".join(parts), [r.rank for r in silent])
+        self.failure = RankFailedError("; ".join(parts), [r.rank for r in silent], recoverable=True)
         self.shutdown()
         raise self.failure
 

@@ -1,0 +1,57 @@
+"""Job totals over the ranks' metric snapshots (`DPEngineClient.get_metrics`)."""
+
+from __future__ import annotations
+
+
+def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
+    """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`).
+
+    Token counts are summed. Rates divide by the busiest rank's ``busy_seconds`` (time inside
+    engine steps; ranks step side by side), as one process divides by its own: so the figures
+    compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
+    over ranks; ``wall_seconds`` is the time since start or the last `reset_metrics`.
+    """
+    total = {
+        key: sum(s.get(key, 0) for s in ranks)
+        for key in (
+            "prefill_tokens",
+            "decode_tokens",
+            "generated_tokens",
+            "num_steps",
+            "num_preemptions",
+            "num_expert_gemms",
+            "routed_expert_bytes",
+            "all_to_all_bytes",
+            "streamed_bytes",
+            "dummy_steps",
+        )
+    }
+    rows = sum(s["mean_rows_per_expert_gemm"] * s["num_expert_gemms"] for s in ranks)
+    tile_rows = sum(
+        s["mean_rows_per_expert_gemm"] * s["num_expert_gemms"] / s["tile_density"]
+        for s in ranks
+        if s.get("tile_density")
+    )
+    busy = max(s["busy_seconds"] for s in ranks) or 1e-12
+    weights = [s["busy_seconds"] for s in ranks]
+    shares: dict[str, float] = {}
+    for s, weight in zip(ranks, weights, strict=True):
+        for stage, share in s["stage_time_share"].items():
+            shares[stage] = shares.get(stage, 0.0) + share * weight / (sum(weights) or 1e-12)
+    return {
+        **total,
+        "data_parallel_size": len(ranks),
+        "busy_seconds": busy,
+        "wall_seconds": wall_seconds,
+        "prefill_tokens_per_s": total["prefill_tokens"] / busy,
+        "decode_tokens_per_s": total["decode_tokens"] / busy,
+        "generated_tokens_per_s": total["generated_tokens"] / busy,
+        "total_tokens_per_s": (total["prefill_tokens"] + total["decode_tokens"]) / busy,
+        "stage_time_share": shares,
+        "tile_density": rows / tile_rows if tile_rows else None,
+        "mean_rows_per_expert_gemm": rows / total["num_expert_gemms"]
+        if total["num_expert_gemms"]
+        else 0.0,
+        "peak_memory_bytes": max(s["peak_memory_bytes"] for s in ranks),
+        "ranks": ranks,
+    }

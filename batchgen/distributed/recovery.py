@@ -1,0 +1,94 @@
+"""Elastic recovery's policy and accounting: whether a rank failure may be outlived by
+starting the ranks again, and what the restarts cost (`DPEngineClient._recover` does the
+restart and the re-queuing; the frontend's module docstring describes the behaviour)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from batchgen.distributed.rank_set import RankFailedError, RankHandle
+from batchgen.parallel_config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+# Restarts of the ranks one engine may take with enable_elastic_recovery before a failure ends
+# the job (a request that kills its rank every time must not restart it forever).
+MAX_RECOVERIES = 3
+
+
+class ElasticRecovery:
+    """Counts and bounds the restarts of one `DPEngineClient`.
+
+    Metrics (`metrics`): ``recoveries``; ``requests_requeued``; ``recovery_seconds`` (from the
+    failure's report to the new ranks taking requests, summed); ``tokens_recomputed`` (prompt
+    and generated tokens the lost ranks had computed for requests that had not finished, from
+    their last heartbeats, so about: up to a second of work is missing).
+    """
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        self.parallel = parallel
+        self.recoveries = 0
+        self.requests_requeued = 0
+        self.recovery_seconds = 0.0
+        self.tokens_recomputed = 0
+        self._start = 0.0
+
+    def begin(
+        self, failure: RankFailedError, ranks: list[RankHandle], done_tokens: int, unfinished: int
+    ) -> None:
+        """Allow a restart after ``failure`` and count it, or raise.
+
+        Args:
+            ranks: the failed set's ranks (their last heartbeat counters).
+            done_tokens: prompt + generated tokens of the outputs those ranks returned.
+            unfinished: requests about to be re-queued.
+
+        Raises:
+            RankFailedError: ``failure`` itself when recovery is off, when the fault is an error
+                raised on a rank (a restart would repeat it), or when some ranks were started
+                elsewhere (this frontend cannot start them again); a new error saying so after
+                `MAX_RECOVERIES` restarts.
+        """
+        p = self.parallel
+        local = p.data_parallel_size_local in (None, p.data_parallel_size)
+        if not (p.enable_elastic_recovery and failure.recoverable and local):
+            raise failure
+        if self.recoveries >= MAX_RECOVERIES:
+            raise RankFailedError(
+                f"{failure} (elastic recovery: gave up after {self.recoveries} restarts of the "
+                "ranks)",
+                failure.ranks,
+            ) from failure
+        self._start = time.monotonic()
+        worked = sum(
+            r.counters.get("num_prompt_tokens", 0) + r.counters.get("num_generated_tokens", 0)
+            for r in ranks
+        )
+        self.tokens_recomputed += max(0, worked - done_tokens)
+        self.recoveries += 1
+        self.requests_requeued += unfinished
+        logger.warning(
+            "%s; elastic recovery %d of %d: starting the ranks again and re-queuing %d "
+            "unfinished request(s)",
+            failure,
+            self.recoveries,
+            MAX_RECOVERIES,
+            unfinished,
+        )
+
+    def end(self, num_ranks: int) -> None:
+        """The new ranks run: count the time since `begin`."""
+        seconds = time.monotonic() - self._start
+        self.recovery_seconds += seconds
+        logger.warning(
+            "elastic recovery: %d rank(s) running again after %.1f s", num_ranks, seconds
+        )
+
+    def metrics(self) -> dict:
+        return {
+            "recoveries": self.recoveries,
+            "requests_requeued": self.requests_requeued,
+            "recovery_seconds": self.recovery_seconds,
+            "tokens_recomputed": self.tokens_recomputed,
+        }

@@ -1,0 +1,168 @@
+"""Elastic recovery (`enable_elastic_recovery`): a rank that dies or goes silent does not end the
+job; the ranks start again, the unfinished requests are re-queued, and every request is answered
+exactly once with the tokens one process gives. A rank's own error still ends the job, and so
+does a failure after `MAX_RECOVERIES` restarts.
+
+Every case carries a timeout and stops its rank processes before returning.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from test_distributed_faults import (
+    BIN,
+    _batch_file,
+    _cli,
+    _drain,
+    _greedy,
+    _rank_pids,
+    _results,
+    _wait_lines,
+)
+
+from batchgen import LLM
+from batchgen.distributed import recovery
+from batchgen.distributed.rank_set import RankFailedError
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"recovery prompt {i} " * (1 + i % 4) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint_dir):
+    llm = LLM(str(checkpoint_dir("mixtral")))
+    outs = llm.generate(_prompts(12), _greedy(24), use_tqdm=False)
+    return {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(outs)}
+
+
+def _elastic_llm(checkpoint_dir, **kw) -> LLM:
+    return LLM(
+        str(checkpoint_dir("mixtral")),
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_elastic_recovery=True,
+        **kw,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_silent_rank_is_restarted_and_every_request_answered_once(checkpoint_dir, reference):
+    llm = _elastic_llm(checkpoint_dir, distributed_timeout_s=4.0)
+    engine = llm.llm_engine
+    stopped = engine._ranks[0].pid
+    try:
+        for i, prompt in enumerate(_prompts(12)):
+            engine.add_request(f"r{i}", prompt, _greedy(24))
+        got, answered = {}, []
+        deadline = time.monotonic() + 180
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the job did not finish: a hang"
+            for out in engine.step():
+                answered.append(out.request_id)
+                got[out.request_id] = out.outputs[0].token_ids
+            if len(answered) >= 3 and stopped is not None:
+                os.kill(stopped, signal.SIGSTOP)  # after some results: they must not rerun
+                first = list(answered)
+                stopped_pid, stopped = stopped, None
+        assert sorted(answered) == sorted(reference)  # each exactly once
+        assert got == reference
+        metrics = llm.get_metrics()
+        assert metrics["recoveries"] == 1
+        assert 0 < metrics["requests_requeued"] <= 12 - len(first)
+        assert metrics["recovery_seconds"] > 0
+        assert stopped_pid not in [r.pid for r in engine._ranks]
+    finally:
+        try:
+            os.kill(stopped_pid if stopped is None else stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_ranks_own_error_is_not_retried(checkpoint_dir):
+    """A rank that raises (here: a message it does not know) would raise again after a
+    restart: the job ends with the error, as without recovery."""
+    llm = _elastic_llm(checkpoint_dir)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("a", "hello", _greedy(4))
+        engine.rank_set.send(engine._ranks[1], "not a message")
+        with pytest.raises(RankFailedError, match="unexpected message") as info:
+            _drain(engine, timeout=60)
+        assert not info.value.recoverable
+        assert engine.recovery.recoveries == 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_recovery_gives_up_after_the_restart_budget(checkpoint_dir, monkeypatch):
+    monkeypatch.setattr(recovery, "MAX_RECOVERIES", 0)
+    llm = _elastic_llm(checkpoint_dir)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("a", "hello", _greedy(200))
+        engine.step()
+        os.kill(engine._ranks[1].pid, signal.SIGKILL)
+        with pytest.raises(RankFailedError, match=r"rank 1 .*SIGKILL.*gave up after 0 restarts"):
+            _drain(engine, timeout=60)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(400)
+def test_batch_run_outlives_a_killed_rank(checkpoint_dir, tmp_path):
+    """`batchgen run --enable-elastic-recovery`: a rank SIGKILLed mid-file, the run exits 0
+    and the output file holds every custom_id once, the same as one process's."""
+    model = str(checkpoint_dir("mixtral"))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _batch_file(src, 40, 48)
+    one = _cli("-i", str(src), "-o", str(tmp_path / "one.jsonl"), "--model", model)
+    assert one.returncode == 0, one.stderr
+    cli = subprocess.Popen(
+        [
+            str(BIN / "batchgen"),
+            "run",
+            "--no-progress",
+            "-i",
+            str(src),
+            "-o",
+            str(out),
+            "--model",
+            model,
+            "--data-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+            "--enable-elastic-recovery",
+            "--max-in-flight",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, BATCHGEN_LOG_LEVEL="WARNING"),
+    )
+    pids = {}
+    try:
+        pids = _rank_pids(cli, 2)
+        _wait_lines(out, 6, cli)
+        os.kill(pids[1], signal.SIGKILL)
+        _, stderr = cli.communicate(timeout=240)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert cli.returncode == 0, stderr
+    assert "rank 1" in stderr and "SIGKILL" in stderr and "elastic recovery 1 of 3" in stderr
+    assert _results(out) == _results(tmp_path / "one.jsonl")  # raises on a duplicate
