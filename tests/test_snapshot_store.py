@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from test_batch_runner import FakeEngine, Stop, completion_line, read_results, write_lines
 
+from batchgen.config import ParallelConfig
+from batchgen.entrypoints import cli
 from batchgen.entrypoints.batch_runner import run_batch_file
 from batchgen.entrypoints.snapshot_store import (
     Manifest,
@@ -107,7 +109,7 @@ def result_line(custom_id: str, text: str = "x") -> bytes:
 def test_segments_round_trip_in_order_with_progress(store_at):
     store = store_at("job")
     store.open_job(manifest())
-    assert store.segments() == [] and store.read_manifest() is None  # nothing written yet
+    assert store.segments() == [] and store.read_manifest() == manifest()
     writer = SnapshotWriter(store, max_results=2, max_age_s=3600, total=5)
     lines = [result_line(f"r{i}") for i in range(5)]
     for line in lines:
@@ -150,7 +152,9 @@ def test_a_segment_is_written_when_its_oldest_result_is_old_enough(store_at):
 def test_another_jobs_snapshot_is_refused_naming_what_differs(store_at):
     store = store_at("job")
     store.open_job(manifest())
-    SnapshotWriter(store).flush(finished=True)  # writes the manifest
+    writer = SnapshotWriter(store)
+    writer.add(result_line("a"))
+    writer.flush()
     other = manifest(model="other", settings={**manifest().settings, "dtype": "bfloat16"})
     with pytest.raises(SnapshotError) as err:
         store_at("job").open_job(other)
@@ -160,6 +164,14 @@ def test_another_jobs_snapshot_is_refused_naming_what_differs(store_at):
     with pytest.raises(SnapshotError, match="input file: snapshot 'in.jsonl' \\(123 bytes"):
         store_at("job").open_job(manifest(input_sha256="cd" * 32))
     store_at("job").open_job(manifest(input_name="renamed.jsonl"))  # the name is not compared
+
+
+@pytest.mark.timeout(120)
+def test_a_manifest_without_results_is_replaced(store_at, caplog):
+    store_at("job").open_job(manifest(model="a model that failed to load"))
+    store_at("job").open_job(manifest())
+    assert store_at("job").read_manifest() == manifest()
+    assert "replacing the manifest of another job that stored no results (model:" in caplog.text
 
 
 @pytest.mark.timeout(120)
@@ -204,6 +216,38 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
 def test_an_unknown_protocol_is_a_clear_error():
     with pytest.raises(SnapshotError, match="snapshot_storage_uri 'nosuch://x'"):
         SnapshotStore("nosuch://x")
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_bucket_fails_when_the_job_opens(s3_endpoint):
+    store = SnapshotStore("s3://no-such-bucket/job/", s3_options(s3_endpoint))
+    with pytest.raises(OSError):
+        store.open_job(manifest())
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/prefix/", "file:///dir/", "snaps/job", "/abs/dir"])
+def test_a_uri_or_a_path_is_accepted(uri):
+    assert ParallelConfig(snapshot_storage_uri=uri).ineffective_settings() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"snapshot_storage_uri": "s3:/bucket"}, "must be a URI"),
+        ({"snapshot_storage_uri": ""}, "must be a URI"),
+        ({"snapshot_interval_results": 0}, "snapshot_interval_results must be an integer >= 1"),
+        ({"snapshot_interval_s": 0}, "snapshot_interval_s must be a number > 0"),
+    ],
+)
+def test_bad_snapshot_settings_name_the_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ParallelConfig(**kwargs)
+
+
+def test_intervals_without_a_uri_are_named_in_a_warning():
+    assert ParallelConfig(snapshot_interval_s=5).ineffective_settings() == [
+        "snapshot_interval_s has no effect without snapshot_storage_uri"
+    ]
 
 
 # ---- run_batch_file with a snapshot (fake engine, milliseconds)
@@ -280,6 +324,36 @@ def test_resume_and_the_snapshot_together_give_each_result_once(tmp_path):
     texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results}
     assert texts["c06"] == texts["c07"] == "from the snapshot"
     assert texts["c04"] != "from the snapshot"  # the output's own copy wins
+
+
+@pytest.mark.timeout(60)
+def test_batchgen_run_takes_the_uri_from_the_cluster_file_and_keeps_it_from_the_engine(
+    tmp_path, monkeypatch, capsys
+):
+    src, snap = _job(tmp_path, 3), tmp_path / "snap"
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "batchgen_cluster:\n  model: tiny\n  checkpoint_service:\n"
+        f"    snapshot_storage_uri: '{snap}'\n    snapshot_interval_results: 2\n"
+    )
+    given: dict = {}
+
+    def fake_start(kwargs):
+        given.update(kwargs)
+        return FakeEngine()
+
+    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--no-progress"]
+    assert cli.main([*argv, "--config", str(config)]) == 0
+    assert given["snapshot_storage_uri"] is None and given["snapshot_interval_results"] is None
+    store = SnapshotStore(str(snap))
+    assert len(list(store.iter_result_lines())) == 3 and len(store.segments()) == 2
+    assert store.read_manifest().model == "tiny"
+    # Another model on the same URI: refused before the engine starts.
+    given.clear()
+    assert cli.main([*argv, "--config", str(config), "--model", "other"]) == 2
+    assert "it differs in model: snapshot 'tiny', this run 'other'" in capsys.readouterr().err
+    assert given == {}
 
 
 # ---- batchgen run, killed with SIGKILL and restarted elsewhere

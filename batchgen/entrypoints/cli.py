@@ -216,8 +216,9 @@ def _open_snapshot(args: argparse.Namespace, kwargs: dict):
         store.open_job(job_manifest(args.input, engine_config))
     except SnapshotError as err:
         raise CliError(str(err)) from err
-    except OSError as err:  # unreachable store, refused credentials...
-        raise CliError(f"snapshot {parallel.snapshot_storage_uri}: {err}") from err
+    except Exception as err:  # unreachable store, missing bucket, refused credentials...
+        message = f"cannot use the snapshot at {parallel.snapshot_storage_uri}: {err!r}"
+        raise CliError(message) from err
     return SnapshotWriter(
         store,
         max_results=parallel.snapshot_interval_results or SnapshotWriter.DEFAULT_MAX_RESULTS,

@@ -19,9 +19,10 @@ process, so two processes can never overwrite each other's segment). Each write 
 
 Readers list only final names, so a temporary left by a killed writer is ignored; should a
 backend still expose a truncated segment, its incomplete last line is dropped with a warning
-(the results it held run again). ``manifest.json`` is written once, before the first segment,
-and read back to verify it; a restart compares it with its own job and refuses, naming each
-difference, to mix the results of two jobs.
+(the results it held run again). ``manifest.json`` is written when a job first opens the
+store (before any model loads, so a store that cannot be written fails at once) and read back
+to verify it; a restart compares it with its own job and refuses, naming each difference, to
+mix the results of two jobs (a manifest with no results stored under it is replaced).
 """
 
 from __future__ import annotations
@@ -182,7 +183,12 @@ class SnapshotStore:
         self.uri = uri
         try:
             self.fs, root = url_to_fs(uri, **(storage_options or {}))
-        except (ImportError, ValueError) as err:
+        except ImportError as err:
+            raise SnapshotError(
+                f"snapshot_storage_uri {uri!r}: {err} (s3: pip install 'batchgen[s3]'; gs: "
+                "pip install 'batchgen[gcs]')"
+            ) from None
+        except ValueError as err:
             raise SnapshotError(f"snapshot_storage_uri {uri!r}: {err}") from None
         self.root = root.rstrip("/")
         protocols = self.fs.protocol
@@ -190,7 +196,6 @@ class SnapshotStore:
         self.atomic_put = bool(protocols & ATOMIC_PUT_PROTOCOLS)
         self.local = bool(protocols & {"file", "local"})
         self.manifest: Manifest | None = None  # this job's, once `open_job` checked it
-        self._manifest_written = False
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -209,41 +214,45 @@ class SnapshotStore:
         return Manifest.from_json(data, self.where(MANIFEST))
 
     def open_job(self, manifest: Manifest) -> None:
-        """Bind the store to a job: check a stored manifest against it (writing none yet).
+        """Bind the store to a job: check a stored manifest against it, or write it (then read
+        it back), which also proves the store writable before any model loads. A manifest of
+        another job that stored no result yet is replaced, with a warning.
 
         Raises:
-            SnapshotError: the stored manifest is another job's (naming every difference), is
-                unreadable, or the URI holds results without a manifest.
+            SnapshotError: the stored manifest is another job's that stored results (naming
+                every difference), is unreadable, or the URI holds results without a manifest.
+            OSError: the store cannot be read or written (missing bucket, credentials...).
         """
         stored = self.read_manifest()
-        if stored is None:
-            if self.segments():
-                raise SnapshotError(
-                    f"{self.uri} holds result segments but no {MANIFEST}; use another "
-                    "snapshot URI, or remove it to start over"
-                )
-        else:
-            diffs = stored.differences(manifest)
-            if diffs:
-                raise SnapshotError(
-                    f"{self.uri} holds the snapshot of another job; it differs in "
-                    + "; ".join(diffs)
-                    + ". Use another snapshot URI, or remove that one to start over"
-                )
-            self._manifest_written = True
+        has_results = bool(self.segments())
+        if stored is None and has_results:
+            raise SnapshotError(
+                f"{self.uri} holds result segments but no {MANIFEST}; use another snapshot "
+                "URI, or remove it to start over"
+            )
+        diffs = stored.differences(manifest) if stored is not None else []
+        if diffs and has_results:
+            raise SnapshotError(
+                f"{self.uri} holds the snapshot of another job; it differs in "
+                + "; ".join(diffs)
+                + ". Use another snapshot URI, or remove that one to start over"
+            )
+        if diffs:
+            logger.warning(
+                "%s: replacing the manifest of another job that stored no results (%s)",
+                self.uri,
+                "; ".join(diffs),
+            )
+        if stored is None or diffs:
+            data = manifest.to_json()
+            self._put(self.path(MANIFEST), data)
+            if self.fs.cat_file(self.path(MANIFEST)) != data:
+                raise SnapshotError(f"{self.where(MANIFEST)} did not read back as written")
         self.manifest = manifest
 
-    def _ensure_manifest(self) -> None:
-        """Write the manifest (once, before the first segment), then read it back."""
-        if self._manifest_written:
-            return
+    def _check_open(self) -> None:
         if self.manifest is None:
             raise RuntimeError("SnapshotStore.open_job must come before writing results")
-        data = self.manifest.to_json()
-        self._put(self.path(MANIFEST), data)
-        if self.fs.cat_file(self.path(MANIFEST)) != data:
-            raise SnapshotError(f"{self.where(MANIFEST)} did not read back as written")
-        self._manifest_written = True
 
     # ---- result segments
     def segments(self) -> list[str]:
@@ -263,7 +272,7 @@ class SnapshotStore:
 
     def write_segment(self, sequence: int, run_id: str, lines: list[bytes]) -> str:
         """Store result lines (each ending with a newline) as one segment; returns its name."""
-        self._ensure_manifest()
+        self._check_open()
         name = f"seg-{sequence:08d}-{run_id}.jsonl"
         self._put(self.path(RESULTS, name), b"".join(lines))
         return name
@@ -287,7 +296,7 @@ class SnapshotStore:
 
     # ---- progress
     def write_progress(self, progress: dict[str, Any]) -> None:
-        self._ensure_manifest()
+        self._check_open()
         data = (json.dumps(progress, indent=2, sort_keys=True) + "\n").encode("utf-8")
         self._put(self.path(PROGRESS), data)
 
