@@ -398,7 +398,7 @@ def _kill_and_restart(tmp_path: Path, model: Path, uri: str, store: SnapshotStor
         _, stderr = proc.communicate()
     assert proc.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
     before = list(store.iter_result_lines())
-    assert 4 <= len(before) < len(ids), "the kill should land mid-run"
+    assert 1 <= len(before) < len(ids), "the kill should land mid-run"
     # Restart "on another machine": a new, empty output path, the same URI and settings.
     new_out = tmp_path / "elsewhere" / "results.jsonl"
     new_out.parent.mkdir()
