@@ -210,6 +210,7 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
         "progress.json",
     ]  # no temporary left behind
     assert SnapshotStore("memory://snap").atomic_put
+    assert SnapshotStore("~/snap").root == str(Path.home() / "snap")  # from YAML: no shell
 
 
 @pytest.mark.timeout(60)
@@ -354,6 +355,33 @@ def test_batchgen_run_takes_the_uri_from_the_cluster_file_and_keeps_it_from_the_
     assert cli.main([*argv, "--config", str(config), "--model", "other"]) == 2
     assert "it differs in model: snapshot 'tiny', this run 'other'" in capsys.readouterr().err
     assert given == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_fails_mid_run_stops_the_run_and_resume_completes_it(tmp_path, monkeypatch):
+    src, uri = _job(tmp_path), f"file://{tmp_path / 'snap'}"
+    out = tmp_path / "out.jsonl"
+    snap = _writer(uri, src, max_results=2, max_age_s=3600)
+    real_write, calls = snap.store.write_segment, []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) > 1:
+            raise OSError("the network is down")
+        return real_write(*args)
+
+    monkeypatch.setattr(snap.store, "write_segment", flaky)
+    with pytest.raises(OSError, match="the network is down"):
+        run_batch_file(FakeEngine(per_step=2), src, out, progress=False, snapshot=snap)
+    assert len(read_results(out)) == 4 and len(list(SnapshotStore(uri).iter_result_lines())) == 2
+    summary = run_batch_file(
+        FakeEngine(per_step=2), src, out, resume=True, progress=False, snapshot=_writer(uri, src)
+    )
+    assert (summary.skipped, summary.restored, summary.succeeded) == (4, 0, 8)
+    expected = Counter(f"c{i:02d}" for i in range(12))
+    assert Counter(r["custom_id"] for r in read_results(out)) == expected
+    stored = SnapshotStore(uri).iter_result_lines()
+    assert Counter(json.loads(line)["custom_id"] for line in stored) == expected
 
 
 # ---- batchgen run, killed with SIGKILL and restarted elsewhere

@@ -181,6 +181,8 @@ class SnapshotStore:
         from fsspec.core import url_to_fs
 
         self.uri = uri
+        if "://" not in uri:
+            uri = os.path.expanduser(uri)  # a path from a YAML file has met no shell
         try:
             self.fs, root = url_to_fs(uri, **(storage_options or {}))
         except ImportError as err:
