@@ -7,16 +7,23 @@ rest are BatchGen's. ``data_parallel_size`` counts *ranks* here, as in vLLM; the
 `batchgen.cluster_config` maps one onto the other. `batchgen.distributed.layout.resolve_layout`
 turns the sizes into the rank grid.
 
-Two settings of the cluster-operations issue (straggler rebalancing and the snapshot store) are
-accepted and validated but not acted on yet: `ineffective_settings` names them, and the engine
-logs that as a warning at start.
+One setting of the cluster-operations issue (straggler rebalancing) is accepted and validated
+but not acted on yet: `ineffective_settings` names it, and the engine logs that as a warning at
+start. The snapshot settings (``snapshot_storage_uri`` and its intervals) are acted on by
+``batchgen run`` (`batchgen.entrypoints.snapshot_store`), elastic recovery by the
+data-parallel frontend (`batchgen.distributed.recovery`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from batchgen.config_fields import is_int, is_number, meta
+
+# The snapshot intervals' defaults (batchgen/entrypoints/snapshot_store.py uses them).
+SEGMENT_MAX_RESULTS = 256
+SEGMENT_MAX_AGE_S = 10.0
 
 PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
 DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
@@ -128,8 +135,26 @@ class ParallelConfig:
     snapshot_storage_uri: str | None = field(
         default=None,
         metadata=meta(
-            "where recovery snapshots go, a URI such as s3://bucket/prefix/ or "
-            "file:///dir/. NOT ACTED ON YET: accepted, validated and named in a warning",
+            "batchgen run: store the job's manifest, finished results and progress here, any "
+            "fsspec URL (s3://bucket/prefix/, gs://bucket/prefix/, file:///dir/) or a path; "
+            "a run given a snapshot of the same job resumes from it, on any machine "
+            "(docs/snapshots.md)",
+            section="checkpoint_service",
+        ),
+    )
+    snapshot_interval_results: int | None = field(
+        default=None,
+        metadata=meta(
+            f"store a snapshot segment once this many results are waiting (default: "
+            f"{SEGMENT_MAX_RESULTS})",
+            section="checkpoint_service",
+        ),
+    )
+    snapshot_interval_s: float | None = field(
+        default=None,
+        metadata=meta(
+            f"store a snapshot segment once the oldest waiting result is this many seconds "
+            f"old (default: {SEGMENT_MAX_AGE_S:g})",
             section="checkpoint_service",
         ),
     )
@@ -146,6 +171,7 @@ class ParallelConfig:
             "expert_parallel_size",
             "prefill_stream_min_tokens",
             "straggler_rebalance_interval_steps",
+            "snapshot_interval_results",
         ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
@@ -179,10 +205,15 @@ class ParallelConfig:
                 f"{self.enable_elastic_recovery!r}"
             )
         uri = self.snapshot_storage_uri
-        if uri is not None and not (isinstance(uri, str) and _is_uri(uri)):
+        if uri is not None and not (isinstance(uri, str) and _is_uri_or_path(uri)):
             raise ValueError(
                 "snapshot_storage_uri must be a URI with a scheme and a location "
-                f"(s3://bucket/prefix/, gs://bucket/prefix/, file:///dir/), got {uri!r}"
+                f"(s3://bucket/prefix/, gs://bucket/prefix/, file:///dir/) or a path, got {uri!r}"
+            )
+        interval = self.snapshot_interval_s
+        if interval is not None and not (is_number(interval) and interval > 0):
+            raise ValueError(
+                f"snapshot_interval_s must be a number > 0 (seconds) or None, got {interval!r}"
             )
         if self.prefill_strategy not in PREFILL_STRATEGIES:
             raise ValueError(
@@ -242,9 +273,12 @@ class ParallelConfig:
             ):
                 if getattr(self, name) != getattr(default, name):
                     out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
+        if self.snapshot_storage_uri is None:
+            for name in ("snapshot_interval_results", "snapshot_interval_s"):
+                if getattr(self, name) is not None:
+                    out.append(f"{name} has no effect without snapshot_storage_uri")
         for name, what in (
             ("straggler_rebalance_interval_steps", "straggler rebalancing"),
-            ("snapshot_storage_uri", "snapshotting for recovery"),
         ):
             value = getattr(self, name)
             if value != getattr(default, name):
@@ -287,9 +321,12 @@ class ParallelConfig:
         return [f.name for f in fields(cls)]
 
 
-def _is_uri(text: str) -> bool:
-    """``scheme://location`` with a scheme of letters, digits, ``+ - .`` (RFC 3986)."""
+def _is_uri_or_path(text: str) -> bool:
+    """``scheme://location`` with a scheme of letters, digits, ``+ - .`` (RFC 3986), or a
+    non-empty path that does not start like a mistyped URI (``s3:/bucket``, ``s3:bucket``)."""
     scheme, sep, rest = text.partition("://")
-    return bool(
-        sep and rest and scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)
-    )
+    if sep:
+        return bool(
+            rest and scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)
+        )
+    return bool(text.strip()) and re.match(r"^[A-Za-z][\w+.-]+:", text) is None

@@ -123,9 +123,7 @@ def test_settings_not_built_yet_are_named_in_a_warning():
     assert notes == [
         "straggler_rebalance_interval_steps=10 is accepted but not acted on yet: straggler "
         "rebalancing is not built (the cluster-operations issue)",
-        "snapshot_storage_uri='s3://ai-models-checkpoints/deepseek-v3/' is accepted but not "
-        "acted on yet: snapshotting for recovery is not built (the cluster-operations issue)",
-    ]
+    ]  # snapshot_storage_uri is acted on by `batchgen run` (test_snapshot_store.py)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,13 @@ so a killed run loses at most the requests in flight and the tail of one line, w
 ``resume=True`` repairs. Memory is proportional to ``max_in_flight`` plus the set of custom_ids
 (for duplicate detection), not to the file.
 
+With a snapshot (`batchgen.entrypoints.snapshot_store`, ``--snapshot-storage-uri``) every
+result line also goes to a durable store, a segment every N results or T seconds. A run that
+finds a snapshot of the same job starts by copying the results the output lacks from it, and
+storing the output's results the snapshot lacks; it then runs only what neither holds. A result
+counts as done once it is in both; either copy alone is enough to restore the other, and
+results are matched by custom_id, so a crash between the two writes cannot duplicate one.
+
 Per-line failures (invalid JSON, missing or duplicate custom_id, unknown url, bad fields, a
 prompt the engine rejects with ValueError, a request that fails inside the engine) become error
 lines; every other line still runs. Any other exception from the engine propagates: it is a bug,
@@ -43,6 +50,7 @@ from batchgen.entrypoints.openai_protocol import (
     response_body,
     success_line,
 )
+from batchgen.entrypoints.snapshot_store import SnapshotWriter
 from batchgen.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -63,7 +71,9 @@ class BatchRunSummary:
     Attributes:
         total: non-blank input lines seen.
         succeeded / failed: result lines written by this run (success / error).
-        skipped: lines skipped because the output already held their result (``resume``).
+        skipped: lines skipped because the output already held their result (``resume``) or
+            the snapshot did.
+        restored: results copied from the snapshot into the output (counted in ``skipped``).
         blank_lines: blank lines between request lines, skipped (blank lines after the last
             request line are not counted).
         prompt_tokens / generated_tokens: over the requests that succeeded in this run
@@ -76,6 +86,7 @@ class BatchRunSummary:
     succeeded: int = 0
     failed: int = 0
     skipped: int = 0
+    restored: int = 0
     blank_lines: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -88,6 +99,8 @@ class BatchRunSummary:
     def describe(self) -> str:
         """One human-readable line."""
         skipped = f", {self.skipped} skipped (already done)" if self.skipped else ""
+        if self.restored:
+            skipped += f", {self.restored} of them restored from the snapshot"
         blank = ""
         if self.blank_lines:
             noun = "line" if self.blank_lines == 1 else "lines"
@@ -115,14 +128,28 @@ class ResumeState:
     done_lines: set[int] = field(default_factory=set)
 
     def add(self, result: dict[str, Any]) -> None:
-        custom_id, error = result.get("custom_id"), result.get("error")
-        if isinstance(error, dict) and (
-            custom_id is None or error.get("code") == DUPLICATE_CUSTOM_ID
-        ):
-            if isinstance(error.get("line"), int):
-                self.done_lines.add(error["line"])
-        elif isinstance(custom_id, str):
-            self.done_ids.add(custom_id)
+        key = result_key(result)
+        if key is None:
+            return
+        kind, value = key
+        (self.done_lines if kind == "line" else self.done_ids).add(value)
+
+    def has(self, result: dict[str, Any]) -> bool:
+        key = result_key(result)
+        if key is None:
+            return False
+        kind, value = key
+        return value in (self.done_lines if kind == "line" else self.done_ids)
+
+
+def result_key(result: dict[str, Any]) -> tuple[str, Any] | None:
+    """What a result line answers: ``("id", custom_id)``, or ``("line", n)`` for an error line
+    a custom_id cannot stand for (`ResumeState`); None for neither."""
+    custom_id, error = result.get("custom_id"), result.get("error")
+    if isinstance(error, dict) and (custom_id is None or error.get("code") == DUPLICATE_CUSTOM_ID):
+        line = error.get("line")
+        return ("line", line) if isinstance(line, int) else None
+    return ("id", custom_id) if isinstance(custom_id, str) else None
 
 
 def complete_prefix_size(path: str | os.PathLike) -> int:
@@ -197,24 +224,35 @@ def count_request_lines(path: str | os.PathLike) -> int:
 
 
 class _ResultWriter:
-    """Appends JSONL result lines; `flush` pushes them to the OS, fsync'ing now and then."""
+    """Appends JSONL result lines; `flush` pushes them to the OS, fsync'ing now and then, and
+    then to the snapshot when one is due."""
 
-    def __init__(self, sink: IO[bytes]):
+    def __init__(self, sink: IO[bytes], snapshot: SnapshotWriter | None = None):
         self._sink = sink
+        self._snapshot = snapshot
         self._last_fsync = time.monotonic()
         # fsync only makes sense for a regular file (``-o /dev/null`` or a pipe rejects it).
         self._can_fsync = stat.S_ISREG(os.fstat(sink.fileno()).st_mode)
 
     def write(self, result: dict[str, Any]) -> None:
-        self._sink.write((dumps_line(result) + "\n").encode("utf-8"))
+        line = (dumps_line(result) + "\n").encode("utf-8")
+        self._sink.write(line)
+        if self._snapshot is not None:
+            self._snapshot.add(line)
 
     def flush(self, *, fsync: bool = False) -> None:
         self._sink.flush()
-        if not self._can_fsync:
-            return
-        if fsync or time.monotonic() - self._last_fsync > FSYNC_INTERVAL_S:
+        if self._can_fsync and (fsync or time.monotonic() - self._last_fsync > FSYNC_INTERVAL_S):
             os.fsync(self._sink.fileno())
             self._last_fsync = time.monotonic()
+        if self._snapshot is not None:
+            self._snapshot.maybe_flush()
+
+    def close(self, *, finished: bool) -> None:
+        """Flush and fsync the output, then store every buffered line in the snapshot."""
+        self.flush(fsync=True)
+        if self._snapshot is not None:
+            self._snapshot.flush(finished=finished)
 
 
 class _BatchRun:
@@ -370,6 +408,58 @@ class _BatchRun:
         self.in_flight.clear()
 
 
+def _sync_with_snapshot(
+    snapshot: SnapshotWriter,
+    sink: IO[bytes],
+    state: ResumeState,
+    output_path: Path,
+    local_size: int,
+) -> int:
+    """Make the output and the snapshot hold the same results before a run starts.
+
+    Appends to ``sink`` (the output, its first ``local_size`` bytes the results it already
+    held, recorded in ``state``) each snapshot result it lacks, adding it to ``state``; then
+    stores in the snapshot each of those ``local_size`` bytes' results the snapshot lacks (a
+    run killed between its two writes). Streams both: memory is one segment plus the keys.
+    Returns the number of results copied from the snapshot.
+    """
+    stored = ResumeState()
+    held = restored = 0
+    for line in snapshot.store.iter_result_lines():
+        try:
+            result = json.loads(line)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict) or result_key(result) is None:
+            logger.warning("snapshot %s: ignoring a line that is not a result", snapshot.store.uri)
+            continue
+        if stored.has(result):
+            continue  # a second copy (never written by batchgen; tolerated)
+        stored.add(result)
+        held += 1
+        if not state.has(result):
+            sink.write(line)
+            state.add(result)
+            restored += 1
+    sink.flush()
+    snapshot.stored_results = held
+    if local_size:
+        with open(output_path, "rb") as f:
+            remaining = local_size
+            for raw in f:
+                remaining -= len(raw)
+                if remaining < 0:
+                    break  # past what the output held: the lines just restored
+                result = json.loads(raw) if raw.strip() else None
+                if result is not None and result_key(result) and not stored.has(result):
+                    stored.add(result)
+                    snapshot.add(raw)
+        if snapshot.pending:
+            logger.info("storing %d results the snapshot lacked", snapshot.pending)
+            snapshot.flush()
+    return restored
+
+
 def run_batch_file(
     engine: Any,
     input_path: str | os.PathLike,
@@ -378,6 +468,7 @@ def run_batch_file(
     resume: bool = False,
     max_in_flight: int = 1024,
     progress: bool = True,
+    snapshot: SnapshotWriter | None = None,
 ) -> BatchRunSummary:
     """Run every request of an OpenAI Batch input file and write one result line per input line.
 
@@ -392,6 +483,10 @@ def run_batch_file(
             skip their input lines and append the rest. Assumes the same input file.
         max_in_flight: most requests in the engine at once (each with its ``n`` samples).
         progress: show a tqdm bar on stderr (requests done / total, generated tokens/s).
+        snapshot: also store every result line in this snapshot (its store bound to this job
+            by `SnapshotStore.open_job`); results the snapshot already holds are copied into
+            the output (whether or not ``resume``) and not run again, and results the resumed
+            output holds but the snapshot lacks are stored first (module docstring).
 
     Returns:
         The counts of this run.
@@ -401,8 +496,10 @@ def run_batch_file(
         BatchFileError: input and output are the same file, or ``resume`` found an output that
             is not a batch result file.
         ValueError: ``max_in_flight`` < 1.
-        Exception: anything the engine raises other than a per-request ValueError; requests
-            still in flight are aborted first and the results written so far stay on disk.
+        Exception: anything the engine raises other than a per-request ValueError, or the
+            snapshot store raises (e.g. the network); requests still in flight are aborted
+            first and the results written so far stay on disk (and are stored in the snapshot
+            where it still works).
     """
     input_path, output_path = Path(input_path), Path(output_path)
     if max_in_flight < 1:
@@ -414,21 +511,34 @@ def run_batch_file(
     if output_path.exists() and output_path.samefile(input_path):
         raise BatchFileError(f"the output file {str(output_path)!r} is the input file")
     state = ResumeState()
+    local_size = 0  # bytes of results the output held before this run
     if resume and output_path.exists():
         state = load_resume_state(output_path)
+        local_size = os.path.getsize(output_path)
     # A pipe or FIFO (`-i <(zcat big.jsonl.gz)`) can be read once only: no total then.
-    total = count_request_lines(input_path) if progress and input_path.is_file() else None
+    counted = (progress or snapshot is not None) and input_path.is_file()
+    total = count_request_lines(input_path) if counted else None
     with (
         open(input_path, "rb") as source,
         open(output_path, "ab" if resume else "wb") as sink,
         tqdm(total=total, unit="req", disable=not progress, file=sys.stderr) as bar,
     ):
-        writer = _ResultWriter(sink)
+        restored = 0
+        if snapshot is not None:
+            snapshot.total = total
+            restored = _sync_with_snapshot(snapshot, sink, state, output_path, local_size)
+        writer = _ResultWriter(sink, snapshot)
         batch_run = _BatchRun(engine, writer, state, max_in_flight, bar)
         try:
             summary = batch_run.run(enumerate(source, start=1))
-        finally:
-            writer.flush(fsync=True)
+        except BaseException:
+            try:
+                writer.close(finished=False)
+            except Exception as err:  # the engine's exception is the one to report
+                logger.warning("could not store the last results in the snapshot: %s", err)
+            raise
+        writer.close(finished=True)
+        summary.restored = restored
     if batch_run.blank.count:
         logger.warning(
             "%s: skipped %s between requests (a batch file holds one request per line)",

@@ -187,12 +187,61 @@ def _start_engine(kwargs: dict):
         raise CliError(f"cannot start the engine: {err}") from err
 
 
+# The settings `batchgen run` acts on itself; the engine is started without them.
+SNAPSHOT_FIELDS = ("snapshot_storage_uri", "snapshot_interval_results", "snapshot_interval_s")
+
+
+def _open_snapshot(args: argparse.Namespace, kwargs: dict):
+    """The `SnapshotWriter` of ``--snapshot-storage-uri`` (or the cluster file's), its store
+    checked against this job; None without one. Loads no model."""
+    from batchgen.cluster_config import ClusterConfigError
+    from batchgen.entrypoints.llm import make_configs
+    from batchgen.entrypoints.snapshot_store import (
+        SnapshotError,
+        SnapshotStore,
+        SnapshotWriter,
+        job_manifest,
+    )
+
+    try:
+        engine_config, parallel = make_configs(**kwargs)
+    except ClusterConfigError as err:
+        raise CliError(str(err)) from err
+    except ValueError as err:
+        raise CliError(f"cannot start the engine: {err}") from err
+    if parallel.snapshot_storage_uri is None:
+        return None
+    try:
+        store = SnapshotStore(parallel.snapshot_storage_uri)
+        store.open_job(job_manifest(args.input, engine_config))
+    except SnapshotError as err:
+        raise CliError(str(err)) from err
+    except Exception as err:  # unreachable store, missing bucket, refused credentials...
+        message = f"cannot use the snapshot at {parallel.snapshot_storage_uri}: {err!r}"
+        raise CliError(message) from err
+    return SnapshotWriter(
+        store,
+        max_results=parallel.snapshot_interval_results or SnapshotWriter.DEFAULT_MAX_RESULTS,
+        max_age_s=parallel.snapshot_interval_s or SnapshotWriter.DEFAULT_MAX_AGE_S,
+    )
+
+
+def _without_snapshot(kwargs: dict) -> dict:
+    """The engine's arguments: ``kwargs`` less the snapshot settings, the cluster file's too."""
+    out = {k: v for k, v in kwargs.items() if k not in SNAPSHOT_FIELDS}
+    if "config" in kwargs:
+        out.update(dict.fromkeys(SNAPSHOT_FIELDS))  # None: the default, over the file's
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
 
     _check_run_paths(args)
-    engine = _start_engine(engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
+    engine = _start_engine(_without_snapshot(kwargs))
     try:
         summary = run_batch_file(
             engine,
@@ -201,12 +250,14 @@ def _run(args: argparse.Namespace) -> int:
             resume=args.resume,
             max_in_flight=args.max_in_flight or _max_running_seqs(engine),
             progress=not args.no_progress,
+            snapshot=snapshot,
         )
     except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
         raise CliError(str(err)) from err
     except RankFailedError as err:
+        where = f"{args.output}" + (f" and {snapshot.store.uri}" if snapshot else "")
         print(
-            f"{PROG} run: error: {err}; every result finished before it is in {args.output}: "
+            f"{PROG} run: error: {err}; every result finished before it is in {where}: "
             "rerun with --resume to finish the rest",
             file=sys.stderr,
         )

@@ -48,6 +48,12 @@ class LLM:
         engine, parallel = make_configs(model, config, **kwargs)
         for warning in parallel.ineffective_settings():
             logger.warning("%s", warning)
+        if parallel.snapshot_storage_uri is not None:
+            logger.warning(
+                "snapshot_storage_uri=%r has no effect here: only `batchgen run` stores a "
+                "snapshot (of a batch file's results)",
+                parallel.snapshot_storage_uri,
+            )
         if parallel.is_distributed:
             from batchgen.distributed.frontend import DPEngineClient
             from batchgen.distributed.layout import check_local_devices

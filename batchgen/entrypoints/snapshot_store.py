@@ -1,0 +1,409 @@
+"""A batch job's durable state at ``snapshot_storage_uri``: any fsspec URL or a plain path.
+
+Layout under the URI (docs/snapshots.md)::
+
+    manifest.json                      the job: input identity, model, output-changing settings
+    progress.json                      counts and the last segment (informational, overwritten)
+    results/seg-<seq:08d>-<run>.jsonl  finished result lines, exactly as `batchgen run` writes them
+
+Object stores have neither append nor an atomic rename, so nothing is ever appended to: every
+object is written whole, once, under a name no other write uses (``<run>`` is a random id per
+process, so two processes can never overwrite each other's segment). Each write is atomic:
+
+- On object stores (s3, gs, az, memory: `ATOMIC_PUT_PROTOCOLS`) one ``pipe_file`` is one PUT (or
+  one multipart upload), and the object appears whole or not at all; their "rename" is a copy
+  plus a delete, which would only double the traffic, so none is used.
+- Everywhere else (the local file system, and any other fsspec backend) a write can be seen
+  half done, so the bytes go to a hidden temporary name (``.<name>.tmp-<uuid>``), are fsync'ed
+  where local, then ``mv``'ed to the final name (``rename(2)``: atomic on POSIX).
+
+Readers list only final names, so a temporary left by a killed writer is ignored; should a
+backend still expose a truncated segment, its incomplete last line is dropped with a warning
+(the results it held run again). ``manifest.json`` is written when a job first opens the
+store (before any model loads, so a store that cannot be written fails at once) and read back
+to verify it; a restart compares it with its own job and refuses, naming each difference, to
+mix the results of two jobs (a manifest with no results stored under it is replaced).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchgen.parallel_config import SEGMENT_MAX_AGE_S, SEGMENT_MAX_RESULTS
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "batchgen-snapshot/1"
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+RESULTS = "results"
+SEGMENT = re.compile(r"^seg-(\d{8})-([0-9a-f]+)\.jsonl$")
+# Protocols whose single PUT is atomic (the object appears whole or not at all).
+ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+
+
+class SnapshotError(ValueError):
+    """The snapshot URI cannot be used for this job (message for the user)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest: which job a snapshot belongs to
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What makes two runs the same job.
+
+    Attributes:
+        input_sha256 / input_size: the input file's bytes (its name and path may differ
+            between machines; its content may not).
+        model: the model's served name (a local directory's name, not its path, or the hub
+            id), as result bodies report it.
+        settings: the engine settings that change a result (`OUTPUT_SETTINGS`); the batching,
+            memory and parallel settings may differ between runs (another machine may have
+            other devices).
+        input_name: the input file's name, for people (not compared).
+    """
+
+    input_sha256: str
+    input_size: int
+    model: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    input_name: str = ""
+
+    def to_json(self) -> bytes:
+        body = {"format": FORMAT, **asdict(self)}
+        return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        try:
+            body = json.loads(data)
+            if body.pop("format") != FORMAT:
+                raise ValueError("unknown format")
+            return cls(**body)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise SnapshotError(
+                f"{where} is not a batchgen snapshot manifest ({err}); use another "
+                "snapshot URI, or remove it to start over"
+            ) from None
+
+    def differences(self, other: Manifest) -> list[str]:
+        """``"what: snapshot X, this run Y"`` for every compared field that differs."""
+        out = []
+        if (self.input_sha256, self.input_size) != (other.input_sha256, other.input_size):
+            out.append(
+                f"input file: snapshot {self.input_name!r} ({self.input_size} bytes, sha256 "
+                f"{self.input_sha256[:12]}...), this run {other.input_name!r} "
+                f"({other.input_size} bytes, sha256 {other.input_sha256[:12]}...)"
+            )
+        if self.model != other.model:
+            out.append(f"model: snapshot {self.model!r}, this run {other.model!r}")
+        for name in sorted(set(self.settings) | set(other.settings)):
+            mine, theirs = self.settings.get(name), other.settings.get(name)
+            if mine != theirs:
+                out.append(f"{name}: snapshot {mine!r}, this run {theirs!r}")
+        return out
+
+
+# EngineConfig fields that change what a request's result is.
+OUTPUT_SETTINGS = ("tokenizer", "dtype", "seed", "max_model_len")
+
+
+def file_identity(path: str | os.PathLike) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in one streaming pass."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def job_manifest(input_path: str | os.PathLike, engine_config: Any) -> Manifest:
+    """The manifest of running ``input_path`` with ``engine_config`` (an `EngineConfig`);
+    reads the input once and loads no model.
+
+    Raises:
+        SnapshotError: the input is not a regular file (a pipe has no identity to record).
+    """
+    path = Path(input_path)
+    if not path.is_file():
+        raise SnapshotError(
+            f"a snapshot needs a regular input file (its sha256 identifies the job); "
+            f"{str(path)!r} is not one"
+        )
+    size, sha = file_identity(path)
+    model = engine_config.served_model_name or _model_name(engine_config.model)
+    settings = {name: getattr(engine_config, name) for name in OUTPUT_SETTINGS}
+    return Manifest(sha, size, model, settings, input_name=path.name)
+
+
+def _model_name(model: str | None) -> str:
+    """The name result bodies carry (`LLMEngine.model_name` without loading anything)."""
+    if model is None:
+        from batchgen.models.default_model import DEFAULT_MODEL_NAME
+
+        return f"batchgen/{DEFAULT_MODEL_NAME}"
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+class SnapshotStore:
+    """One job's snapshot at a URI: the manifest, result segments and progress.
+
+    Args:
+        uri: any fsspec URL (``file:///dir``, ``s3://bucket/prefix``, ``gs://...``) or a plain
+            path. Credentials and endpoints come from the backend's usual sources (for S3:
+            ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``..., or fsspec's ``FSSPEC_S3_*``).
+        storage_options: keyword arguments for the fsspec file system (over those sources).
+
+    Raises:
+        SnapshotError: the URI names no usable file system (unknown protocol, or its package,
+            such as ``s3fs`` or ``gcsfs``, is not installed).
+    """
+
+    def __init__(self, uri: str, storage_options: dict | None = None) -> None:
+        from fsspec.core import url_to_fs
+
+        self.uri = uri
+        if "://" not in uri:
+            uri = os.path.expanduser(uri)  # a path from a YAML file has met no shell
+        try:
+            self.fs, root = url_to_fs(uri, **(storage_options or {}))
+        except ImportError as err:
+            raise SnapshotError(
+                f"snapshot_storage_uri {uri!r}: {err} (s3: pip install 'batchgen[s3]'; gs: "
+                "pip install 'batchgen[gcs]')"
+            ) from None
+        except ValueError as err:
+            raise SnapshotError(f"snapshot_storage_uri {uri!r}: {err}") from None
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol
+        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
+        self.atomic_put = bool(protocols & ATOMIC_PUT_PROTOCOLS)
+        self.local = bool(protocols & {"file", "local"})
+        self.manifest: Manifest | None = None  # this job's, once `open_job` checked it
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def where(self, *parts: str) -> str:
+        """A user-facing location: the URI and the object."""
+        return self.uri.rstrip("/") + "/" + "/".join(parts) if parts else self.uri
+
+    # ---- the manifest
+    def read_manifest(self) -> Manifest | None:
+        """The stored manifest; None when there is none."""
+        try:
+            data = self.fs.cat_file(self.path(MANIFEST))
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(data, self.where(MANIFEST))
+
+    def open_job(self, manifest: Manifest) -> None:
+        """Bind the store to a job: check a stored manifest against it, or write it (then read
+        it back), which also proves the store writable before any model loads. A manifest of
+        another job that stored no result yet is replaced, with a warning.
+
+        Raises:
+            SnapshotError: the stored manifest is another job's that stored results (naming
+                every difference), is unreadable, or the URI holds results without a manifest.
+            OSError: the store cannot be read or written (missing bucket, credentials...).
+        """
+        stored = self.read_manifest()
+        has_results = bool(self.segments())
+        if stored is None and has_results:
+            raise SnapshotError(
+                f"{self.uri} holds result segments but no {MANIFEST}; use another snapshot "
+                "URI, or remove it to start over"
+            )
+        diffs = stored.differences(manifest) if stored is not None else []
+        if diffs and has_results:
+            raise SnapshotError(
+                f"{self.uri} holds the snapshot of another job; it differs in "
+                + "; ".join(diffs)
+                + ". Use another snapshot URI, or remove that one to start over"
+            )
+        if diffs:
+            logger.warning(
+                "%s: replacing the manifest of another job that stored no results (%s)",
+                self.uri,
+                "; ".join(diffs),
+            )
+        if stored is None or diffs:
+            data = manifest.to_json()
+            self._put(self.path(MANIFEST), data)
+            if self.fs.cat_file(self.path(MANIFEST)) != data:
+                raise SnapshotError(f"{self.where(MANIFEST)} did not read back as written")
+        self.manifest = manifest
+
+    def _check_open(self) -> None:
+        if self.manifest is None:
+            raise RuntimeError("SnapshotStore.open_job must come before writing results")
+
+    # ---- result segments
+    def segments(self) -> list[str]:
+        """Final segment names (not paths) in write order; temporaries are left out."""
+        directory = self.path(RESULTS)
+        self.fs.invalidate_cache(directory)
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(directory, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if SEGMENT.match(n))
+
+    def next_sequence(self) -> int:
+        """The sequence number after the last segment's (1 for an empty store)."""
+        names = self.segments()
+        return int(SEGMENT.match(names[-1])[1]) + 1 if names else 1
+
+    def write_segment(self, sequence: int, run_id: str, lines: list[bytes]) -> str:
+        """Store result lines (each ending with a newline) as one segment; returns its name."""
+        self._check_open()
+        name = f"seg-{sequence:08d}-{run_id}.jsonl"
+        self._put(self.path(RESULTS, name), b"".join(lines))
+        return name
+
+    def iter_result_lines(self) -> Iterator[bytes]:
+        """Every complete result line of every segment, in write order, each ending with a
+        newline; one segment is held in memory at a time. An incomplete last line (a segment
+        truncated by a backend without atomic writes) is dropped with a warning."""
+        for name in self.segments():
+            data = self.fs.cat_file(self.path(RESULTS, name))
+            keep = data.rfind(b"\n") + 1
+            if keep < len(data):
+                logger.warning(
+                    "%s: ignoring an incomplete last line (%d bytes); its result runs again",
+                    self.where(RESULTS, name),
+                    len(data) - keep,
+                )
+            for line in data[:keep].splitlines(keepends=True):
+                if line.strip():
+                    yield line
+
+    # ---- progress
+    def write_progress(self, progress: dict[str, Any]) -> None:
+        self._check_open()
+        data = (json.dumps(progress, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        self._put(self.path(PROGRESS), data)
+
+    def read_progress(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.fs.cat_file(self.path(PROGRESS)))
+        except FileNotFoundError:
+            return None
+
+    # ---- atomic writes (module docstring)
+    def _put(self, path: str, data: bytes) -> None:
+        if self.atomic_put:
+            self.fs.pipe_file(path, data)
+            return
+        parent, name = path.rsplit("/", 1)
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
+        self.fs.pipe_file(tmp, data)
+        if self.local:  # survive a machine crash, not only a killed process
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.fs.mv(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer: result lines -> segments, every N results or T seconds
+
+
+class SnapshotWriter:
+    """Buffers result lines and stores them as segments of a `SnapshotStore`.
+
+    A segment is written when ``max_results`` lines are buffered or the oldest buffered line
+    is ``max_age_s`` old (checked by `maybe_flush`), and by `flush`. `progress.json` is
+    rewritten after each segment.
+
+    Args:
+        store: a store bound to its job (`SnapshotStore.open_job`).
+        stored_results: result lines the store already held when the run started.
+        total: the input's request lines, where known (for progress only).
+    """
+
+    DEFAULT_MAX_RESULTS = SEGMENT_MAX_RESULTS
+    DEFAULT_MAX_AGE_S = SEGMENT_MAX_AGE_S
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        *,
+        max_results: int = SEGMENT_MAX_RESULTS,
+        max_age_s: float = SEGMENT_MAX_AGE_S,
+        stored_results: int = 0,
+        total: int | None = None,
+    ) -> None:
+        self.store = store
+        self.max_results = max_results
+        self.max_age_s = max_age_s
+        self.run_id = uuid.uuid4().hex[:8]
+        self.sequence = store.next_sequence()
+        self.stored_results = stored_results
+        self.total = total
+        self.segments_written = 0
+        self.last_segment: str | None = None
+        self._lines: list[bytes] = []
+        self._oldest = 0.0
+
+    def add(self, line: bytes) -> None:
+        """Buffer one result line (ending with a newline)."""
+        if not self._lines:
+            self._oldest = time.monotonic()
+        self._lines.append(line)
+
+    @property
+    def pending(self) -> int:
+        return len(self._lines)
+
+    def maybe_flush(self) -> None:
+        """Write a segment when the buffer is full or old enough."""
+        if self._lines and (
+            len(self._lines) >= self.max_results
+            or time.monotonic() - self._oldest >= self.max_age_s
+        ):
+            self.flush()
+
+    def flush(self, *, finished: bool = False) -> None:
+        """Write the buffered lines as one segment (none when empty), then the progress."""
+        if self._lines:
+            name = self.store.write_segment(self.sequence, self.run_id, self._lines)
+            self.sequence += 1
+            self.segments_written += 1
+            self.stored_results += len(self._lines)
+            self.last_segment = name
+            self._lines = []
+        elif not finished:
+            return
+        self.store.write_progress(
+            {
+                "run_id": self.run_id,
+                "results": self.stored_results,
+                "total_requests": self.total,
+                "last_segment": self.last_segment,
+                "segments_this_run": self.segments_written,
+                "finished": finished,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
