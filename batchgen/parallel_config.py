@@ -1,7 +1,8 @@
 """`ParallelConfig`: how a job spreads over processes and machines, validated once.
 
 Flag names follow vLLM's (``--data-parallel-size``, ``--enable-expert-parallel``,
-``--data-parallel-size-local``, ``--data-parallel-address``, ``--data-parallel-rpc-port``); the
+``--data-parallel-size-local``, ``--data-parallel-address``, ``--data-parallel-rpc-port``,
+``--distributed-executor-backend``); the
 rest are BatchGen's. ``data_parallel_size`` counts *ranks* here, as in vLLM; the cluster YAML's
 ``parallelism.data_parallel_size`` counts expert-parallel *replicas* instead, and
 `batchgen.cluster_config` maps one onto the other. `batchgen.distributed.layout.resolve_layout`
@@ -27,6 +28,7 @@ SEGMENT_MAX_AGE_S = 10.0
 
 PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
 DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
+EXECUTOR_BACKENDS = ("mp", "ray")
 NOT_BUILT = "is accepted but not acted on yet: {what} is not built (the cluster-operations issue)"
 
 
@@ -113,6 +115,14 @@ class ParallelConfig:
         metadata=meta(
             "port the frontend listens on for ranks (default: a free port; needed when ranks "
             "start on other machines)"
+        ),
+    )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=meta(
+            f"one of {EXECUTOR_BACKENDS} (vLLM's flag): mp starts the ranks as processes on "
+            "this machine; ray starts every rank as a Ray actor in a placement group, on the "
+            "Ray cluster at $RAY_ADDRESS or, without it, on a local Ray instance"
         ),
     )
     straggler_rebalance_interval_steps: int | None = field(
@@ -215,6 +225,20 @@ class ParallelConfig:
             raise ValueError(
                 f"snapshot_interval_s must be a number > 0 (seconds) or None, got {interval!r}"
             )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        local = self.data_parallel_size_local
+        if self.distributed_executor_backend == "ray" and local not in (
+            None,
+            self.data_parallel_size,
+        ):
+            raise ValueError(
+                f"data_parallel_size_local={local!r} cannot be combined with "
+                "distributed_executor_backend='ray': Ray places every rank itself"
+            )
         if self.prefill_strategy not in PREFILL_STRATEGIES:
             raise ValueError(
                 f"prefill_strategy must be one of {PREFILL_STRATEGIES}, got "
@@ -270,6 +294,7 @@ class ParallelConfig:
                 "distributed_timeout_s",
                 "data_parallel_address",
                 "data_parallel_rpc_port",
+                "distributed_executor_backend",
             ):
                 if getattr(self, name) != getattr(default, name):
                     out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
@@ -277,9 +302,7 @@ class ParallelConfig:
             for name in ("snapshot_interval_results", "snapshot_interval_s"):
                 if getattr(self, name) is not None:
                     out.append(f"{name} has no effect without snapshot_storage_uri")
-        for name, what in (
-            ("straggler_rebalance_interval_steps", "straggler rebalancing"),
-        ):
+        for name, what in (("straggler_rebalance_interval_steps", "straggler rebalancing"),):
             value = getattr(self, name)
             if value != getattr(default, name):
                 out.append(f"{name}={value!r} " + NOT_BUILT.format(what=what))

@@ -10,7 +10,8 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
 - **Ranks** (`RankSet`) are local processes it starts (``data_parallel_size_local``, default
   all) and/or ranks started elsewhere (``python -m batchgen.distributed.launch`` or
   ``torchrun``) that connect to its listener at ``data_parallel_address:data_parallel_rpc_port``
-  with the key in ``$BATCHGEN_DP_AUTHKEY``.
+  with the key in ``$BATCHGEN_DP_AUTHKEY``; or, with ``distributed_executor_backend='ray'``,
+  Ray actors (`batchgen.distributed.ray_executor`), this process being Ray's driver.
 - **Failure**: `RankFailedError` names the dead, stuck or failed rank (see `RankSet`); every
   finished output has already been returned, and the other ranks are stopped. Resuming
   (``batchgen run --resume``) re-runs only what did not finish.

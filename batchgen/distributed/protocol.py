@@ -27,13 +27,15 @@ HEARTBEAT_S = 1.0
 @dataclass
 class Hello:
     """A rank connected. ``store_port``: a free port on its machine (rank 0's hosts the
-    ``torch.distributed`` rendezvous unless ``torchrun`` already set one up)."""
+    ``torch.distributed`` rendezvous unless ``torchrun`` already set one up). ``node_id``: its
+    Ray node (hex), when it runs as a Ray actor."""
 
     rank: int
     pid: int
     host: str
     torchrun: bool
     store_port: int
+    node_id: str | None = None
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""The frontend's ranks: starting them (local processes, or ranks that connect from other
-machines or from torchrun), talking to them, and telling when one fails.
+"""The frontend's ranks: starting them (local processes, Ray actors, or ranks that connect from
+other machines or from torchrun), talking to them, and telling when one fails.
 
-A `RankSet` owns a listener (`multiprocessing.connection`, HMAC-authenticated), the rank
-processes it started, and one connection per rank. `receive` is the only way messages come in,
-and it is where failures are found:
+A `RankSet` owns a listener (`multiprocessing.connection`, HMAC-authenticated), the ranks it
+started (`RankProcess`: processes of this machine, or Ray actors with
+``distributed_executor_backend='ray'``), and one connection per rank. `receive` is the only
+way messages come in, and it is where failures are found:
 
-- a rank whose connection closes (it died; its process exit code says how) is reported at once;
+- a rank whose connection closes (it died; its exit code or Ray says how) is reported at once;
 - a rank that sends `Failed` reports its own error (often a peer's death seen from a
   collective), so the dead and the stuck are named before it;
 - a rank silent for ``distributed_timeout_s`` (it heartbeats every `HEARTBEAT_S`, even
@@ -19,18 +20,22 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
-import subprocess
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Listener
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
-from batchgen.distributed.launch import rank_command
 from batchgen.distributed.mailbox import CLOSED, Mailbox
+from batchgen.distributed.rank_handle import (
+    RankFailedError,
+    RankHandle,
+    describe_end,
+    silence,
+    where,
+)
+from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -40,65 +45,6 @@ MIN_CONNECT_TIMEOUT_S = 60.0
 CONNECT_LOG_S = 10.0
 # A rank whose heartbeat is this late when another rank fails is named stuck.
 STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
-
-
-class RankFailedError(RuntimeError):
-    """A rank died, failed or went silent. ``ranks``: the ranks at fault. ``recoverable``: the
-    fault is a rank's death or silence while the job ran (a machine or process lost, which a
-    restart of the ranks can outlive), not an error raised on a rank (which a restart would
-    repeat) nor a failure to start."""
-
-    def __init__(self, message: str, ranks: list[int], recoverable: bool = False) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-        self.recoverable = recoverable
-
-
-@dataclass
-class RankHandle:
-    """The frontend's view of one rank: its connection and process, what its heartbeats say,
-    and the requests queued for it (``load``: their estimated tokens)."""
-
-    rank: int
-    conn: Connection
-    host: str
-    pid: int
-    process: subprocess.Popen | None = None  # a rank this frontend started
-    load: int = 0  # estimated tokens of its unfinished requests
-    unfinished: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    step_id: int = 0
-    phase: str = "starting"
-    pending: list = field(default_factory=list)
-    counters: dict = field(default_factory=dict)  # from its last heartbeat
-    mailbox: Mailbox | None = None  # sends and receives in background threads, once accepted
-
-    def note(self, message: object) -> None:
-        """Called by the mailbox's reader thread for each message, as it arrives."""
-        self.last_seen = time.monotonic()
-        if isinstance(message, msg.Heartbeat):
-            self.step_id, self.phase = message.step_id, message.phase
-            self.counters = message.counters
-
-
-def _silence(rank: RankHandle, now: float) -> str:
-    return (
-        f"rank {rank.rank} (pid {rank.pid} on {rank.host}) silent for "
-        f"{now - rank.last_seen:.0f} s (last seen at step {rank.step_id}, {rank.phase}): "
-        "stuck or stopped"
-    )
-
-
-def _describe_exit(process: subprocess.Popen | None) -> str:
-    code = None if process is None else process.poll()
-    if code is None:
-        return "its connection closed"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class RankSet:
@@ -115,8 +61,20 @@ class RankSet:
         self._inbox: queue.Queue = queue.Queue()  # (RankHandle, message or CLOSED)
         self.failure: RankFailedError | None = None
         self.closed = False
-        self._listener, self._authkey = self._listen()
-        self._finalizer = weakref.finalize(self, RankSet._kill, [], self._listener)
+        self._ray = None  # the RayExecutor, under distributed_executor_backend='ray'
+        if parallel.distributed_executor_backend == "ray":
+            from batchgen.distributed.ray_executor import RayExecutor
+
+            self._ray = RayExecutor(config, parallel)  # joins or starts Ray, places the ranks
+        try:
+            self._listener, self._authkey = self._listen()
+        except BaseException:
+            if self._ray is not None:
+                self._ray.close()
+            raise
+        self._finalizer = weakref.finalize(
+            self, RankSet._kill, [], self._listener, self._ray and self._ray.close
+        )
         try:
             self.ready = self._start()
         except BaseException:
@@ -135,7 +93,9 @@ class RankSet:
     def _listen(self) -> tuple[Listener, bytes]:
         p = self.parallel
         external = self._num_local() < p.data_parallel_size
-        if external:
+        if self._ray is not None:  # actors anywhere in the cluster dial this machine's address
+            authkey, address = os.urandom(16).hex().encode(), self._ray.driver_address
+        elif external:
             key = os.environ.get(msg.AUTHKEY_ENV)
             if not key:
                 raise ValueError(
@@ -154,17 +114,17 @@ class RankSet:
         p = self.parallel
         world, local = p.data_parallel_size, self._num_local()
         address, port = self._listener.address
-        env = dict(os.environ, **{msg.AUTHKEY_ENV: self._authkey.decode()})
-        processes = {}
-        for r in range(local):
-            # A fresh interpreter per rank (not multiprocessing's spawn, which re-imports the
-            # user's main module); the key travels in the environment, not the command line.
-            processes[r] = subprocess.Popen(
-                rank_command(r, r, local, "127.0.0.1", port), env=env, stdin=subprocess.DEVNULL
-            )
+        if self._ray is not None:
+            processes = self._ray.start(address, port, self._authkey)
+        else:
+            processes = start_local_ranks(local, port, self._authkey)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
-            self, RankSet._kill, list(processes.values()), self._listener
+            self,
+            RankSet._kill,
+            list(processes.values()),
+            self._listener,
+            self._ray and self._ray.close,
         )
         if local < world:
             logger.info(
@@ -178,9 +138,11 @@ class RankSet:
             rank.mailbox.send(msg.Setup(self.config, p, init_method))
         return self._wait_ready()
 
-    def _accept(self, world: int, processes: dict) -> dict[int, tuple[msg.Hello, str]]:
+    def _accept(
+        self, world: int, processes: dict[int, RankProcess]
+    ) -> dict[int, tuple[msg.Hello, str]]:
         """Accept ``world`` ranks (in a thread: `Listener.accept` has no timeout), watching the
-        local processes meanwhile."""
+        ranks this frontend started meanwhile."""
         arrived: queue.Queue = queue.Queue()
 
         def accept_all():
@@ -206,9 +168,9 @@ class RankSet:
         next_log = start + CONNECT_LOG_S
         while len(hellos) < world:
             for r, proc in processes.items():
-                if r not in hellos and proc.poll() is not None:
+                if r not in hellos and proc.done():
                     raise RankFailedError(
-                        f"rank {r} (pid {proc.pid}) {_describe_exit(proc)} before connecting",
+                        f"rank {r} ({proc.name}) {proc.describe()} before connecting",
                         [r],
                     )
             now = time.monotonic()
@@ -249,7 +211,14 @@ class RankSet:
                 continue
             hellos[hello.rank] = (hello, peer)
             self.ranks.append(
-                RankHandle(hello.rank, conn, hello.host, hello.pid, processes.get(hello.rank))
+                RankHandle(
+                    hello.rank,
+                    conn,
+                    hello.host,
+                    hello.pid,
+                    processes.get(hello.rank),
+                    node_id=hello.node_id,
+                )
             )
         self.ranks.sort(key=lambda r: r.rank)
         return hellos
@@ -324,24 +293,22 @@ class RankSet:
         show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
         ranks that failed on their own."""
         time.sleep(0.5)
+        ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
+        self._read_last_words(broken, failed, ended)
         reported = {r.rank for r, _ in failed}  # these exit by themselves after reporting
         for rank in self.ranks:
-            if rank.process is not None and rank.process.poll() is not None:
-                if rank not in broken:
-                    broken.append(rank)
+            if rank.rank in ended and rank not in broken:
+                broken.append(rank)
         dead = sorted(
             {r.rank: r for r in broken if r.rank not in reported}.values(), key=lambda r: r.rank
         )
-        parts = [
-            f"rank {r.rank} (pid {r.pid} on {r.host}) died: {_describe_exit(r.process)}"
-            for r in dead
-        ]
+        parts = [f"rank {r.rank} ({where(r)}) died: {describe_end(r)}" for r in dead]
         now = time.monotonic()
         culprit_ids = {r.rank for r in dead}
         stuck = [
             r for r in self.ranks if r.rank not in culprit_ids and now - r.last_seen > STUCK_AFTER_S
         ]
-        parts += [_silence(r, now) for r in stuck]
+        parts += [silence(r, now) for r in stuck]
         culprit_ids |= {r.rank for r in stuck}
         for rank, text in failed:
             if rank.rank not in culprit_ids:
@@ -352,8 +319,28 @@ class RankSet:
         self.shutdown()
         raise self.failure
 
+    def _read_last_words(
+        self, broken: list[RankHandle], failed: list[tuple[RankHandle, str]], ended: set[int]
+    ) -> None:
+        """Add what came in meanwhile to ``broken`` and ``failed``, reading until every rank in
+        ``ended`` has closed (at most a second): a peer that reported `Failed` and then
+        exited is not dead, only failed because of the dead one."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            waiting = ended - {r.rank for r in broken}
+            try:
+                rank, message = self._inbox.get(
+                    timeout=max(0.0, deadline - time.monotonic()) if waiting else 0
+                )
+            except queue.Empty:
+                return
+            if message is CLOSED:
+                broken.append(rank)
+            elif isinstance(message, msg.Failed):
+                failed.append((rank, message.message))
+
     def _fail_silent(self, silent: list[RankHandle], now: float) -> None:
-        parts = [_silence(r, now) for r in silent]
+        parts = [silence(r, now) for r in silent]
         self.failure = RankFailedError("; ".join(parts), [r.rank for r in silent], recoverable=True)
         self.shutdown()
         raise self.failure
@@ -384,11 +371,8 @@ class RankSet:
                 open_ranks.discard(id(rank))
         for rank in self.ranks:
             if rank.process is not None:
-                try:
-                    rank.process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        self._finalizer()  # kills what is left, closes the listener
+                rank.process.wait(max(0.1, deadline - time.monotonic()))
+        self._finalizer()  # kills what is left, closes the listener (and Ray's placement group)
         for rank in self.ranks:
             if rank.mailbox is not None:
                 rank.mailbox.close()
@@ -396,16 +380,15 @@ class RankSet:
                 rank.conn.close()
 
     @staticmethod
-    def _kill(processes: list[subprocess.Popen], listener: Listener) -> None:
+    def _kill(processes: list[RankProcess], listener: Listener | None, close_executor) -> None:
         for proc in processes:
-            if proc.poll() is None:
-                proc.kill()
+            proc.kill()
         for proc in processes:
+            proc.wait(10)
+        if listener is not None:
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
+                listener.close()
+            except OSError:
                 pass
-        try:
-            listener.close()
-        except OSError:
-            pass
+        if close_executor is not None:
+            close_executor()

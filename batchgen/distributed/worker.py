@@ -13,8 +13,9 @@ Ranks with replicated experts (pure data parallelism) never wait for each other:
 whenever they have work. Either way a rank leaves only when told to (`Shutdown`) and, in an
 expert-parallel group, when every rank of the group is leaving with no work left.
 
-Started by the frontend (local processes), by ``python -m batchgen.distributed.launch`` or by
-``torchrun`` (one rank per process, from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``).
+Started by the frontend (local processes), by ``python -m batchgen.distributed.launch``, by
+``torchrun`` (one rank per process, from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``) or as a
+Ray actor (`batchgen.distributed.ray_executor`), always through `rank_main`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class RankLaunch:
         torchrun: ranks were started by torchrun (rendezvous from its environment).
         parent_pid: the process that started this rank (a frontend or a launcher); while the
             rank waits for its frontend, it gives up if that process is gone.
+        cuda_device: the CUDA device index it uses (default: ``local_rank``); a Ray actor sees
+            only its own GPU, device 0.
+        node_id: its Ray node (hex), reported to the frontend, under Ray.
     """
 
     rank: int
@@ -63,6 +67,8 @@ class RankLaunch:
     authkey: bytes
     torchrun: bool = False
     parent_pid: int | None = None
+    cuda_device: int | None = None
+    node_id: str | None = None
 
 
 def _free_port() -> int:
@@ -161,7 +167,14 @@ def rank_main(launch: RankLaunch) -> int:
     link = _Link(conn, launch.rank)
     try:
         link.send(
-            msg.Hello(launch.rank, os.getpid(), socket.gethostname(), launch.torchrun, _free_port())
+            msg.Hello(
+                launch.rank,
+                os.getpid(),
+                socket.gethostname(),
+                launch.torchrun,
+                _free_port(),
+                launch.node_id,
+            )
         )
         setup: msg.Setup = conn.recv()
         link.start_heartbeat()
@@ -213,13 +226,14 @@ class RankLoop:
         from batchgen.distributed.rank import RankContext
         from batchgen.engine.llm_engine import LLMEngine, resolve_device
 
-        self.rank, self.link = launch.rank, link
+        self.rank, self.link, self.launch = launch.rank, link, launch
         from batchgen.engine.cpu_threads import configure_cpu_threads
 
         configure_cpu_threads(launch.local_world_size)  # the machine's CPUs split among ranks
         device = resolve_device(setup.engine.device)
         if device.type == "cuda":
-            device = torch.device("cuda", launch.local_rank)
+            index = launch.local_rank if launch.cuda_device is None else launch.cuda_device
+            device = torch.device("cuda", index)
         layout = resolve_layout(setup.parallel)
         link.phase = "joining"
         groups = init_process_groups(
@@ -288,6 +302,9 @@ class RankLoop:
         elif isinstance(message, msg.GetMetrics):
             snapshot = engine.get_metrics()
             snapshot["rank"] = self.rank
+            snapshot["host"] = socket.gethostname()
+            if self.launch.node_id is not None:
+                snapshot["node_id"] = self.launch.node_id
             self.link.send(msg.Metrics(self.rank, message.token, snapshot))
         elif isinstance(message, msg.ResetMetrics):
             engine.reset_metrics()
