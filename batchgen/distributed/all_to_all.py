@@ -17,8 +17,8 @@ the single-process one. `AllGatherDispatcher` (vLLM's naive all-gather / reduce 
 independent oracle for tests. Every rank must call ``dispatch`` and ``combine`` of a layer, with
 zero rows if it has no tokens (DESIGN.md: the hang of vLLM #43547, SGLang #28915).
 
-A ``topk_ids`` entry of -1 (DeepEP's convention) is a pair that is not dispatched; its row in
-`combine_pairs` is zero (the streamed-prefill path fills those rows itself).
+A ``topk_ids`` entry of -1 (DeepEP's convention) is a pair that is not dispatched; it adds
+nothing in `combine` (the streamed-prefill path computes those tokens itself).
 """
 
 from __future__ import annotations
@@ -31,6 +31,38 @@ import torch.distributed as dist
 
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.models.layers.moe import sum_slots  # noqa: F401 (re-exported: combine's order)
+
+
+def sum_pairs(
+    rows: torch.Tensor, flat_index: torch.Tensor, num_tokens: int, top_k: int
+) -> torch.Tensor:
+    """Rows of (token, slot) pairs -> ``[T, H]`` float32 per-token sums in slot order.
+
+    Args:
+        rows: ``[P, H]``; flat_index: ``[P]`` int64, ``token * top_k + slot`` of each row, each
+            pair at most once.
+    Returns:
+        What `sum_slots` gives on the ``[T, K, H]`` tensor holding ``rows`` at their pairs and
+        zeros elsewhere, bit for bit (up to the sign of a zero sum), without building it: one
+        ``index_add_`` per slot, slot 0 first, so each token's value is
+        ``((y_0 + y_1) + y_2) + ...`` as in the fused CPU kernel. (Building the zero-filled
+        ``[T*K, H]`` tensor and scattering into it took half of a 1,024-token dispatch +
+        combine on two gloo ranks.)
+    """
+    out = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    if flat_index.numel() == 0:
+        return out
+    slot, token = flat_index % top_k, flat_index // top_k
+    for a in range(top_k):
+        sel = (slot == a).nonzero().squeeze(1)
+        if not sel.numel():
+            continue
+        tokens, part = token.index_select(0, sel), rows.index_select(0, sel)
+        if part.dtype == torch.float32:
+            out.index_add_(0, tokens, part)
+        else:  # `sum_slots`'s mixed-dtype add: float32(out + y) computed in y's promotion
+            out.index_copy_(0, tokens, out.index_select(0, tokens).add_(part))
+    return out
 
 
 @dataclass
@@ -225,19 +257,12 @@ class AllToAllDispatcher:
             handle,
         )
 
-    def combine_pairs(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """``expert_out [R, H]`` (weighted, in received order) -> ``[T, K, H]`` at each pair's
-        place on the dispatching rank; pairs that were not dispatched are zero."""
-        back = self._exchange(expert_out, handle.recv_counts, handle.send_counts)  # [P, H]
-        t, k = handle.num_tokens, handle.top_k
-        pairs = back.new_zeros((t * k, back.shape[1]))
-        pairs.index_copy_(0, handle.pair_order, back)
-        return pairs.view(t, k, back.shape[1])
-
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """``expert_out [R, H]`` -> ``[T, H]`` float32: each token's slots summed in slot
-        order (`sum_slots`)."""
-        return sum_slots(self.combine_pairs(expert_out, handle))
+        """``expert_out [R, H]`` (weighted, in received order) -> ``[T, H]`` float32: the rows
+        go back to their tokens' ranks, where each token's slots are summed in slot order
+        (`sum_pairs`); pairs that were not dispatched add nothing."""
+        back = self._exchange(expert_out, handle.recv_counts, handle.send_counts)  # [P, H]
+        return sum_pairs(back, handle.pair_order, handle.num_tokens, handle.top_k)
 
 
 class AllGatherDispatcher:

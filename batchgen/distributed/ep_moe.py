@@ -6,15 +6,15 @@ Shape legend: T = tokens of this rank at the layer, K = top-k, H = hidden, R = p
     topk_weights, topk_ids = block.route(x)                    # [T, K], replicated router
     recv = dispatcher.dispatch(x, topk_ids, topk_weights)      # pairs to their owners
     y = block.experts(recv.hidden, recv.weights[:, None], slots[:, None])   # [R, H] weighted
-    out = sum_slots(dispatcher.combine_pairs(y, recv.handle))  # [T, H]
+    out = dispatcher.combine(y, recv.handle)                   # [T, H], slots in order
 
 Each received pair runs as a row of top-k 1 on the held experts, so on the fused CPU kernel its
 weighted output is bit-for-bit the single-process kernel's value for that (token, slot), and
-`sum_slots` adds the slots in the kernel's order: the layer's result equals one process's.
+the combine adds the slots in the kernel's order: the layer's result equals one process's.
 
 ``local_rows`` (the ``data_parallel_offload`` prefill): those rows are not dispatched; their
 pairs run here, on the held experts or on the other experts streamed in for this layer by
-`ExpertWeightStreamer`, and fill their slots before the sum. The dispatch and combine still
+`ExpertWeightStreamer`, and are summed here (`sum_slots`). The dispatch and combine still
 happen (with the remaining rows, possibly none), so every rank issues the same collectives.
 """
 
@@ -67,20 +67,22 @@ class ExpertParallelMoE:
         slots = self.placement.local_slot.to(x.device).index_select(0, recv.expert_ids)  # [R]
         # [R, H] float32: each pair's weighted output, rounded only after the slots are summed
         y = block.experts(recv.hidden, recv.weights[:, None], slots[:, None], torch.float32)
-        pairs = self.dispatcher.combine_pairs(y, recv.handle)  # [T, K, H]
+        out = self.dispatcher.combine(y, recv.handle)  # [T, H] float32
         if local_rows is not None and local_rows.numel():
-            self._run_local_rows(block, x, topk_weights, topk_ids, local_rows, pairs)
-        return sum_slots(pairs).to(x.dtype)  # [T, H]
+            pairs = self._run_local_rows(block, x, topk_weights, topk_ids, local_rows)
+            out[local_rows] = sum_slots(pairs)  # these tokens had no pair dispatched
+        return out.to(x.dtype)  # [T, H]
 
-    def _run_local_rows(self, block, x, topk_weights, topk_ids, local_rows, pairs) -> None:
-        """Fill ``pairs[local_rows]`` with every slot's weighted output, computed here: held
-        experts from the block's own weights, the others from the streamer's buffers."""
+    def _run_local_rows(self, block, x, topk_weights, topk_ids, local_rows) -> torch.Tensor:
+        """``[L, K, H]`` float32: every slot's weighted output for ``local_rows [L]``, computed
+        here: held experts from the block's own weights, the others from the streamer's
+        buffers."""
         k = topk_ids.shape[1]
         ids = topk_ids.index_select(0, local_rows).reshape(-1)  # [L*K] logical experts
         weights = topk_weights.index_select(0, local_rows).reshape(-1)  # [L*K]
         rows = x.index_select(0, local_rows).repeat_interleave(k, dim=0)  # [L*K, H]
         owner = self.placement.owner.to(x.device).index_select(0, ids)
-        out = torch.empty(ids.shape[0], x.shape[1], dtype=pairs.dtype, device=x.device)
+        out = torch.empty(ids.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         held = (owner == self.ep_rank).nonzero().squeeze(1)
         if held.numel():
             slots = self.placement.local_slot.to(x.device).index_select(0, ids[held])
@@ -101,7 +103,7 @@ class ExpertParallelMoE:
                 ).to(out.dtype)
         finally:
             self.streamer.release(self.layer)
-        pairs[local_rows] = out.view(local_rows.shape[0], k, x.shape[1])
+        return out.view(local_rows.shape[0], k, x.shape[1])
 
 
 def run_streamed_experts(
