@@ -465,21 +465,34 @@ def test_cancelling_a_finished_batch_is_409(server, sdk, tmp_path):
 # Scheduling, streaming results, cancel, expiry
 
 
-def test_iter_results_streams_before_the_batch_completes(client):
-    prompts = [f"stream test {i}" for i in range(12)]
-    job = client.submit_batch(prompts, max_tokens=16, temperature=0.0, ignore_eos=True)
+def test_iter_results_streams_before_the_batch_completes(client, sdk, tmp_path):
+    """Eleven 2-token requests and one of 300 tokens: the short ones' results are readable
+    while the long one still runs (with equal lengths every request ends in the same step, and
+    on a loaded machine the batch could complete before the first poll)."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    lines = [
+        completion_line(f"prompt-{i}", f"stream test {i}", max_tokens=2, **greedy)
+        for i in range(11)
+    ]
+    lines.append(completion_line("prompt-11", "stream test long", max_tokens=300, **greedy))
+    file = _upload(sdk, tmp_path, "".join(line + "\n" for line in lines))
+    created = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    job = client.batch(created.id)
     seen, first_status = [], None
     for result in job.iter_results():
         if first_status is None:
             first_status = job.refresh()
         seen.append(result)
     assert first_status["status"] == "in_progress"
-    assert first_status["request_counts"]["completed"] < len(prompts)
-    assert sorted(r.index for r in seen) == list(range(len(prompts)))
+    assert first_status["request_counts"]["completed"] < len(lines)
+    assert sorted(r.index for r in seen) == list(range(len(lines)))
     assert all(r.custom_id == f"prompt-{r.index}" and r.ok for r in seen)
-    assert all(r.body["usage"]["completion_tokens"] == 16 for r in seen)
+    tokens = {r.index: r.body["usage"]["completion_tokens"] for r in seen}
+    assert tokens == {**{i: 2 for i in range(11)}, 11: 300}
     assert job.status() == "completed"
-    assert [r.index for r in job.results()] == list(range(len(prompts)))
+    assert [r.index for r in job.results()] == list(range(len(lines)))
 
 
 def _finish_times(state_dir, batch_id) -> list[float]:
