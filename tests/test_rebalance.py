@@ -8,6 +8,8 @@ Every case that starts ranks carries a timeout and stops its rank processes befo
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -285,30 +287,76 @@ def test_aborting_a_request_while_it_moves(ep_rebalanced, mixtral_single):
     assert not engine.requests and not engine._releases
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_a_skewed_job_on_independent_dense_ranks(checkpoint_dir):
     """llama, two ranks that never wait for each other; one sequence per rank at a time, so
-    the long requests wait on rank 0 and move before they start."""
+    the long requests wait on rank 0 and move before they start. The same job without
+    rebalancing, and one process, give the same outputs."""
     path = str(checkpoint_dir("llama"))
     requests = _skewed("dense", long=24)
     want = _reference(LLM(path), requests)
+    metrics = {}
+    for interval in (None, 1):
+        llm = LLM(
+            path,
+            data_parallel_size=2,
+            load_balance_method="round_robin",
+            straggler_rebalance_interval_steps=interval,
+            max_num_seqs=1,
+        )
+        try:
+            got, answered, moves = _run_skewed(llm, requests)
+            assert sorted(answered) == sorted(want)
+            for rid in want:
+                _same_output(got[rid], want[rid])
+            metrics[interval] = llm.get_metrics()
+        finally:
+            llm.shutdown()
+        assert metrics[interval]["requests_moved"] == len(moves)
+    assert metrics[None]["requests_moved"] == 0
+    m = metrics[1]
+    assert m["requests_moved"] > m["requests_moved_by_recompute"]  # some moved before starting
+    assert m["requests_moved"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_rebalancing_does_not_break_elastic_recovery(checkpoint_dir, mixtral_single):
+    """Rank 1 is killed once requests have moved: the ranks restart, the unfinished requests
+    start over, and every request is answered once with one process's tokens."""
     llm = LLM(
-        path,
+        str(checkpoint_dir("mixtral")),
         data_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_elastic_recovery=True,
         load_balance_method="round_robin",
-        straggler_rebalance_interval_steps=1,
-        max_num_seqs=1,
+        straggler_rebalance_interval_steps=2,
+        max_num_seqs=4,
     )
+    engine = llm.llm_engine
+    requests = _skewed("recover", long=48)
+    killed = None
     try:
-        got, answered, moves = _run_skewed(llm, requests)
-        assert sorted(answered) == sorted(want)
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        got, answered = {}, []
+        deadline = time.monotonic() + 300
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the job did not finish: a hang"
+            for out in engine.step():
+                answered.append(out.request_id)
+                got[out.request_id] = out
+            if killed is None and engine.rebalance.requests_moved:
+                killed = engine._ranks[1].pid
+                os.kill(killed, signal.SIGKILL)
+        assert killed is not None
+        assert sorted(answered) == sorted(rid for rid, _, _ in requests)
+        want = _reference(mixtral_single, requests)
         for rid in want:
             _same_output(got[rid], want[rid])
-        m = llm.get_metrics()
+        assert llm.get_metrics()["recoveries"] == 1
+        assert killed not in [r.pid for r in engine._ranks]
     finally:
         llm.shutdown()
-    assert m["requests_moved"] == len(moves) > 0
-    assert m["requests_moved"] > m["requests_moved_by_recompute"]  # some moved before starting
 
 
 def test_load_balance_method_is_validated():
