@@ -60,6 +60,104 @@ def test_balanced_or_unmovable_loads_give_no_moves():
     assert plan_moves([1000, 0], [None, None], []) == []  # e.g. everything pinned or moving
 
 
+# ---- the frontend's side of a move, against a fake rank set (no processes) ------------------
+
+
+class _FakeRankSet:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+        self.failure, self.closed = None, False
+
+    def send(self, rank, message) -> None:
+        self.sent.append((rank.rank, message))
+
+    def taken(self, kind) -> list[tuple[int, object]]:
+        out = [(r, m) for r, m in self.sent if isinstance(m, kind)]
+        self.sent = [(r, m) for r, m in self.sent if not isinstance(m, kind)]
+        return out
+
+
+def _frontend(**parallel):
+    """A `DPEngineClient` with two fake ranks (its __init__ would start processes)."""
+    import itertools
+
+    from batchgen.config import ParallelConfig
+    from batchgen.distributed.frontend import DPEngineClient
+    from batchgen.distributed.rank_handle import RankHandle
+    from batchgen.distributed.rebalance import RebalanceMetrics
+
+    client = object.__new__(DPEngineClient)
+    client.parallel = ParallelConfig(
+        data_parallel_size=2, straggler_rebalance_interval_steps=1, **parallel
+    )
+    client.rank_set = _FakeRankSet()
+    client._ranks = [RankHandle(r, None, "host", 100 + r) for r in range(2)]
+    client.requests, client._finished = {}, []
+    client.rebalance = RebalanceMetrics()
+    client._round_robin = itertools.count()
+    client._release_token = itertools.count()
+    client._releases, client._free_kv = {}, {}
+    client.max_model_len = 1000
+    client._done_tokens = 0
+    return client
+
+
+def _add(client, rid: str, max_tokens: int, rank: int | None = None) -> None:
+    from batchgen.engine.input_processor import ProcessedPrompt
+
+    prompt = ProcessedPrompt(None, [1, 2, 3, 4])
+    client.add_processed_request(rid, prompt, _greedy(max_tokens), data_parallel_rank=rank)
+
+
+def _state(started: bool):
+    from batchgen.engine.migration import RequestState, SequenceState
+    from batchgen.outputs import RequestMetrics
+
+    seq = SequenceState(0, [7, 8] if started else [], 0.0, None, None, {}, False, None, None, 0)
+    return RequestState(RequestMetrics(1.0), [seq], num_computed_tokens=6 if started else 0)
+
+
+def test_the_frontend_releases_lands_and_drops_what_was_aborted_meanwhile():
+    client = _frontend(load_balance_method="round_robin")
+    _add(client, "w0", 200)  # round robin: rank 0
+    _add(client, "s0", 2, rank=1)  # pinned requests do not advance the turn
+    _add(client, "w1", 200)  # rank 1
+    _add(client, "w2", 200)  # rank 0
+    _add(client, "pinned", 300, rank=0)
+    assert [client.requests[r].rank for r in ("w0", "w1", "w2")] == [0, 1, 0]
+    client.abort_request("w1")  # still queued on the frontend: nothing to tell the rank
+    assert not client.rank_set.sent
+    report = [("w0", 150, 20, True), ("w2", 204, 0, False), ("pinned", 290, 10, True)]
+    client._dispatch([(client._ranks[0], msg.Load(0, 1, report, 10_000))])
+    assert client.rank_set.taken(msg.AddRequests)  # queued requests reach their ranks first
+    ((src, release),) = client.rank_set.taken(msg.Release)
+    # 644 vs 6: w2 (no recompute) first, then w0 (peak 380 < 440); the pinned one never
+    assert src == 0 and release.request_ids == ["w2", "w0"]
+    assert client.requests["w0"].moving and client.requests["w2"].moving
+    client._dispatch([(client._ranks[0], msg.Load(0, 2, report, 10_000))])
+    assert not client.rank_set.sent  # one round in flight at a time
+    client.abort_request("w2")  # the caller aborts a request while it moves
+    assert client.rank_set.taken(msg.Abort) == [(0, msg.Abort(["w2"]))]
+    states = {"w0": _state(started=True), "w2": _state(started=False)}
+    client._dispatch([(client._ranks[0], msg.Released(0, release.token, states, 123))])
+    ((dst, add),) = client.rank_set.taken(msg.AddRequests)
+    assert dst == 1 and [(r[0], r[4]) for r in add.requests] == [("w0", states["w0"])]
+    assert client.requests["w0"].rank == 1 and not client.requests["w0"].moving
+    assert "w2" not in client.requests and not client._releases
+    assert client.rebalance.as_dict() == {
+        "rebalance_rounds": 1,
+        "requests_moved": 1,
+        "sequences_moved": 1,
+        "requests_moved_by_recompute": 1,
+        "rebalance_tokens_recomputed": 6,
+        "rebalance_bytes_shipped": 123,
+    }
+    assert client._ranks[0].load == client.requests["pinned"].load
+    # a stale answer (e.g. from ranks replaced by a recovery) changes nothing
+    client._dispatch([(client._ranks[0], msg.Released(0, release.token, states, 5))])
+    assert client.rebalance.requests_moved == 1 and not client.rank_set.sent
+
+
 # ---- a request continuing on another engine ---------------------------------------------
 
 
@@ -139,7 +237,7 @@ def test_a_released_request_continues_elsewhere_with_the_unmoved_output(checkpoi
         b.add_processed_request(rid, processed, params, resume=state)
     assert a.release_request("greedy") is None and not a.has_unfinished_requests()
     assert a.kv_cache.num_free_blocks == a.kv_cache.num_blocks  # the K/V was dropped
-    assert states["greedy"].started and not states["waiting"].started
+    assert states["greedy"].started and not states["waiting"].started  # 3 seats, taken
     n3 = states["seeded-n3"].seqs
     assert len(n3) == 3 and all(s.generator_state for s in n3)
     _finish([a, b], done)
@@ -284,7 +382,7 @@ def test_aborting_a_request_while_it_moves(ep_rebalanced, mixtral_single):
     want = _reference(mixtral_single, requests)
     for rid in answered:
         _same_output(got[rid], want[rid])
-    assert not engine.requests and not engine._releases
+    assert not engine.requests
 
 
 @pytest.mark.timeout(400)
