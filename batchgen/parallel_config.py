@@ -8,11 +8,12 @@ rest are BatchGen's. ``data_parallel_size`` counts *ranks* here, as in vLLM; the
 `batchgen.cluster_config` maps one onto the other. `batchgen.distributed.layout.resolve_layout`
 turns the sizes into the rank grid.
 
-One setting of the cluster-operations issue (straggler rebalancing) is accepted and validated
-but not acted on yet: `ineffective_settings` names it, and the engine logs that as a warning at
-start. The snapshot settings (``snapshot_storage_uri`` and its intervals) are acted on by
-``batchgen run`` (`batchgen.entrypoints.snapshot_store`), elastic recovery by the
-data-parallel frontend (`batchgen.distributed.recovery`).
+The settings of the cluster-operations issue are acted on: the snapshot settings
+(``snapshot_storage_uri`` and its intervals) by ``batchgen run``
+(`batchgen.entrypoints.snapshot_store`), elastic recovery and straggler rebalancing by the
+data-parallel frontend (`batchgen.distributed.recovery`, `batchgen.distributed.rebalance`).
+`ineffective_settings` names settings given where they have no effect; the engine logs them
+as warnings at start.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SEGMENT_MAX_AGE_S = 10.0
 PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
 DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
 EXECUTOR_BACKENDS = ("mp", "ray")
-NOT_BUILT = "is accepted but not acted on yet: {what} is not built (the cluster-operations issue)"
+LOAD_BALANCE_METHODS = ("minimum_tokens", "round_robin")
 
 
 @dataclass
@@ -125,11 +126,20 @@ class ParallelConfig:
             "Ray cluster at $RAY_ADDRESS or, without it, on a local Ray instance"
         ),
     )
+    load_balance_method: str = field(
+        default="minimum_tokens",
+        metadata=meta(
+            f"one of {LOAD_BALANCE_METHODS} (SGLang's option): how the frontend assigns a "
+            "request to a rank: the rank with the fewest estimated tokens in flight (prompt + "
+            "max_tokens, times n), or each rank in turn"
+        ),
+    )
     straggler_rebalance_interval_steps: int | None = field(
         default=None,
         metadata=meta(
-            "move work from slow to idle data-parallel ranks every this many steps. "
-            "NOT ACTED ON YET: accepted, validated and named in a warning",
+            "every this many steps, ranks report their load and the frontend moves requests "
+            "from the most to the least loaded rank (waiting ones as they are, started ones by "
+            "recompute; docs/distributed.md)",
             section="coroutine_scheduler",
         ),
     )
@@ -225,6 +235,11 @@ class ParallelConfig:
             raise ValueError(
                 f"snapshot_interval_s must be a number > 0 (seconds) or None, got {interval!r}"
             )
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, got "
+                f"{self.load_balance_method!r}"
+            )
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got "
@@ -295,6 +310,8 @@ class ParallelConfig:
                 "data_parallel_address",
                 "data_parallel_rpc_port",
                 "distributed_executor_backend",
+                "load_balance_method",
+                "straggler_rebalance_interval_steps",
             ):
                 if getattr(self, name) != getattr(default, name):
                     out.append(f"{name} has no effect with one rank (data_parallel_size=1)")
@@ -302,10 +319,6 @@ class ParallelConfig:
             for name in ("snapshot_interval_results", "snapshot_interval_s"):
                 if getattr(self, name) is not None:
                     out.append(f"{name} has no effect without snapshot_storage_uri")
-        for name, what in (("straggler_rebalance_interval_steps", "straggler rebalancing"),):
-            value = getattr(self, name)
-            if value != getattr(default, name):
-                out.append(f"{name}={value!r} " + NOT_BUILT.format(what=what))
         local = self.data_parallel_size_local
         if self.enable_elastic_recovery and local is not None and local < self.data_parallel_size:
             out.append(

@@ -118,12 +118,14 @@ def test_the_seed_file_is_8_replicas_of_16_rank_expert_parallel_groups():
     assert cluster.flags() == SEED_FLAGS
 
 
-def test_settings_not_built_yet_are_named_in_a_warning():
-    notes = load_cluster_config(SEED).parallel.ineffective_settings()
-    assert notes == [
-        "straggler_rebalance_interval_steps=10 is accepted but not acted on yet: straggler "
-        "rebalancing is not built (the cluster-operations issue)",
-    ]  # snapshot_storage_uri is acted on by `batchgen run` (test_snapshot_store.py)
+def test_every_seed_setting_is_acted_on():
+    # straggler rebalancing by the frontend (test_rebalance.py), snapshot_storage_uri by
+    # `batchgen run` (test_snapshot_store.py), elastic recovery (test_elastic_recovery.py)
+    assert load_cluster_config(SEED).parallel.ineffective_settings() == []
+    one_rank = ParallelConfig(straggler_rebalance_interval_steps=10).ineffective_settings()
+    assert one_rank == [
+        "straggler_rebalance_interval_steps has no effect with one rank (data_parallel_size=1)"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -422,7 +424,7 @@ def test_config_check_prints_the_seed_layout_without_the_model():
     assert "  replica 0: ranks 0-15\n" in out and "  replica 7: ranks 112-127\n" in out
     assert "not in this machine's Hugging Face cache: layout only" in out
     assert "experts per rank: not shown" in out
-    assert "warning: straggler_rebalance_interval_steps=10 is accepted but not acted on yet" in out
+    assert "warning:" not in out  # every setting of the seed is acted on
     assert "the same as flags: --model deepseek-ai/DeepSeek-V3 --data-parallel-size 128" in out
 
 
@@ -512,7 +514,7 @@ def test_batchgen_run_with_the_local_example_on_two_ranks(checkpoint_dir, tmp_pa
     # The file's max_active_coroutines (256 per rank) and the flag's 64-token micro-batches.
     assert "64 tokens per attention micro-batch" in r.stderr
     assert "and 256 sequences per step" in r.stderr
-    assert "straggler_rebalance_interval_steps=10 is accepted but not acted on yet" in r.stderr
+    assert "not acted on" not in r.stderr and "has no effect" not in r.stderr
     subprocess.run(
         [*run, "-o", str(one), "--model", model], check=True, capture_output=True, timeout=240
     )

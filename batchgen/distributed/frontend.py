@@ -25,6 +25,11 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   restart of the whole group is the one path that also works when the dead rank's machine is
   gone for good. Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
   headless ones).
+- **Straggler rebalancing** (``straggler_rebalance_interval_steps``): the ranks report their
+  load every so many steps, and the frontend moves requests from the most loaded rank to the
+  least loaded one while the job runs (`batchgen.distributed.rebalance`: the rule, and how
+  started requests continue elsewhere). ``load_balance_method='round_robin'`` assigns
+  requests in turn instead of by load (SGLang's option), e.g. to create skew.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ from batchgen.distributed import protocol as msg
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
+from batchgen.distributed.rebalance import Candidate, RebalanceMetrics, plan_moves
 from batchgen.distributed.recovery import MAX_RECOVERIES, ElasticRecovery  # noqa: F401
 from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
+from batchgen.engine.migration import RequestState
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -62,7 +69,9 @@ class _KVUsage:
 @dataclass
 class _Request:
     """An unfinished request as the frontend keeps it: where it runs, its estimated tokens, and
-    what it takes to send it again after a recovery."""
+    what it takes to send it again after a recovery. ``remaining`` / ``computed``: its rank's
+    last `Load` report (before one: the estimate, nothing computed); ``moving``: a `Release`
+    for it is in flight."""
 
     rank: int
     load: int
@@ -70,6 +79,13 @@ class _Request:
     params: SamplingParams
     arrival: float
     pinned: int | None  # the caller's data_parallel_rank
+    remaining: int = 0
+    computed: int = 0
+    moving: bool = False
+
+    def reset(self) -> None:
+        """Back to admission: the request starts over (after a recovery)."""
+        self.remaining, self.computed, self.moving = self.load, 0, False
 
 
 class DPEngineClient:
@@ -114,6 +130,11 @@ class DPEngineClient:
         self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
         self.recovery = ElasticRecovery(parallel)
+        self.rebalance = RebalanceMetrics()
+        self._round_robin = itertools.count()
+        self._release_token = itertools.count()
+        self._releases: dict[int, tuple[int, dict[str, int]]] = {}  # src -> (token, id -> dst)
+        self._free_kv: dict[int, int] = {}  # rank -> free KV tokens at its last Load
         self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
         self.rank_set = RankSet(config, parallel)
         self._ranks = self.rank_set.ranks
@@ -192,17 +213,33 @@ class DPEngineClient:
         budget = params.max_tokens or (self.max_model_len - prompt_len)
         load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
         arrival = time.time() if arrival_time is None else arrival_time
-        self._assign(request_id, _Request(-1, load, processed, params, arrival, data_parallel_rank))
+        request = _Request(-1, load, processed, params, arrival, data_parallel_rank)
+        request.reset()
+        self._assign(request_id, request)
 
-    def _assign(self, request_id: str, request: _Request) -> None:
-        """Queue ``request`` on its pinned rank, else the least-loaded one."""
-        if request.pinned is None:
-            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
-        else:
+    def _assign(
+        self,
+        request_id: str,
+        request: _Request,
+        dst: int | None = None,
+        resume: RequestState | None = None,
+    ) -> None:
+        """Queue ``request`` on ``dst`` (a rebalancing move, with its progress ``resume``), else
+        its pinned rank, else by ``load_balance_method``: the least-loaded rank (estimated
+        tokens in flight) or the next in turn (``round_robin``)."""
+        if dst is not None:
+            rank = self._ranks[dst]
+        elif request.pinned is not None:
             rank = self._ranks[request.pinned]
+        elif self.parallel.load_balance_method == "round_robin":
+            rank = self._ranks[next(self._round_robin) % len(self._ranks)]
+        else:
+            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
         request.rank = rank.rank
         rank.load += request.load
-        rank.pending.append((request_id, request.processed, request.params, request.arrival))
+        rank.pending.append(
+            (request_id, request.processed, request.params, request.arrival, resume)
+        )
         self.requests[request_id] = request
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)
@@ -225,8 +262,10 @@ class DPEngineClient:
         self.rank_set = RankSet(self.config, self.parallel)
         self._ranks = self.rank_set.ranks
         self._done_tokens = 0
+        self._releases, self._free_kv = {}, {}  # moves in flight died with the old ranks
         requests, self.requests = self.requests, {}
         for request_id, request in requests.items():
+            request.reset()
             self._assign(request_id, request)
         self.recovery.end(len(self._ranks))
 
@@ -295,6 +334,81 @@ class DPEngineClient:
                         )
             elif isinstance(message, msg.Metrics):
                 self._metrics[(message.token, rank.rank)] = message.snapshot
+            elif isinstance(message, msg.Load):
+                self._note_load(rank, message)
+            elif isinstance(message, msg.Released):
+                self._land(rank, message)
+
+    # ---- straggler rebalancing (batchgen.distributed.rebalance) ----------------------------
+    def _note_load(self, rank: RankHandle, load: msg.Load) -> None:
+        """Take a rank's `Load` report, then start a rebalancing round if none is in flight."""
+        self._free_kv[rank.rank] = load.free_kv_tokens
+        for request_id, remaining, computed, _running in load.requests:
+            entry = self.requests.get(request_id)
+            if entry is not None and entry.rank == rank.rank and not entry.moving:
+                entry.remaining, entry.computed = remaining, computed
+        if not self._releases:
+            self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Plan a round of moves (`plan_moves`) and ask the source ranks to release them."""
+        loads = [0] * len(self._ranks)
+        busy: set[int] = set()
+        candidates = []
+        for request_id, entry in self.requests.items():
+            loads[entry.rank] += entry.remaining
+            busy.add(entry.rank)
+            if entry.pinned is None and not entry.moving:
+                candidates.append(
+                    Candidate(request_id, entry.rank, entry.remaining, entry.computed)
+                )
+        free = [self._free_kv.get(r) if r in busy else None for r in range(len(self._ranks))]
+        moves = plan_moves(loads, free, candidates)
+        if not moves:
+            return
+        for rank in self._ranks:  # a request still queued here must reach its rank first
+            self._flush(rank)
+        by_src: dict[int, dict[str, int]] = {}
+        for move in moves:
+            by_src.setdefault(move.src, {})[move.request_id] = move.dst
+            self.requests[move.request_id].moving = True
+        for src, targets in by_src.items():
+            token = next(self._release_token)
+            self._releases[src] = (token, targets)
+            self.rank_set.send(self._ranks[src], msg.Release(token, list(targets)))
+        self.rebalance.rebalance_rounds += 1
+        logger.debug("rebalancing: %s (loads %s)", moves, loads)
+
+    def _land(self, rank: RankHandle, released: msg.Released) -> None:
+        """Queue what ``rank`` released on the chosen destinations."""
+        token, targets = self._releases.get(rank.rank, (None, {}))
+        if token != released.token:
+            return  # from ranks replaced by a recovery
+        del self._releases[rank.rank]
+        m = self.rebalance
+        m.rebalance_bytes_shipped += released.state_bytes
+        touched = set()
+        for request_id, dst in targets.items():
+            entry = self.requests.get(request_id)
+            if entry is None:
+                continue  # aborted meanwhile (its state, if any, is dropped)
+            entry.moving = False
+            state = released.states.get(request_id)
+            if state is None:
+                continue  # not on the rank any more (it failed there): nothing moves
+            rank.load -= entry.load
+            started = state.started
+            m.requests_moved += 1
+            m.sequences_moved += sum(not s.finished for s in state.seqs)
+            if started:
+                m.requests_moved_by_recompute += 1
+                m.rebalance_tokens_recomputed += state.num_computed_tokens
+            entry.remaining += entry.computed
+            entry.computed = 0
+            self._assign(request_id, entry, dst, state if started else None)
+            touched.add(dst)
+        for dst in sorted(touched):
+            self._flush(self._ranks[dst])
 
     # ---- metrics -------------------------------------------------------------------------
     def get_metrics(self) -> dict:
@@ -314,7 +428,8 @@ class DPEngineClient:
                 continue
             ranks = [self._metrics.pop(k) for k in keys]
             totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
-            return {**totals, **self.recovery.metrics()}
+            totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
+            return {**totals, **self.recovery.metrics(), **self.rebalance.as_dict()}
 
     def _poll(self) -> None:
         """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
@@ -369,6 +484,7 @@ class DPEngineClient:
     def reset_metrics(self) -> None:
         self.rank_set.broadcast(msg.ResetMetrics())
         self._started = time.perf_counter()
+        self.rebalance = RebalanceMetrics()
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

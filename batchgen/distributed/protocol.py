@@ -3,12 +3,14 @@
 They travel as pickles over `multiprocessing.connection` sockets authenticated with a shared
 key (HMAC challenge on connect, Python's stdlib), local or across machines alike:
 
-    rank -> frontend: Hello, Ready, Outputs, Metrics, Heartbeat, Failed
-    frontend -> rank: Setup, AddRequests, Abort, GetMetrics, ResetMetrics, Shutdown
+    rank -> frontend: Hello, Ready, Outputs, Metrics, Heartbeat, Failed, Load, Released
+    frontend -> rank: Setup, AddRequests, Abort, GetMetrics, ResetMetrics, Shutdown, Release
 
 A rank sends `Hello` on connecting, gets `Setup` (the engine and parallel settings and where
 the ranks meet for ``torch.distributed``), answers `Ready` once its engine is built, then
-streams `Outputs` as requests finish and a `Heartbeat` every `HEARTBEAT_S` seconds.
+streams `Outputs` as requests finish and a `Heartbeat` every `HEARTBEAT_S` seconds. With
+straggler rebalancing it also sends `Load` every ``straggler_rebalance_interval_steps`` steps,
+and answers `Release` with `Released` (`batchgen.distributed.rebalance`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed.launch import AUTHKEY_ENV  # noqa: F401  (re-exported)
 from batchgen.engine.input_processor import ProcessedPrompt
+from batchgen.engine.migration import RequestState
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -54,9 +57,43 @@ class Ready:
 
 @dataclass
 class AddRequests:
-    """``(request_id, prompt, params, arrival_time)`` each (``time.time()`` seconds)."""
+    """``(request_id, prompt, params, arrival_time, resume)`` each (``time.time()`` seconds;
+    ``resume``: the progress of a request moved from another rank, or None)."""
 
-    requests: list[tuple[str, ProcessedPrompt, SamplingParams, float]]
+    requests: list[tuple[str, ProcessedPrompt, SamplingParams, float, RequestState | None]]
+
+
+@dataclass
+class Release:
+    """Take these requests out of the rank (straggler rebalancing); answered by `Released`."""
+
+    token: int
+    request_ids: list[str]
+
+
+@dataclass
+class Released:
+    """The answer to `Release` ``token``: the progress of each request released; a requested
+    id missing here had finished (its output was sent before) or was aborted.
+    ``state_bytes``: the pickled size of ``states`` (what the move ships)."""
+
+    rank: int
+    token: int
+    states: dict[str, RequestState]
+    state_bytes: int = 0
+
+
+@dataclass
+class Load:
+    """A rank's load for straggler rebalancing, sent every
+    ``straggler_rebalance_interval_steps`` steps while it has requests: per unfinished request
+    ``(request_id, remaining_tokens, computed_tokens, running)`` (`LLMEngine.load_report`),
+    and its free KV cache tokens."""
+
+    rank: int
+    step_id: int
+    requests: list[tuple[str, int, int, bool]]
+    free_kv_tokens: int
 
 
 @dataclass

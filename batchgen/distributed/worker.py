@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -252,6 +253,7 @@ class RankLoop:
             else None
         )
         self.shutdown = False
+        self.rebalance_interval = setup.parallel.straggler_rebalance_interval_steps
         ep = self.engine.expert_parallel
         held = len(ep.placement.experts_of(ep.ep_rank)) if ep is not None else None
         logger.info(
@@ -287,10 +289,10 @@ class RankLoop:
         engine = self.engine
         if isinstance(message, msg.AddRequests):
             failed = []
-            for request_id, processed, params, arrival_time in message.requests:
+            for request_id, processed, params, arrival_time, resume in message.requests:
                 try:
                     engine.add_processed_request(
-                        request_id, processed, params, arrival_time=arrival_time
+                        request_id, processed, params, arrival_time=arrival_time, resume=resume
                     )
                 except ValueError as exc:
                     failed.append(_failed_output(request_id, processed, str(exc)))
@@ -299,6 +301,14 @@ class RankLoop:
         elif isinstance(message, msg.Abort):
             for request_id in message.request_ids:
                 engine.abort_request(request_id)
+        elif isinstance(message, msg.Release):
+            states = {}
+            for request_id in message.request_ids:
+                state = engine.release_request(request_id)
+                if state is not None:
+                    states[request_id] = state
+            size = len(pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL))
+            self.link.send(msg.Released(self.rank, message.token, states, size))
         elif isinstance(message, msg.GetMetrics):
             snapshot = engine.get_metrics()
             snapshot["rank"] = self.rank
@@ -315,6 +325,19 @@ class RankLoop:
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         self.link.send(msg.Outputs(self.rank, outputs, self.engine.get_num_unfinished_requests()))
+
+    def _report_load(self, step_id: int) -> None:
+        """Every ``straggler_rebalance_interval_steps`` steps, while this rank has requests,
+        tell the frontend its load (`batchgen.distributed.rebalance`)."""
+        engine = self.engine
+        if (
+            self.rebalance_interval is None
+            or step_id % self.rebalance_interval
+            or not engine.has_unfinished_requests()
+        ):
+            return
+        free = engine.kv_cache.num_free_blocks * engine.config.block_size
+        self.link.send(msg.Load(self.rank, step_id, engine.load_report(), free))
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -354,6 +377,7 @@ class RankLoop:
                 outputs = engine.step()
                 if outputs:
                     self._send_outputs(outputs)
+                self._report_load(self.link.step_id)
 
     def _run_in_step(self) -> None:
         engine, ep = self.engine, self.engine.expert_parallel
@@ -392,6 +416,7 @@ class RankLoop:
                     self._send_outputs(outputs)
             else:
                 engine.execute_dummy()
+            self._report_load(step_id)
 
 
 def _failed_output(request_id, processed, error: str) -> RequestOutput:

@@ -45,15 +45,16 @@ from batchgen.engine.input_processor import (
     load_tokenizer,
 )
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.migration import RequestState, export_request, restore_sequence
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from batchgen.engine.sequence import Request, SequenceCoroutine
+from batchgen.engine.sequence import Request, SequenceCoroutine, SequenceStatus
 from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
-from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -285,6 +286,7 @@ class LLMEngine:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        resume: RequestState | None = None,
     ) -> None:
         """Queue a request whose prompt `InputProcessor.process` has already validated (the
         data-parallel ranks get requests this way from the frontend).
@@ -292,13 +294,21 @@ class LLMEngine:
         Args:
             arrival_time: when the request arrived (``time.time()`` seconds), for
                 `RequestMetrics`; default now.
+            resume: the request's progress on another engine (`release_request` there): its
+                unfinished samples are recomputed and continue where they stopped
+                (`batchgen.engine.migration`).
         Raises:
-            ValueError: duplicate ``request_id``.
+            ValueError: duplicate ``request_id``, or a ``resume`` state that does not fit the
+                request (another ``n``, seeded state for an unseeded request).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = processed.prompt, processed.prompt_token_ids
+        if resume is not None and len(resume.seqs) != params.n:
+            raise ValueError(f"resume state of {len(resume.seqs)} samples for n={params.n}")
         request = Request(request_id, text, ids, params, self._arrivals)
+        if resume is not None:
+            request.metrics = RequestMetrics(**vars(resume.metrics))
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self._arrivals += 1
@@ -317,9 +327,46 @@ class LLMEngine:
             )
             if params.logprobs is not None:
                 seq.logprobs = []
+            if resume is not None:
+                restore_sequence(seq, resume.seqs[i])
             request.seqs.append(seq)
-            self.scheduler.add(seq)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.add(seq)
         self.requests[request_id] = request
+
+    def release_request(self, request_id: str) -> RequestState | None:
+        """Take an unfinished request out of this engine with its progress, to continue on
+        another (`add_processed_request(..., resume=...)`); its KV blocks are freed. None when
+        the request is unknown (finished and returned, or aborted)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        state = export_request(request)
+        self.abort_request(request_id)
+        return state
+
+    def load_report(self) -> list[tuple[str, int, int, bool]]:
+        """``(request_id, remaining_tokens, computed_tokens, running)`` per unfinished request,
+        for straggler rebalancing: tokens still to compute (uncomputed prompt and generated
+        tokens, plus ``max_tokens`` left, capped at ``max_model_len``; an upper bound when a
+        sample may stop early), tokens whose K/V this engine holds, and whether a sample is
+        running."""
+        out = []
+        for request_id, request in self.requests.items():
+            remaining = computed = 0
+            running = False
+            limit = request.params.max_tokens
+            for seq in request.seqs:
+                if seq.is_finished:
+                    continue
+                room = self.max_model_len - seq.num_tokens
+                left = room if limit is None else min(limit - seq.num_output_tokens, room)
+                remaining += seq.num_tokens - seq.num_computed_tokens + max(0, left)
+                computed += seq.num_computed_tokens
+                running = running or seq.status is SequenceStatus.RUNNING
+            out.append((request_id, remaining, computed, running))
+        return out
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (no output is returned for it). Unknown ids are ignored."""
