@@ -84,7 +84,7 @@ def _frontend(**parallel):
     from batchgen.config import ParallelConfig
     from batchgen.distributed.frontend import DPEngineClient
     from batchgen.distributed.rank_handle import RankHandle
-    from batchgen.distributed.rebalance import RebalanceMetrics
+    from batchgen.distributed.rebalance import Rebalancer
 
     client = object.__new__(DPEngineClient)
     client.parallel = ParallelConfig(
@@ -93,10 +93,8 @@ def _frontend(**parallel):
     client.rank_set = _FakeRankSet()
     client._ranks = [RankHandle(r, None, "host", 100 + r) for r in range(2)]
     client.requests, client._finished = {}, []
-    client.rebalance = RebalanceMetrics()
+    client.rebalancer = Rebalancer(client)
     client._round_robin = itertools.count()
-    client._release_token = itertools.count()
-    client._releases, client._free_kv = {}, {}
     client.max_model_len = 1000
     client._done_tokens = 0
     return client
@@ -143,8 +141,8 @@ def test_the_frontend_releases_lands_and_drops_what_was_aborted_meanwhile():
     ((dst, add),) = client.rank_set.taken(msg.AddRequests)
     assert dst == 1 and [(r[0], r[4]) for r in add.requests] == [("w0", states["w0"])]
     assert client.requests["w0"].rank == 1 and not client.requests["w0"].moving
-    assert "w2" not in client.requests and not client._releases
-    assert client.rebalance.as_dict() == {
+    assert "w2" not in client.requests and not client.rebalancer.releases
+    assert client.rebalancer.metrics.as_dict() == {
         "rebalance_rounds": 1,
         "requests_moved": 1,
         "sequences_moved": 1,
@@ -155,7 +153,7 @@ def test_the_frontend_releases_lands_and_drops_what_was_aborted_meanwhile():
     assert client._ranks[0].load == client.requests["pinned"].load
     # a stale answer (e.g. from ranks replaced by a recovery) changes nothing
     client._dispatch([(client._ranks[0], msg.Released(0, release.token, states, 5))])
-    assert client.rebalance.requests_moved == 1 and not client.rank_set.sent
+    assert client.rebalancer.metrics.requests_moved == 1 and not client.rank_set.sent
 
 
 # ---- a request continuing on another engine ---------------------------------------------
@@ -353,7 +351,7 @@ def test_a_skewed_job_on_expert_parallel_ranks_moves_requests_and_keeps_outputs(
     assert m["sequences_moved"] >= m["requests_moved"] and m["rebalance_bytes_shipped"] > 0
     assert m["rebalance_rounds"] > 0
     assert len(m["rank_busy_seconds"]) == 2 and all(s > 0 for s in m["rank_busy_seconds"])
-    assert not ep_rebalanced.llm_engine._releases  # no move left in flight
+    assert not ep_rebalanced.llm_engine.rebalancer.releases  # no move left in flight
 
 
 @pytest.mark.timeout(300)
@@ -443,7 +441,7 @@ def test_rebalancing_does_not_break_elastic_recovery(checkpoint_dir, mixtral_sin
             for out in engine.step():
                 answered.append(out.request_id)
                 got[out.request_id] = out
-            if killed is None and engine.rebalance.requests_moved:
+            if killed is None and engine.rebalancer.metrics.requests_moved:
                 killed = engine._ranks[1].pid
                 os.kill(killed, signal.SIGKILL)
         assert killed is not None

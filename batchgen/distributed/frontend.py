@@ -44,7 +44,7 @@ from batchgen.distributed import protocol as msg
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
-from batchgen.distributed.rebalance import Candidate, RebalanceMetrics, plan_moves
+from batchgen.distributed.rebalance import Rebalancer
 from batchgen.distributed.recovery import MAX_RECOVERIES, ElasticRecovery  # noqa: F401
 from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from batchgen.engine.migration import RequestState
@@ -130,11 +130,8 @@ class DPEngineClient:
         self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
         self.recovery = ElasticRecovery(parallel)
-        self.rebalance = RebalanceMetrics()
+        self.rebalancer = Rebalancer(self)
         self._round_robin = itertools.count()
-        self._release_token = itertools.count()
-        self._releases: dict[int, tuple[int, dict[str, int]]] = {}  # src -> (token, id -> dst)
-        self._free_kv: dict[int, int] = {}  # rank -> free KV tokens at its last Load
         self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
         self.rank_set = RankSet(config, parallel)
         self._ranks = self.rank_set.ranks
@@ -262,7 +259,7 @@ class DPEngineClient:
         self.rank_set = RankSet(self.config, self.parallel)
         self._ranks = self.rank_set.ranks
         self._done_tokens = 0
-        self._releases, self._free_kv = {}, {}  # moves in flight died with the old ranks
+        self.rebalancer.reset()  # moves in flight died with the old ranks
         requests, self.requests = self.requests, {}
         for request_id, request in requests.items():
             request.reset()
@@ -335,80 +332,9 @@ class DPEngineClient:
             elif isinstance(message, msg.Metrics):
                 self._metrics[(message.token, rank.rank)] = message.snapshot
             elif isinstance(message, msg.Load):
-                self._note_load(rank, message)
+                self.rebalancer.note_load(rank, message)
             elif isinstance(message, msg.Released):
-                self._land(rank, message)
-
-    # ---- straggler rebalancing (batchgen.distributed.rebalance) ----------------------------
-    def _note_load(self, rank: RankHandle, load: msg.Load) -> None:
-        """Take a rank's `Load` report, then start a rebalancing round if none is in flight."""
-        self._free_kv[rank.rank] = load.free_kv_tokens
-        for request_id, remaining, computed, _running in load.requests:
-            entry = self.requests.get(request_id)
-            if entry is not None and entry.rank == rank.rank and not entry.moving:
-                entry.remaining, entry.computed = remaining, computed
-        if not self._releases:
-            self._rebalance()
-
-    def _rebalance(self) -> None:
-        """Plan a round of moves (`plan_moves`) and ask the source ranks to release them."""
-        loads = [0] * len(self._ranks)
-        busy: set[int] = set()
-        candidates = []
-        for request_id, entry in self.requests.items():
-            loads[entry.rank] += entry.remaining
-            busy.add(entry.rank)
-            if entry.pinned is None and not entry.moving:
-                candidates.append(
-                    Candidate(request_id, entry.rank, entry.remaining, entry.computed)
-                )
-        free = [self._free_kv.get(r) if r in busy else None for r in range(len(self._ranks))]
-        moves = plan_moves(loads, free, candidates)
-        if not moves:
-            return
-        for rank in self._ranks:  # a request still queued here must reach its rank first
-            self._flush(rank)
-        by_src: dict[int, dict[str, int]] = {}
-        for move in moves:
-            by_src.setdefault(move.src, {})[move.request_id] = move.dst
-            self.requests[move.request_id].moving = True
-        for src, targets in by_src.items():
-            token = next(self._release_token)
-            self._releases[src] = (token, targets)
-            self.rank_set.send(self._ranks[src], msg.Release(token, list(targets)))
-        self.rebalance.rebalance_rounds += 1
-        logger.debug("rebalancing: %s (loads %s)", moves, loads)
-
-    def _land(self, rank: RankHandle, released: msg.Released) -> None:
-        """Queue what ``rank`` released on the chosen destinations."""
-        token, targets = self._releases.get(rank.rank, (None, {}))
-        if token != released.token:
-            return  # from ranks replaced by a recovery
-        del self._releases[rank.rank]
-        m = self.rebalance
-        m.rebalance_bytes_shipped += released.state_bytes
-        touched = set()
-        for request_id, dst in targets.items():
-            entry = self.requests.get(request_id)
-            if entry is None:
-                continue  # aborted meanwhile (its state, if any, is dropped)
-            entry.moving = False
-            state = released.states.get(request_id)
-            if state is None:
-                continue  # not on the rank any more (it failed there): nothing moves
-            rank.load -= entry.load
-            started = state.started
-            m.requests_moved += 1
-            m.sequences_moved += sum(not s.finished for s in state.seqs)
-            if started:
-                m.requests_moved_by_recompute += 1
-                m.rebalance_tokens_recomputed += state.num_computed_tokens
-            entry.remaining += entry.computed
-            entry.computed = 0
-            self._assign(request_id, entry, dst, state if started else None)
-            touched.add(dst)
-        for dst in sorted(touched):
-            self._flush(self._ranks[dst])
+                self.rebalancer.land(rank, message)
 
     # ---- metrics -------------------------------------------------------------------------
     def get_metrics(self) -> dict:
@@ -429,7 +355,7 @@ class DPEngineClient:
             ranks = [self._metrics.pop(k) for k in keys]
             totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
             totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
-            return {**totals, **self.recovery.metrics(), **self.rebalance.as_dict()}
+            return {**totals, **self.recovery.metrics(), **self.rebalancer.metrics.as_dict()}
 
     def _poll(self) -> None:
         """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
@@ -484,7 +410,7 @@ class DPEngineClient:
     def reset_metrics(self) -> None:
         self.rank_set.broadcast(msg.ResetMetrics())
         self._started = time.perf_counter()
-        self.rebalance = RebalanceMetrics()
+        self.rebalancer.reset_metrics()
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

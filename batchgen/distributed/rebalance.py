@@ -39,7 +39,14 @@ the recompute side wins for short contexts, so recompute alone was built first.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from dataclasses import dataclass
+
+from batchgen.distributed import protocol as msg
+from batchgen.distributed.rank_handle import RankHandle
+
+logger = logging.getLogger(__name__)
 
 # A pair of ranks is rebalanced only while their loads differ by more than this many tokens
 # and by more than this share of the busier one's load (hysteresis: no churn over noise).
@@ -128,3 +135,98 @@ class RebalanceMetrics:
 
     def as_dict(self) -> dict:
         return dict(vars(self))
+
+
+class Rebalancer:
+    """The frontend's side of rebalancing (module docstring): it takes the ranks' `Load`
+    reports, plans rounds (`plan_moves`), asks the sources to `Release`, and queues what they
+    release on the destinations. ``client``: the `DPEngineClient` whose requests and ranks it
+    moves. ``releases``: the round in flight, source rank -> (token, request id -> destination);
+    ``free_kv``: rank -> free KV tokens at its last report."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.metrics = RebalanceMetrics()
+        self._token = itertools.count()
+        self.releases: dict[int, tuple[int, dict[str, int]]] = {}
+        self.free_kv: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Forget the round in flight and the loads (the ranks were replaced)."""
+        self.releases, self.free_kv = {}, {}
+
+    def reset_metrics(self) -> None:
+        self.metrics = RebalanceMetrics()
+
+    def note_load(self, rank: RankHandle, load: msg.Load) -> None:
+        """Take a rank's `Load` report, then start a rebalancing round if none is in flight."""
+        c = self.client
+        self.free_kv[rank.rank] = load.free_kv_tokens
+        for request_id, remaining, computed, _running in load.requests:
+            entry = c.requests.get(request_id)
+            if entry is not None and entry.rank == rank.rank and not entry.moving:
+                entry.remaining, entry.computed = remaining, computed
+        if not self.releases:
+            self.plan()
+
+    def plan(self) -> None:
+        """Plan a round of moves (`plan_moves`) and ask the source ranks to release them."""
+        c = self.client
+        loads = [0] * len(c._ranks)
+        busy: set[int] = set()
+        candidates = []
+        for request_id, entry in c.requests.items():
+            loads[entry.rank] += entry.remaining
+            busy.add(entry.rank)
+            if entry.pinned is None and not entry.moving:
+                candidates.append(
+                    Candidate(request_id, entry.rank, entry.remaining, entry.computed)
+                )
+        free = [self.free_kv.get(r) if r in busy else None for r in range(len(c._ranks))]
+        moves = plan_moves(loads, free, candidates)
+        if not moves:
+            return
+        for rank in c._ranks:  # a request still queued here must reach its rank first
+            c._flush(rank)
+        by_src: dict[int, dict[str, int]] = {}
+        for move in moves:
+            by_src.setdefault(move.src, {})[move.request_id] = move.dst
+            c.requests[move.request_id].moving = True
+        for src, targets in by_src.items():
+            token = next(self._token)
+            self.releases[src] = (token, targets)
+            c.rank_set.send(c._ranks[src], msg.Release(token, list(targets)))
+        self.metrics.rebalance_rounds += 1
+        logger.debug("rebalancing: %s (loads %s)", moves, loads)
+
+    def land(self, rank: RankHandle, released: msg.Released) -> None:
+        """Queue what ``rank`` released on the chosen destinations."""
+        c = self.client
+        token, targets = self.releases.get(rank.rank, (None, {}))
+        if token != released.token:
+            return  # from ranks replaced by a recovery
+        del self.releases[rank.rank]
+        m = self.metrics
+        m.rebalance_bytes_shipped += released.state_bytes
+        touched = set()
+        for request_id, dst in targets.items():
+            entry = c.requests.get(request_id)
+            if entry is None:
+                continue  # aborted meanwhile (its state, if any, is dropped)
+            entry.moving = False
+            state = released.states.get(request_id)
+            if state is None:
+                continue  # not on the rank any more (it failed there): nothing moves
+            rank.load -= entry.load
+            started = state.started
+            m.requests_moved += 1
+            m.sequences_moved += sum(not s.finished for s in state.seqs)
+            if started:
+                m.requests_moved_by_recompute += 1
+                m.rebalance_tokens_recomputed += state.num_computed_tokens
+            entry.remaining += entry.computed
+            entry.computed = 0
+            c._assign(request_id, entry, dst, state if started else None)
+            touched.add(dst)
+        for dst in sorted(touched):
+            c._flush(c._ranks[dst])
