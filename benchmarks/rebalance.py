@@ -131,6 +131,21 @@ def main() -> int:
         f"{jobs['skewed']['makespan_s'] / base:.2f}x); outputs "
         f"{'identical' if same else 'DIFFER'} across the three jobs"
     )
+    for name, job in jobs.items():
+        want = jobs["balanced"]["outputs"]
+        differ = [k for k in want if job["outputs"].get(k) != want[k]]
+        if differ:
+            first = [
+                next(
+                    (i for i, (a, b) in enumerate(zip(job["outputs"][k], want[k])) if a != b),
+                    min(len(job["outputs"][k]), len(want[k])),
+                )
+                for k in differ
+            ]
+            print(
+                f"  {name}: {len(differ)} of {len(want)} requests differ from balanced, first "
+                f"differing token at positions {sorted(first)[:10]}"
+            )
     summary = {name: {k: v for k, v in j.items() if k != "outputs"} for name, j in jobs.items()}
     print(json.dumps({**summary, "same_outputs": same}))
     return 0 if same else 1
