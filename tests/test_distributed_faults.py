@@ -182,6 +182,17 @@ def test_batch_file_on_two_ranks_matches_one_process(checkpoint_dir, tmp_path):
     assert sum(status == 400 for status, _ in a.values()) == 4
 
 
+def _start_cli(*args) -> subprocess.Popen:
+    """`batchgen run --no-progress ARGS` in the background, output captured."""
+    return subprocess.Popen(
+        [str(BIN / "batchgen"), "run", "--no-progress", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, BATCHGEN_LOG_LEVEL="WARNING"),
+    )
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
@@ -220,27 +231,18 @@ def test_killed_rank_is_named_and_resume_completes_exactly_once(checkpoint_dir, 
     model = str(checkpoint_dir("mixtral"))
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _batch_file(src, 40, 48)
-    cli = subprocess.Popen(
-        [
-            str(BIN / "batchgen"),
-            "run",
-            "--no-progress",
-            "-i",
-            str(src),
-            "-o",
-            str(out),
-            "--model",
-            model,
-            "--data-parallel-size",
-            "2",
-            "--enable-expert-parallel",
-            "--max-in-flight",
-            "8",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, BATCHGEN_LOG_LEVEL="WARNING"),
+    cli = _start_cli(
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        model,
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--max-in-flight",
+        "8",
     )
     try:
         pids = _rank_pids(cli, 2)

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 from test_distributed_faults import (
-    BIN,
     _batch_file,
     _cli,
     _drain,
     _greedy,
     _rank_pids,
     _results,
+    _start_cli,
     _wait_lines,
 )
 
@@ -126,28 +125,19 @@ def test_batch_run_outlives_a_killed_rank(checkpoint_dir, tmp_path):
     _batch_file(src, 40, 48)
     one = _cli("-i", str(src), "-o", str(tmp_path / "one.jsonl"), "--model", model)
     assert one.returncode == 0, one.stderr
-    cli = subprocess.Popen(
-        [
-            str(BIN / "batchgen"),
-            "run",
-            "--no-progress",
-            "-i",
-            str(src),
-            "-o",
-            str(out),
-            "--model",
-            model,
-            "--data-parallel-size",
-            "2",
-            "--enable-expert-parallel",
-            "--enable-elastic-recovery",
-            "--max-in-flight",
-            "8",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, BATCHGEN_LOG_LEVEL="WARNING"),
+    cli = _start_cli(
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        model,
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--enable-elastic-recovery",
+        "--max-in-flight",
+        "8",
     )
     pids = {}
     try:
