@@ -138,8 +138,8 @@ class ParallelConfig:
         default=None,
         metadata=meta(
             "every this many steps, ranks report their load and the frontend moves requests "
-            "from the most to the least loaded rank (waiting ones as they are, started ones by "
-            "recompute; docs/distributed.md)",
+            "from the most to the least loaded rank (waiting ones as they are, started ones "
+            "with their K/V shipped or by recompute; docs/distributed.md)",
             section="coroutine_scheduler",
         ),
     )

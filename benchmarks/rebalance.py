@@ -2,7 +2,7 @@
 with and without rebalancing, beside the perfectly balanced job, in one run.
 
     python benchmarks/rebalance.py [--quick] [--model DIR] [--requests N] [--ranks 2]
-        [--interval 8] [--max-num-seqs S] [--replicated]
+        [--interval 8] [--max-num-seqs S] [--replicated] [--kv auto|ship|recompute]
 
 The workload is the bench's ``rollouts`` (`batchgen.bench.workloads`, greedy, EOS ignored, so
 every request generates exactly its ``output_len`` tokens), ordered longest, shortest, second
@@ -55,6 +55,8 @@ def _job(model: str, requests: list, args, method: str, interval: int | None) ->
         kwargs["max_num_seqs"] = args.max_num_seqs
     llm = LLM(model, **kwargs)
     engine = llm.llm_engine
+    engine.rebalancer.kv_price.policy = args.kv
+
     got = {}
     try:
         start = time.perf_counter()
@@ -76,6 +78,10 @@ def _job(model: str, requests: list, args, method: str, interval: int | None) ->
         "requests_moved_by_recompute",
         "rebalance_tokens_recomputed",
         "rebalance_bytes_shipped",
+        "requests_moved_with_kv",
+        "rebalance_kv_tokens_shipped",
+        "rebalance_kv_bytes_shipped",
+        "rebalance_link_bytes_per_s",
         "rank_busy_seconds",
     )
     return {"makespan_s": makespan, "outputs": got, **{k: metrics[k] for k in keys}}
@@ -90,6 +96,12 @@ def main() -> int:
     p.add_argument("--interval", type=int, default=8, help="straggler_rebalance_interval_steps")
     p.add_argument("--max-num-seqs", type=int, default=None, help="per rank")
     p.add_argument("--replicated", action="store_true", help="replicated experts, no EP")
+    p.add_argument(
+        "--kv",
+        choices=("auto", "ship", "recompute"),
+        default="auto",
+        help="how moved requests get their K/V: the ship-or-recompute rule, or always one",
+    )
     args = p.parse_args()
     model = args.model
     if model is None:
@@ -123,10 +135,14 @@ def main() -> int:
     moved = jobs["skewed + rebalancing"]
     ratio = moved["makespan_s"] / base
     print(
-        f"rebalancing: {moved['requests_moved']} requests moved ({moved['sequences_moved']} "
-        f"sequences, {moved['requests_moved_by_recompute']} by recompute, "
-        f"{moved['rebalance_tokens_recomputed']} tokens recomputed, "
-        f"{moved['rebalance_bytes_shipped']} bytes shipped) in {moved['rebalance_rounds']} "
+        f"rebalancing (K/V: {args.kv}): {moved['requests_moved']} requests moved "
+        f"({moved['sequences_moved']} sequences; {moved['requests_moved_with_kv']} with their "
+        f"K/V, {moved['rebalance_kv_tokens_shipped']} tokens, "
+        f"{moved['rebalance_kv_bytes_shipped'] / 2**20:.1f} MiB; "
+        f"{moved['requests_moved_by_recompute']} by recompute, "
+        f"{moved['rebalance_tokens_recomputed']} tokens recomputed; "
+        f"{moved['rebalance_bytes_shipped'] / 2**20:.1f} MiB released in all, link measured "
+        f"{moved['rebalance_link_bytes_per_s'] / 1e6:.0f} MB/s) in {moved['rebalance_rounds']} "
         f"rounds; {ratio:.2f}x balanced (target {TARGET}x; unbalanced "
         f"{jobs['skewed']['makespan_s'] / base:.2f}x); outputs "
         f"{'identical' if same else 'DIFFER'} across the three jobs"

@@ -55,6 +55,33 @@ def test_the_plan_is_deterministic_and_spreads_over_several_ranks():
     assert [m.request_id for m in first] == [f"r{i}" for i in range(6)]  # earliest first
 
 
+def test_within_an_expert_parallel_group_started_requests_move_only_with_their_kv():
+    recompute = [_c("run", 0, 200, 50)]
+    shipped = [Candidate("run", 0, 200, 50, ship=True, price=5.0)]
+    # Ranks 0 and 1 step together: a recompute there would slow both, so it does not move.
+    assert plan_moves([400, 0], [None, None], recompute, groups=[0, 0]) == []
+    assert plan_moves([400, 0], [None, None], shipped, groups=[0, 0]) == [Move("run", 0, 1)]
+    # Independent ranks: recompute is allowed when it lowers the peak (max(200, 250) < 400).
+    assert plan_moves([400, 0], [None, None], recompute, groups=[0, 1]) == [Move("run", 0, 1)]
+    # Waiting requests move within a group as metadata.
+    assert plan_moves([400, 0], [None, None], [_c("w", 0, 200)], groups=[0, 0]) == [
+        Move("w", 0, 1)
+    ]
+
+
+def test_ship_or_recompute_compares_the_kv_compute_rate_with_the_measured_link():
+    price = rebalance.KVPrice()
+    load = msg.Load(0, 1, [], 0, kv_bytes_per_token=16384, tokens_per_s=2000.0)
+    price.note_load(0, load)  # 32.8 MB/s of K/V computed, against the 100 MB/s default
+    assert price.ship and price.price(100) == pytest.approx(100 * 16384 * 2000 / 100e6)
+    price.note_transfer(1_000_000, 0.1)  # the first measurement replaces the default
+    assert price.link_bytes_per_s == pytest.approx(1e7)
+    assert not price.ship and price.price(100) == 100.0
+    price.note_transfer(10**9, 1.0)  # then the best rate seen
+    price.note_transfer(10**6, 1.0)
+    assert price.link_bytes_per_s == pytest.approx(1e9) and price.ship
+
+
 def test_balanced_or_unmovable_loads_give_no_moves():
     assert plan_moves([100, 90], [None, None], [_c("a", 0, 50)]) == []
     assert plan_moves([1000, 0], [None, None], []) == []  # e.g. everything pinned or moving
@@ -131,6 +158,9 @@ def test_the_frontend_releases_lands_and_drops_what_was_aborted_meanwhile():
     ((src, release),) = client.rank_set.taken(msg.Release)
     # 644 vs 6: w2 (no recompute) first, then w0 (peak 380 < 440); the pinned one never
     assert src == 0 and release.request_ids == ["w2", "w0"]
+    # No K/V rate reported yet: shipping counts as cheaper, for every request released (a
+    # waiting one may have started by the time the rank releases it).
+    assert release.ship_kv == ["w2", "w0"]
     assert client.requests["w0"].moving and client.requests["w2"].moving
     client._dispatch([(client._ranks[0], msg.Load(0, 2, report, 10_000))])
     assert not client.rank_set.sent  # one round in flight at a time
@@ -146,9 +176,13 @@ def test_the_frontend_releases_lands_and_drops_what_was_aborted_meanwhile():
         "rebalance_rounds": 1,
         "requests_moved": 1,
         "sequences_moved": 1,
-        "requests_moved_by_recompute": 1,
+        "requests_moved_by_recompute": 1,  # the fake state carries no K/V
+        "requests_moved_with_kv": 0,
         "rebalance_tokens_recomputed": 6,
+        "rebalance_kv_tokens_shipped": 0,
+        "rebalance_kv_bytes_shipped": 0,
         "rebalance_bytes_shipped": 123,
+        "rebalance_link_bytes_per_s": rebalance.DEFAULT_LINK_BYTES_PER_S,
     }
     assert client._ranks[0].load == client.requests["pinned"].load
     # a stale answer (e.g. from ranks replaced by a recovery) changes nothing
@@ -206,11 +240,22 @@ def _same_output(a, b) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_released_request_continues_elsewhere_with_the_unmoved_output(checkpoint_dir):
+@pytest.mark.parametrize(
+    "model, ship_kv",
+    [("mixtral", False), ("mixtral", True), ("deepseek_v3", True)],
+    ids=["recompute", "ship-kv", "ship-kv-mla"],
+)
+def test_a_released_request_continues_elsewhere_with_the_unmoved_output(
+    checkpoint_dir, model, ship_kv
+):
     """Requests leave engine A mid-decode (running, some samples of an n=3 request already
-    finished) or before they started, continue on engine B by recompute, and end with the
-    output an unmoved run gives: tokens, text, logprobs, finish reasons."""
-    path = str(checkpoint_dir("mixtral"))
+    finished) or before they started, continue on engine B by recompute or with their K/V
+    shipped (GQA caches, and MLA's latent and rope-key caches), and end with the output an
+    unmoved run gives: tokens, text, logprobs, finish reasons. Shipped K/V are the source's
+    own bits, so on the GQA path (the CPU decode kernel reads each row's cache in place,
+    independent of its batch-mates) the logprobs are equal, not only close; MLA's decode pads
+    each bucket to its longest context, so there other batch-mates can move the last bits."""
+    path = str(checkpoint_dir(model))
     a = LLM(path, max_num_seqs=3).llm_engine
     b = LLM(path, max_num_seqs=3).llm_engine
     reference: dict = {}
@@ -227,10 +272,11 @@ def test_a_released_request_continues_elsewhere_with_the_unmoved_output(checkpoi
             done[out.request_id] = out
     states = {}
     for rid, prompt, params in _requests():
-        state = a.release_request(rid)
+        state = a.release_request(rid, ship_kv=ship_kv)
         if state is None:
             continue  # finished before the move
         states[rid] = state
+        assert state.num_shipped_tokens == (state.num_computed_tokens if ship_kv else 0)
         processed = b.input_processor.process(prompt, params)
         b.add_processed_request(rid, processed, params, resume=state)
     assert a.release_request("greedy") is None and not a.has_unfinished_requests()
@@ -242,6 +288,14 @@ def test_a_released_request_continues_elsewhere_with_the_unmoved_output(checkpoi
     assert sorted(done) == sorted(reference)
     for rid in reference:
         _same_output(done[rid], reference[rid])
+    shipped = sum(s.num_shipped_tokens for s in states.values())
+    assert b.get_metrics()["kv_imported_tokens"] == shipped
+    if ship_kv:
+        assert shipped > 0 and b.kv_cache.num_free_blocks == b.kv_cache.num_blocks
+    if ship_kv and model == "mixtral":
+        for rid in ("greedy", "seeded"):  # moved mid-decode: bit-identical logprobs
+            got, want = done[rid].outputs[0], reference[rid].outputs[0]
+            assert got.cumulative_logprob == want.cumulative_logprob
 
 
 def test_a_resume_state_must_fit_the_request(checkpoint_dir):
@@ -347,8 +401,13 @@ def test_a_skewed_job_on_expert_parallel_ranks_moves_requests_and_keeps_outputs(
     assert any(dst == 1 and "long" in rid for rid, dst in moves)  # off the straggler
     m = ep_rebalanced.get_metrics()
     assert m["requests_moved"] == len(moves) > 0
-    assert m["requests_moved_by_recompute"] > 0 and m["rebalance_tokens_recomputed"] > 0
-    assert m["sequences_moved"] >= m["requests_moved"] and m["rebalance_bytes_shipped"] > 0
+    # Started requests move with their K/V (shipping is far cheaper here), never by recompute
+    # inside the expert-parallel group; each destination imported what was shipped.
+    assert m["requests_moved_with_kv"] > 0 and m["rebalance_kv_tokens_shipped"] > 0
+    assert m["requests_moved_by_recompute"] == 0 and m["rebalance_tokens_recomputed"] == 0
+    assert sum(r["kv_imported_tokens"] for r in m["ranks"]) == m["rebalance_kv_tokens_shipped"]
+    assert m["rebalance_bytes_shipped"] > m["rebalance_kv_bytes_shipped"] > 0
+    assert m["sequences_moved"] >= m["requests_moved"]
     assert m["rebalance_rounds"] > 0
     assert len(m["rank_busy_seconds"]) == 2 and all(s > 0 for s in m["rank_busy_seconds"])
     assert not ep_rebalanced.llm_engine.rebalancer.releases  # no move left in flight

@@ -219,3 +219,31 @@ def test_prefix_sharing_off_prefills_every_sample():
         sched.add(s)
     out = run_step(sched)
     assert [e.num_new_tokens for e in out.scheduled] == [10, 10, 10]
+
+
+def test_a_sequence_with_shipped_kv_is_admitted_as_a_decode_or_waits_for_blocks():
+    """Straggler rebalancing ships a moved sample's K/V (``seq.kv_import``): admission
+    allocates blocks for those positions plus the new token, schedules only what is left, and
+    hands the sequence to the engine to write the K/V first; without room it stays waiting,
+    K/V kept."""
+    from batchgen.engine.migration import KVPayload
+
+    sched, kv = make_scheduler(num_blocks=4, block_size=4)
+    (hog,) = make_seqs([12])  # 3 of the 4 blocks
+    sched.add(hog)
+    run_step(sched)
+    (moved,) = make_seqs([6])
+    moved.output_token_ids = [9, 9, 9]  # 9 tokens, 8 of them computed on the source
+    moved.kv_import = KVPayload(8, "float32", b"")
+    sched.add(moved)
+    out = sched.schedule()  # needs 3 blocks, 1 free: waits
+    assert [e.seq for e in out.scheduled] == [hog] and not out.kv_imports
+    assert moved.status is SequenceStatus.WAITING and moved.num_computed_tokens == 0
+    assert moved.kv_import is not None and not moved.block_table
+    sched.finish(hog)
+    sched.remove_finished()
+    out = sched.schedule()
+    assert out.kv_imports == [moved] and len(moved.block_table) == 3
+    ((entry,),) = [out.scheduled]
+    assert entry.seq is moved and entry.num_new_tokens == 1 and entry.samples_next_token
+    assert moved.num_computed_tokens == 8 and kv.num_free_blocks == 1

@@ -130,7 +130,8 @@ class DPEngineClient:
         self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
         self.recovery = ElasticRecovery(parallel)
-        self.rebalancer = Rebalancer(self)
+        lockstep = parallel.resolved_expert_parallel_size if self.model_config.is_moe else 1
+        self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
         self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
         self.rank_set = RankSet(config, parallel)

@@ -65,10 +65,13 @@ class AddRequests:
 
 @dataclass
 class Release:
-    """Take these requests out of the rank (straggler rebalancing); answered by `Released`."""
+    """Take these requests out of the rank (straggler rebalancing); answered by `Released`.
+    ``ship_kv``: the ids among them whose computed K/V travel with their state (the others
+    are recomputed where they land)."""
 
     token: int
     request_ids: list[str]
+    ship_kv: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -88,12 +91,15 @@ class Load:
     """A rank's load for straggler rebalancing, sent every
     ``straggler_rebalance_interval_steps`` steps while it has requests: per unfinished request
     ``(request_id, remaining_tokens, computed_tokens, running)`` (`LLMEngine.load_report`),
-    and its free KV cache tokens."""
+    its free KV cache tokens, the bytes of one token's K/V over all layers, and the tokens it
+    computes per busy second so far (prefill and decode; 0.0 before its first step)."""
 
     rank: int
     step_id: int
     requests: list[tuple[str, int, int, bool]]
     free_kv_tokens: int
+    kv_bytes_per_token: int = 0
+    tokens_per_s: float = 0.0
 
 
 @dataclass

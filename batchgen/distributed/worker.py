@@ -303,8 +303,9 @@ class RankLoop:
                 engine.abort_request(request_id)
         elif isinstance(message, msg.Release):
             states = {}
+            ship = set(message.ship_kv)
             for request_id in message.request_ids:
-                state = engine.release_request(request_id)
+                state = engine.release_request(request_id, ship_kv=request_id in ship)
                 if state is not None:
                     states[request_id] = state
             size = len(pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL))
@@ -337,7 +338,13 @@ class RankLoop:
         ):
             return
         free = engine.kv_cache.num_free_blocks * engine.config.block_size
-        self.link.send(msg.Load(self.rank, step_id, engine.load_report(), free))
+        m = engine.metrics
+        rate = (m.prefill_tokens + m.decode_tokens) / m.busy_seconds if m.busy_seconds else 0.0
+        self.link.send(
+            msg.Load(
+                self.rank, step_id, engine.load_report(), free, engine.kv_bytes_per_token, rate
+            )
+        )
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> int:

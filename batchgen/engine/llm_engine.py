@@ -45,7 +45,13 @@ from batchgen.engine.input_processor import (
     load_tokenizer,
 )
 from batchgen.engine.metrics import EngineMetrics
-from batchgen.engine.migration import RequestState, export_request, restore_sequence
+from batchgen.engine.migration import (
+    RequestState,
+    export_kv,
+    export_request,
+    import_kv,
+    restore_sequence,
+)
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
 from batchgen.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -157,6 +163,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.dtype)  # all layers
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -335,14 +342,21 @@ class LLMEngine:
                 self.scheduler.add(seq)
         self.requests[request_id] = request
 
-    def release_request(self, request_id: str) -> RequestState | None:
+    def release_request(self, request_id: str, ship_kv: bool = False) -> RequestState | None:
         """Take an unfinished request out of this engine with its progress, to continue on
         another (`add_processed_request(..., resume=...)`); its KV blocks are freed. None when
-        the request is unknown (finished and returned, or aborted)."""
+        the request is unknown (finished and returned, or aborted). ``ship_kv``: the state
+        carries the K/V of every computed position (`batchgen.engine.migration.KVPayload`),
+        so the receiver need not recompute them."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        state = export_request(request)
+        runner = self.runner
+
+        def read(block_table: list[int], num_tokens: int):
+            return export_kv(runner.kv_caches, runner.block_size, block_table, num_tokens)
+
+        state = export_request(request, read if ship_kv else None)
         self.abort_request(request_id)
         return state
 
@@ -440,6 +454,11 @@ class LLMEngine:
         on this rank (``data_parallel_offload``, see `batchgen.distributed`)."""
         m = self.metrics
         t0, stage_before = self._step_started, self._stage_before
+        for seq in sched.kv_imports:  # K/V shipped from another rank, into the new blocks
+            runner = self.runner
+            import_kv(runner.kv_caches, runner.block_size, seq.block_table, seq.kv_import)
+            m.kv_imported_tokens += seq.kv_import.num_tokens
+            seq.kv_import = None
         if sched.block_copies:
             self.runner.copy_blocks(sched.block_copies)
         m.shared_prefix_tokens += sched.num_shared_prefix_tokens

@@ -69,6 +69,7 @@ class EngineMetrics:
     decode_only_context_tokens: int = 0  # sum of the decoded tokens' context lengths
     decode_only_stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     shared_prefix_tokens: int = 0  # prompt positions taken from a sibling sample's KV blocks
+    kv_imported_tokens: int = 0  # positions whose K/V were shipped from another rank
     started_at: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -119,6 +120,7 @@ class EngineMetrics:
                 self.decode_only_stage_seconds, self.decode_only_seconds
             ),
             "shared_prefix_tokens": self.shared_prefix_tokens,
+            "kv_imported_tokens": self.kv_imported_tokens,
             "num_expert_gemms": self.expert.num_gemms,
             "mean_rows_per_expert_gemm": self.expert.mean_rows_per_gemm,
             "tile_size": self.tile_size,

@@ -2,10 +2,20 @@
 
 `export_request` captures, as plain picklable data, what a request's samples have produced so
 far; `LLMEngine.release_request` takes the request out of its engine with it, and
-`LLMEngine.add_processed_request(..., resume=state)` continues it elsewhere. The receiving engine
-recomputes each unfinished sample's prompt and generated tokens as a prefill (the preemption
-path: ``num_computed_tokens`` starts at 0), then samples the next token, so nothing of the KV
-cache travels. What does travel makes the final `RequestOutput` the one an unmoved run gives:
+`LLMEngine.add_processed_request(..., resume=state)` continues it elsewhere. A started sample's
+K/V reaches the receiving engine one of two ways (the straggler rebalancer picks,
+`batchgen.distributed.rebalance`):
+
+- **shipped** (``export_request(..., kv_reader=...)``): the K/V of its computed positions travel
+  as bytes (`KVPayload`, every layer's cache tensors: key and value, or MLA's latent and rope
+  key); when the receiving scheduler admits the sample it allocates blocks, the engine writes
+  the bytes into them (`import_kv`) before the step runs, and the sample goes on decoding. The
+  K/V are the source's own bits, so the tokens are exactly the unmoved ones;
+- **recomputed**: nothing of the KV cache travels; the receiving engine prefills the prompt and
+  generated tokens again (the preemption path: ``num_computed_tokens`` starts at 0), then
+  samples the next token.
+
+What else travels makes the final `RequestOutput` the one an unmoved run gives:
 
 - the generated token ids (the sampler's penalties see them, the prefill recomputes them);
 - the seeded generator's state (``torch.Generator.get_state``): the next draw continues the
@@ -15,8 +25,8 @@ cache travels. What does travel makes the final `RequestOutput` the one an unmov
   stop-string tail), and finished samples of an ``n`` > 1 request as they ended;
 - the request's timestamps (`RequestMetrics`).
 
-Tokens are the same as unmoved for greedy and seeded requests up to the last bits of the
-recomputed logits (a prefill and a decode step compute the same position with other kernels,
+With recompute, tokens are the same as unmoved for greedy and seeded requests up to the last
+bits of the recomputed logits (a prefill and a decode step compute the same position with other kernels,
 as after a preemption); unseeded sampled requests draw from the receiving rank's global
 generator, as they would after any rebatching.
 """
@@ -24,7 +34,7 @@ generator, as they would after any rebatching.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -36,6 +46,81 @@ if TYPE_CHECKING:
 
 # Detokenizer attributes that are not state (the receiving engine sets its own).
 _DETOKENIZER_SETUP = ("tokenizer", "prompt_token_ids")
+
+
+@dataclass
+class KVPayload:
+    """The K/V of a sample's first ``num_tokens`` positions, as bytes.
+
+    ``data``: for each layer in order, for each of its cache tensors in order
+    (`batchgen.models.decoder.kv_cache_token_shapes`: key and value ``[kv_heads, head_dim]``
+    for GQA; latent ``[kv_lora_rank]`` and rope key ``[rope_dim]`` for MLA), the rows of
+    positions ``0 .. num_tokens - 1``, ``dtype`` elements, concatenated. ``nbytes`` is its size.
+    """
+
+    num_tokens: int
+    dtype: str
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def _slots(block_table: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """Cache rows of positions ``[0, num_tokens)`` (``[num_tokens]`` int64)."""
+    pos = torch.arange(num_tokens)
+    blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def export_kv(
+    kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, block_table: list[int],
+    num_tokens: int,
+) -> KVPayload:
+    """Copy positions ``[0, num_tokens)`` of a sample out of the paged caches.
+
+    Args:
+        kv_caches: per layer, its cache tensors ``[num_slots, *token_shape]``
+            (`ModelRunner.kv_caches`), all of one dtype.
+        block_table: the sample's KV block ids; ``block_size``: tokens per block.
+    """
+    slots = _slots(block_table, block_size, num_tokens).to(kv_caches[0][0].device)
+    parts = [
+        cache.index_select(0, slots).contiguous().view(torch.uint8).reshape(-1).cpu()
+        for layer in kv_caches
+        for cache in layer
+    ]
+    dtype = str(kv_caches[0][0].dtype).removeprefix("torch.")
+    return KVPayload(num_tokens, dtype, torch.cat(parts).numpy().tobytes())
+
+
+def import_kv(
+    kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, block_table: list[int],
+    payload: KVPayload,
+) -> None:
+    """Write ``payload`` (from `export_kv` on an engine of the same model and KV dtype) into
+    positions ``[0, payload.num_tokens)`` of ``block_table``.
+
+    Raises:
+        ValueError: the payload's dtype or size does not fit these caches.
+    """
+    dtype = str(kv_caches[0][0].dtype).removeprefix("torch.")
+    n = payload.num_tokens
+    sizes = [n * cache[0].numel() * cache.element_size() for layer in kv_caches for cache in layer]
+    if payload.dtype != dtype or payload.nbytes != sum(sizes):
+        raise ValueError(
+            f"K/V payload of {payload.nbytes} bytes of {payload.dtype} does not fit this "
+            f"engine's caches ({sum(sizes)} bytes of {dtype} for {n} tokens)"
+        )
+    raw = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8)
+    slots = _slots(block_table, block_size, n).to(kv_caches[0][0].device)
+    caches = [cache for layer in kv_caches for cache in layer]
+    offset = 0
+    for cache, size in zip(caches, sizes):
+        rows = raw[offset : offset + size].view(cache.dtype).view(n, *cache.shape[1:])
+        cache.index_copy_(0, slots, rows.to(cache.device))
+        offset += size
 
 
 @dataclass
@@ -53,12 +138,14 @@ class SequenceState:
     finish_reason: str | None
     stop_reason: int | str | None
     num_preemptions: int
+    kv: KVPayload | None = None  # shipped K/V of its computed positions, if any
 
 
 @dataclass
 class RequestState:
     """A request's progress (`export_request`). ``num_computed_tokens``: tokens whose K/V the
-    source engine held and drops (the receiving engine recomputes them)."""
+    source engine held for its unfinished samples and drops (the receiving engine recomputes those no `KVPayload`
+    carries)."""
 
     metrics: RequestMetrics
     seqs: list[SequenceState] = field(default_factory=list)
@@ -69,17 +156,32 @@ class RequestState:
         """Some sample generated a token or had K/V computed: moving it costs a recompute."""
         return self.num_computed_tokens > 0 or any(s.output_token_ids for s in self.seqs)
 
+    @property
+    def num_shipped_tokens(self) -> int:
+        """Computed positions whose K/V travel with the state (not recomputed)."""
+        return sum(s.kv.num_tokens for s in self.seqs if s.kv is not None)
 
-def export_request(request: Request) -> RequestState:
-    """``request``'s progress as plain data (the engine's objects stay untouched)."""
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.kv.nbytes for s in self.seqs if s.kv is not None)
+
+
+KVReader = Callable[[list[int], int], KVPayload]
+
+
+def export_request(request: Request, kv_reader: KVReader | None = None) -> RequestState:
+    """``request``'s progress as plain data (the engine's objects stay untouched).
+
+    ``kv_reader(block_table, num_tokens)``: given, every unfinished sample with computed
+    positions ships their K/V (`export_kv`); otherwise the receiver recomputes them."""
     return RequestState(
         metrics=RequestMetrics(**vars(request.metrics)),
-        seqs=[_export_seq(seq) for seq in request.seqs],
-        num_computed_tokens=sum(s.num_computed_tokens for s in request.seqs),
+        seqs=[_export_seq(seq, kv_reader) for seq in request.seqs],
+        num_computed_tokens=sum(s.num_computed_tokens for s in request.seqs if not s.is_finished),
     )
 
 
-def _export_seq(seq: SequenceCoroutine) -> SequenceState:
+def _export_seq(seq: SequenceCoroutine, kv_reader: KVReader | None) -> SequenceState:
     generator = seq.generator
     detok = {k: v for k, v in vars(seq.detokenizer).items() if k not in _DETOKENIZER_SETUP}
     detok["output_token_ids"] = list(detok["output_token_ids"])
@@ -95,12 +197,18 @@ def _export_seq(seq: SequenceCoroutine) -> SequenceState:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         num_preemptions=seq.num_preemptions,
+        kv=(
+            kv_reader(seq.block_table, seq.num_computed_tokens)
+            if kv_reader is not None and seq.num_computed_tokens and not seq.is_finished
+            else None
+        ),
     )
 
 
 def restore_sequence(seq: SequenceCoroutine, state: SequenceState) -> None:
     """Give a fresh ``seq`` (built by `LLMEngine.add_processed_request`, not yet scheduled)
-    the progress in ``state``. The caller queues it unless ``state.finished``."""
+    the progress in ``state``. The caller queues it unless ``state.finished``; shipped K/V wait
+    in ``seq.kv_import`` until the scheduler admits it."""
     if state.index != seq.index:
         raise ValueError(f"sample {seq.index} given the state of sample {state.index}")
     seq.output_token_ids = list(state.output_token_ids)
@@ -114,6 +222,13 @@ def restore_sequence(seq: SequenceCoroutine, state: SequenceState) -> None:
         seq.generator.set_state(raw)
     vars(seq.detokenizer).update(state.detokenizer_state)
     seq.num_preemptions = state.num_preemptions
+    if state.kv is not None and not state.finished:
+        if state.kv.num_tokens >= seq.num_tokens:
+            raise ValueError(
+                f"K/V of {state.kv.num_tokens} positions shipped for a sample of "
+                f"{seq.num_tokens} tokens (at most {seq.num_tokens - 1} can be computed)"
+            )
+        seq.kv_import = state.kv
     if state.finished:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = state.finish_reason, state.stop_reason

@@ -16,6 +16,10 @@ K/V of the first ``prompt_len - 1`` positions shared from a running sibling
 (`KVCacheManager.share_prefix`) and computes only the last prompt token itself, which yields
 its own first-token logits. vLLM gets the same effect from prefix caching.
 
+A sequence moved from another engine with its K/V (``seq.kv_import``, straggler rebalancing)
+is admitted like any waiting one, with those positions counted as computed: it allocates their
+blocks and the engine writes the K/V into them before the step (``SchedulerOutput.kv_imports``).
+
 Liveness: the engine caps ``max_model_len`` at the KV capacity, so a running sequence alone can
 always allocate; every step schedules at least one token while any sequence is unfinished.
 """
@@ -49,6 +53,9 @@ class SchedulerOutput:
     # (src_block, dst_block) KV copies to make before the step runs (shared prompt prefixes).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_shared_prefix_tokens: int = 0
+    # Sequences admitted with K/V shipped from another engine (``seq.kv_import``): the engine
+    # writes it into their new blocks before the step runs.
+    kv_imports: list[SequenceCoroutine] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -120,7 +127,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             copies: list[tuple[int, int]] = []
-            if self.enable_prefix_sharing and seq.num_computed_tokens == 0:
+            if seq.kv_import is not None:  # shipped K/V: its positions count as computed
+                seq.num_computed_tokens = seq.kv_import.num_tokens
+            elif self.enable_prefix_sharing and seq.num_computed_tokens == 0:
                 source = self._prefix_source(seq, forked)
                 if source is _DEFER:
                     deferred.append(seq)
@@ -136,7 +145,10 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 self.waiting.appendleft(seq)
                 break
-            if seq.num_computed_tokens:
+            if seq.kv_import is not None:
+                out.kv_imports.append(seq)
+                forked.add(seq.seq_id)  # its blocks are written only when the step runs
+            elif seq.num_computed_tokens:
                 out.block_copies.extend(copies)
                 out.num_shared_prefix_tokens += seq.num_computed_tokens
                 forked.add(seq.seq_id)
@@ -220,7 +232,11 @@ class Scheduler:
         ):
             return None
         for sibling in seq.request.seqs:
-            if sibling.status is SequenceStatus.WAITING and not sibling.block_table:
+            if (
+                sibling.status is SequenceStatus.WAITING
+                and not sibling.block_table
+                and sibling.kv_import is None  # it brings its own K/V
+            ):
                 return sibling
         return None
 

@@ -64,6 +64,8 @@ class SequenceCoroutine:
         cumulative_logprob: sum of sampled-token logprobs.
         finish_reason / stop_reason: as in `CompletionOutput`.
         num_preemptions: how often this sequence was preempted (metric).
+        kv_import: K/V of its first positions shipped from another engine (straggler
+            rebalancing), written into its blocks when the scheduler admits it.
     """
 
     seq_id: int
@@ -80,6 +82,7 @@ class SequenceCoroutine:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    kv_import: Any = None  # `migration.KVPayload` shipped from another engine, until admitted
     group: Any = None  # the executor's `CoroutineGroup` while the coroutine is inside a step
 
     @property
