@@ -64,6 +64,8 @@ class SequenceCoroutine:
         cumulative_logprob: sum of sampled-token logprobs.
         finish_reason / stop_reason: as in `CompletionOutput`.
         num_preemptions: how often this sequence was preempted (metric).
+        grammar: the sample's structured-output state (`batchgen.structured.matcher
+            .SequenceGrammar`) when its request is constrained, else None.
     """
 
     seq_id: int
@@ -80,6 +82,7 @@ class SequenceCoroutine:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    grammar: Any = None
     group: Any = None  # the executor's `CoroutineGroup` while the coroutine is inside a step
 
     @property
