@@ -86,10 +86,11 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """``(kind, canonical text)``: equal for equal specs (dict key order does not count);
-        the grammar cache's key."""
+        """``(kind, text)``: the grammar cache's key, and what the grammar is built from. A
+        schema's key order counts (properties are generated in the order the schema lists
+        them, as OpenAI does), whitespace does not."""
         kind = self.kind
         value: Any = getattr(self, kind)
         if kind in ("json", "choice"):
-            return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return kind, json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         return kind, "" if kind == "json_object" else value
