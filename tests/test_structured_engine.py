@@ -397,3 +397,16 @@ def test_batch_file_matches_llm_generate_and_fails_bad_specs_per_line(llm, tmp_p
         use_tqdm=False,
     )
     assert chat[0].outputs[0].text == choice["chat"]["message"]["content"]
+
+
+def test_grammar_no_token_can_match_fails_its_request_alone(llm):
+    # Valid Lark, but token id 600 is past this model's 512: found when compiling (on the
+    # worker thread the first time, from the cache the second), never by the batch.
+    bad = SamplingParams(max_tokens=5, structured_outputs={"grammar": "start: <[600]>"})
+    good = SamplingParams(max_tokens=5, temperature=0.0, structured_outputs={"regex": "[0-9]+"})
+    for _ in range(2):
+        outs = llm.generate(["a", "b", "c"], [good, bad, good], use_tqdm=False)
+        assert [o.error is None for o in outs] == [True, False, True]
+        assert "Token range end too large: 600" in outs[1].error
+        assert re.fullmatch("[0-9]+", outs[0].outputs[0].text)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -58,7 +58,7 @@ def grammar_text(kind: str, value: str) -> str:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, options)))
         if kind == "grammar":
             return LLMatcher.grammar_from_lark(any_to_lark(value))
-    except (ValueError, RuntimeError) as err:  # the GBNF converter raises plain errors
+    except Exception as err:  # the GBNF converter raises its own GbnfToLarkError
         raise GrammarError(f"structured_outputs.{kind} is invalid: {err}") from None
     raise GrammarError(f"unknown structured output kind {kind!r}")
 
