@@ -388,7 +388,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        self.structured.discard(request_id)
+        self.structured.release(request_id)
         self._grammar_failed.pop(request_id, None)
         for seq in request.seqs:
             if not seq.is_finished:
@@ -534,9 +534,11 @@ class LLMEngine:
         return the requests that finished. A request whose rows or token handling raise is
         failed alone (recorded in ``failed``); the others go on."""
         seqs = [e.seq for e in sampling]
-        t0 = time.perf_counter()
-        bitmask = self.structured.token_bitmask(seqs)  # [B, W] int32 or None
-        self.metrics.stage_seconds["grammar_mask"] += time.perf_counter() - t0
+        bitmask = None  # [B, W] int32 when some row is constrained
+        if self.structured.live:
+            t0 = time.perf_counter()
+            bitmask = self.structured.token_bitmask(seqs)
+            self.metrics.stage_seconds["grammar_mask"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         # ~2 us per seeded row: lets a retry draw what the batched call would have drawn.
         rewind = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
@@ -635,8 +637,10 @@ class LLMEngine:
                 self._fail_request(request, exc, failed)
                 continue
             del self.requests[request.request_id]
+            self.structured.release(request.request_id)
         for request_id, reason in failed.items():
             request = self.requests.pop(request_id, None)
+            self.structured.release(request_id)
             if request is not None:
                 results.append(
                     RequestOutput(

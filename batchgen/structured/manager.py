@@ -36,6 +36,8 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.waiting: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        # Ids of the constrained requests in the engine: without any, a step skips the bitmask.
+        self.live: set[str] = set()
 
     def add(self, request: Request) -> bool:
         """Start compiling ``request``'s grammar. True when its samples have their grammar
@@ -48,8 +50,10 @@ class StructuredOutputManager:
         future = self.compiler.submit(request.params.structured_outputs)
         if future.done():
             _attach(request, future.result())
+            self.live.add(request.request_id)
             return True
         self.waiting[request.request_id] = (request, future)
+        self.live.add(request.request_id)
         return False
 
     def take_ready(self, block: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
@@ -72,9 +76,11 @@ class StructuredOutputManager:
                 ready.append(request)
         return ready, failed
 
-    def discard(self, request_id: str) -> None:
-        """Forget a waiting request (aborted)."""
+    def release(self, request_id: str) -> None:
+        """Forget a request that left the engine (finished, failed or aborted); unknown ids are
+        ignored."""
         self.waiting.pop(request_id, None)
+        self.live.discard(request_id)
 
     def token_bitmask(self, seqs: Sequence[SequenceCoroutine]) -> torch.Tensor | None:
         """``[B, ceil(V / 32)]`` int32 for the step's rows ``seqs`` (`fill_token_bitmask`);
