@@ -356,6 +356,7 @@ def test_batch_file_matches_llm_generate_and_fails_bad_specs_per_line(llm, tmp_p
         ),
         batch_line("bad-regex", dict(good, guided_regex="[a-z")),
         batch_line("bad-grammar", dict(good, structured_outputs={"grammar": "start: foo"})),
+        batch_line("bad-vocab", dict(good, guided_grammar="start: <[600]>")),
         batch_line(
             "two-specs", dict(good, guided_regex="a", response_format={"type": "json_object"})
         ),
@@ -367,7 +368,7 @@ def test_batch_file_matches_llm_generate_and_fails_bad_specs_per_line(llm, tmp_p
     for raw in (tmp_path / "out.jsonl").read_text().splitlines():
         line = json.loads(raw)
         results[line["custom_id"]] = line
-    assert summary.failed == 4
+    assert summary.failed == 5
     errors = {k: v["error"] for k, v in results.items() if v["error"]}
     assert errors["bad-schema"]["param"] == "response_format.json_schema.schema"
     assert "Invalid type: foo" in errors["bad-schema"]["message"]
@@ -375,6 +376,9 @@ def test_batch_file_matches_llm_generate_and_fails_bad_specs_per_line(llm, tmp_p
     assert "unclosed character class" in errors["bad-regex"]["message"]
     assert errors["bad-grammar"]["param"] == "structured_outputs.grammar"
     assert errors["two-specs"]["param"] == "guided_regex"  # the second one named
+    # Only the engine, with the vocabulary, can tell that token 600 does not exist.
+    assert errors["bad-vocab"]["code"] == "request_failed"
+    assert "Token range end too large: 600" in errors["bad-vocab"]["message"]
     body = {k: v["response"]["body"] for k, v in results.items() if not v["error"]}
     choice = {k: b["choices"][0] for k, b in body.items()}
     # Any JSON object: nothing bounds it, so greedy gibberish may run to max_tokens ("length",

@@ -304,13 +304,13 @@ class LLMEngine:
                 unfinished samples are recomputed and continue where they stopped
                 (`batchgen.engine.migration`).
         A request with ``params.structured_outputs`` waits (without KV blocks) until its
-        grammar is compiled (`batchgen.structured.manager`), unless it is cached already.
+        grammar is compiled (`batchgen.structured.manager`), unless it is cached already; a
+        grammar that does not compile for this vocabulary fails the request in the next step
+        (its output's ``error``), like any per-request failure.
 
         Raises:
             ValueError: duplicate ``request_id``, or a ``resume`` state that does not fit the
-                request (another ``n``, seeded state for an unseeded request), or a
-                ``structured_outputs`` spec already known not to compile for this vocabulary
-                (`GrammarError`, ``param = "structured_outputs"``).
+                request (another ``n``, seeded state for an unseeded request).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

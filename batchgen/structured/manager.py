@@ -41,19 +41,19 @@ class StructuredOutputManager:
 
     def add(self, request: Request) -> bool:
         """Start compiling ``request``'s grammar. True when its samples have their grammar
-        states now (the caller queues them), False when it waits for `take_ready`.
-
-        Raises:
-            GrammarError: the spec is already known not to compile for this vocabulary, or
-                generated tokens being resumed do not follow it. Nothing is kept then.
-        """
+        states now (the caller queues them), False when it waits for `take_ready`, which
+        also reports a grammar that failed (even one known to fail from the cache), so that
+        every caller of the engine gets the failure the same way: in the request's output.
+        Never raises for a bad spec."""
+        self.live.add(request.request_id)
         future = self.compiler.submit(request.params.structured_outputs)
         if future.done():
-            _attach(request, future.result())
-            self.live.add(request.request_id)
-            return True
+            try:
+                _attach(request, future.result())
+                return True
+            except GrammarError:
+                pass  # failed by the next `take_ready`
         self.waiting[request.request_id] = (request, future)
-        self.live.add(request.request_id)
         return False
 
     def take_ready(self, block: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
