@@ -414,3 +414,30 @@ def test_grammar_no_token_can_match_fails_its_request_alone(llm):
         assert "Token range end too large: 600" in outs[1].error
         assert re.fullmatch("[0-9]+", outs[0].outputs[0].text)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_ranks_constrain_like_one_process(llm, checkpoint_dir):
+    params = [json_params(SCHEMAS[i], temperature=1.0, seed=i) for i in (0, 4, 8, 9)]
+    want = [o.outputs[0].text for o in llm.generate(["Extract:"] * 4, params, use_tqdm=False)]
+    bad = SamplingParams(max_tokens=5, structured_outputs={"grammar": "start: <[600]>"})
+    dp = LLM(
+        str(checkpoint_dir("mixtral")),
+        device="cpu",
+        kv_cache_memory_gb=0.05,
+        max_model_len=256,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    try:
+        # A rank whose only request has a grammar that cannot compile returns its error
+        # (its schedule is empty) and stays in step with the other rank.
+        alone = dp.generate(["x"], bad, use_tqdm=False)
+        outs = dp.generate(["Extract:"] * 4, params, use_tqdm=False)
+    finally:
+        dp.shutdown()
+    assert "Token range end too large: 600" in alone[0].error
+    assert [o.outputs[0].text for o in outs] == want
+    for out, p in zip(outs, params):
+        if out.outputs[0].finish_reason == "stop":
+            assert_valid(out.outputs[0].text, p.structured_outputs.json)

@@ -438,10 +438,17 @@ class LLMEngine:
             return []
         sched = self.schedule()
         if sched.is_empty:
-            if self._grammar_failed:  # the only news: requests whose grammar did not compile
-                return self._finished_outputs([], self._take_grammar_failures())
+            failed = self.take_failed_outputs()
+            if failed:  # the only news: requests whose grammar did not compile
+                return failed
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
         return self.execute(sched)
+
+    def take_failed_outputs(self) -> list[RequestOutput]:
+        """The outputs of requests that `schedule` failed before they ran (a structured-output
+        grammar that did not compile), for a caller whose schedule came out empty; otherwise
+        `execute` returns them with the step's."""
+        return self._finished_outputs([], self._take_grammar_failures())
 
     def schedule(self) -> SchedulerOutput:
         """The first half of `step`: admission, chunking, preemption. (A data-parallel rank
