@@ -147,6 +147,77 @@ def test_worker_thread_compiles_while_the_caller_goes_on(compiler):
     assert future.result(timeout=30).template is not None
 
 
+def sentencepiece_style_tokenizer():
+    """A Llama/Mistral-style vocabulary: BPE over "▁"-marked words with byte fallback
+    (``<0x00>``..``<0xFF>`` as ordinary vocabulary entries), as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=120,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=list('{}":,abcdefghijklmnopqrstuvwxyz0123456789▁'),
+    )
+    tok.train_from_iterator(['{"name": "Bob", "age": 42}', "the quick brown fox"] * 50, trainer)
+    spec = json.loads(tok.to_str())
+    for b in range(256):
+        spec["model"]["vocab"][f"<0x{b:02X}>"] = len(spec["model"]["vocab"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def test_sentencepiece_style_vocabulary_with_byte_fallback():
+    tokenizer = sentencepiece_style_tokenizer()
+    vocab = len(tokenizer)
+
+    def token_bytes(i: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(i)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    grammar = SequenceGrammar(compiler.compile(StructuredOutputsParams(json=schema)))
+    target, chosen = '{"name":"Zoë bob"}'.encode(), []
+    while target:
+        allowed = unpack_token_bitmask(fill_token_bitmask([grammar], vocab), vocab)[0]
+        # Force-decode: the allowed token that covers the most of what is left.
+        fits = [
+            i
+            for i in allowed.nonzero().squeeze(1).tolist()
+            if target.startswith(token_bytes(i)) and token_bytes(i)
+        ]
+        token = max(fits, key=lambda i: len(token_bytes(i)))
+        grammar.accept(token)
+        chosen.append(token)
+        target = target[len(token_bytes(token)) :]
+    assert grammar.is_stopped
+    pieces = tokenizer.convert_ids_to_tokens(chosen)
+    assert "<0xC3>" in pieces and "<0xAB>" in pieces  # "ë" by byte fallback
+    assert any(p.startswith("▁") for p in pieces), pieces  # "▁" is a space in the string
+    assert tokenizer.decode(chosen) == '{"name":"Zoë bob"}'
+    # At the start only "{" fits: a "▁"-prefixed piece would put a space before the JSON.
+    first = SequenceGrammar(compiler.compile(StructuredOutputsParams(json=schema)))
+    allowed = unpack_token_bitmask(fill_token_bitmask([first], vocab), vocab)[0]
+    assert all(token_bytes(i).startswith(b"{") for i in allowed.nonzero().squeeze(1).tolist())
+    compiler.shutdown()
+
+
 # ----------------------------------------------------------------------------- the sampler
 
 

@@ -297,16 +297,18 @@ class LLMEngine:
         """Queue a request whose prompt `InputProcessor.process` has already validated (the
         data-parallel ranks get requests this way from the frontend).
 
+        A request with ``params.structured_outputs`` waits (without KV blocks) until its
+        grammar is compiled (`batchgen.structured.manager`), unless it is cached already; a
+        grammar that does not compile for this vocabulary fails the request in the next step
+        (its output's ``error``), like any per-request failure. A resumed request's samples
+        replay their tokens through a fresh grammar state.
+
         Args:
             arrival_time: when the request arrived (``time.time()`` seconds), for
                 `RequestMetrics`; default now.
             resume: the request's progress on another engine (`release_request` there): its
                 unfinished samples are recomputed and continue where they stopped
                 (`batchgen.engine.migration`).
-        A request with ``params.structured_outputs`` waits (without KV blocks) until its
-        grammar is compiled (`batchgen.structured.manager`), unless it is cached already; a
-        grammar that does not compile for this vocabulary fails the request in the next step
-        (its output's ``error``), like any per-request failure.
 
         Raises:
             ValueError: duplicate ``request_id``, or a ``resume`` state that does not fit the
