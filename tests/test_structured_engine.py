@@ -441,3 +441,19 @@ def test_data_parallel_ranks_constrain_like_one_process(llm, checkpoint_dir):
     for out, p in zip(outs, params):
         if out.outputs[0].finish_reason == "stop":
             assert_valid(out.outputs[0].text, p.structured_outputs.json)
+
+
+def test_abort_while_the_grammar_compiles_leaves_nothing_behind(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=30, structured_outputs={"regex": "[a-f]{3}-never-seen"})
+    engine.add_request("early", "x", params)
+    engine.abort_request("early")
+    assert not engine.has_unfinished_requests()
+    assert not engine.structured.waiting and not engine.structured.live
+    engine.add_request("again", "x", params)  # the compile finished meanwhile or is shared
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["again"]
+    assert re.fullmatch("[a-f]{3}-never-seen", outs[0].outputs[0].text)
+    assert not engine.structured.live
