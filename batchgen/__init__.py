@@ -1,15 +1,23 @@
 """BatchGen: throughput-first batch inference for Mixture-of-Experts language models.
 
-The user API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput`` and the
-service client ``BatchGenClient``.
+The user API: ``LLM``, ``SamplingParams`` (with ``StructuredOutputsParams``), ``RequestOutput``,
+``CompletionOutput`` and the service client ``BatchGenClient``.
 """
 
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from numbers import Integral, Real
 
+from batchgen.structured.params import StructuredOutputsParams
+
 # Bounds beyond which float32 sampling would overflow, and a cap on samples per request
 # (each sample is a sequence with its own KV cache; OpenAI caps n at 128).
 MAX_N = 1024
@@ -79,6 +81,13 @@ class SamplingParams:
             *or* the output: positive logits are divided by it, negative ones multiplied. 1
             disables it; > 1 discourages repetition.
         skip_special_tokens: drop special tokens from the detokenized text.
+        structured_outputs: constrain every sample to a JSON schema, a JSON object, a regex, a
+            choice or a grammar (`StructuredOutputsParams`, or a dict of its fields); each
+            sample of ``n`` follows the grammar on its own. The spec is checked by the grammar
+            engine here (an invalid schema, regex or grammar raises ValueError naming
+            ``structured_outputs.<field>``). A constrained sample ends when its grammar is
+            complete (``finish_reason`` "stop"); one cut by ``max_tokens`` ends with "length"
+            and its text may be incomplete (e.g. unclosed JSON).
 
     Every numeric field is range-checked here, so that a value the engine's tensors cannot hold
     (``top_k=2**63``, an integer temperature of 400 digits) fails this request at the boundary
@@ -106,6 +115,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         self._validate_and_normalise()
@@ -164,6 +174,8 @@ class SamplingParams:
             f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
             lambda x: MIN_REPETITION_PENALTY <= x <= MAX_REPETITION_PENALTY,
         )
+        if self.structured_outputs is not None:
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -183,6 +195,23 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _structured_outputs(spec: object) -> StructuredOutputsParams:
+    """``spec`` as a `StructuredOutputsParams` checked by the grammar engine."""
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"structured_outputs has an unknown field {unknown[0]!r}")
+        spec = StructuredOutputsParams(**spec)
+    if not isinstance(spec, StructuredOutputsParams):
+        raise ValueError(
+            f"structured_outputs must be a StructuredOutputsParams or None, got {_short(spec)}"
+        )
+    from batchgen.structured.grammar import check_spec  # imports the grammar engine
+
+    check_spec(spec)
+    return spec
 
 
 def _is_int(value: object) -> bool:

@@ -156,3 +156,36 @@ def test_psutil_is_installed_with_batchgen():
     import psutil
 
     assert psutil.cpu_count() >= 1
+
+
+def test_extraction_json_compares_constrained_with_unconstrained(checkpoint_dir):
+    from batchgen.bench.runner import format_table
+    from batchgen.bench.structured import SCHEMAS, make_extraction_json, run_extraction_json
+
+    requests = make_extraction_json(512, quick=True)
+    assert len(requests) == 16 and {id(s) for _, s in requests} == {id(s) for s in SCHEMAS}
+    assert all(5 <= len(s["properties"]) <= 10 for s in SCHEMAS)
+    entry = run_extraction_json(
+        str(checkpoint_dir("mixtral")),
+        True,
+        "coalesce",
+        dict(device="cpu", kv_cache_memory_gb=0.1, max_model_len=1024),
+        512,
+    )
+    assert entry["requests"] == 16 and entry["stop_share"] >= 0.5  # greedy digits may run on
+    assert entry["valid_share_of_stopped"] == 1.0
+    c, u = entry["constrained"], entry["unconstrained"]
+    assert c["stage_time_share"]["grammar_mask"] > 0 == u["stage_time_share"]["grammar_mask"]
+    assert entry["ratio"] == pytest.approx(u["seconds"] / c["seconds"])
+    record = {
+        "peak_gflops": 1.0,
+        "dtype": "float32",
+        "device": "cpu",
+        "torch_threads": 2,
+        "max_num_batched_tokens": 512,
+        "expert_coalesce_threshold": 1,
+        "workloads": {},
+        "structured": {"extraction-json": entry},
+    }
+    table = format_table(record)
+    assert "extraction-json (16 requests, coalesce" in table and "grammar_mask" in table

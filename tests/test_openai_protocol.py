@@ -234,7 +234,6 @@ def test_wrong_fields_name_the_field(field, value, words):
         ("suffix", "tail"),
         ("best_of", 3),
         ("logit_bias", {"50256": -100}),
-        ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function"}]),
     ],
 )

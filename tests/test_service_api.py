@@ -787,3 +787,78 @@ def test_client_errors_are_typed(client):
     assert info.value.status_code == 404 and info.value.code == "not_found"
     with pytest.raises(ValueError):
         client.submit_batch(["text", [{"role": "user", "content": "hi"}]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured outputs on the routes and in a service batch
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_online_in_a_batch_and_offline_agree(sdk, tmp_path, tiny_model):
+    import jsonschema
+
+    from batchgen import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "Bob is 42."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    chat = sdk.chat.completions.create(
+        model="any",
+        messages=messages,
+        max_tokens=80,
+        temperature=0.0,
+        response_format=response_format,
+    )
+    text = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    regex = sdk.completions.create(
+        model="any", prompt="year:", max_tokens=10, extra_body={"guided_regex": "[0-9]{4}"}
+    )
+    assert len(regex.choices[0].text) == 4 and regex.choices[0].text.isdigit()
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(
+            model="any", prompt="x", max_tokens=5, extra_body={"guided_json": {"type": "foo"}}
+        )
+    assert (info.value.code, info.value.param) == ("invalid_request", "guided_json")
+
+    line = {"messages": messages, "max_tokens": 80, "temperature": 0.0}
+    lines = [
+        json.dumps(
+            {
+                "custom_id": "ok",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": dict(line, response_format=response_format),
+            }
+        ),
+        json.dumps(
+            {
+                "custom_id": "bad",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": dict(line, guided_regex="[a-"),
+            }
+        ),
+    ]
+    file = _upload(sdk, tmp_path, "\n".join(lines) + "\n")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = _wait(sdk, batch.id)
+    out, err = _files(sdk, batch)
+    assert [r["custom_id"] for r in out] == ["ok"] and [r["custom_id"] for r in err] == ["bad"]
+    assert err[0]["error"]["param"] == "guided_regex"
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"] == text
+
+    llm = LLM(str(tiny_model), device="cpu", kv_cache_memory_gb=0.05)
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs={"json": PERSON})
+    assert llm.chat([messages], params, use_tqdm=False)[0].outputs[0].text == text

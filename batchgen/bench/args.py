@@ -37,7 +37,12 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=argparse.SUPPRESS, choices=dtypes, help="default: float32")
     p.add_argument("--device", default=argparse.SUPPRESS, choices=["auto", "cpu", "cuda"])
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-    p.add_argument("--workloads", default=None, help="comma-separated: rollouts,extraction,search")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated: rollouts,extraction,search,extraction-json (structured outputs: "
+        "constrained against unconstrained)",
+    )
     p.add_argument(
         "--expert-coalesce-threshold",
         type=int,

@@ -8,6 +8,10 @@ Modes:
 - ``lockstep`` / ``coalesce``: BatchGen's two executor policies under the same
   ``max_num_batched_tokens`` (512) and KV budget.
 
+The ``extraction-json`` workload (structured outputs, `batchgen.bench.structured`) runs apart:
+constrained against unconstrained on one BatchGen engine (coalesce when it is among the modes,
+else lockstep), in the record's ``structured`` entry.
+
 Only useful tokens count (each sample's requested output length); padding and over-generation
 do not. The two `transformers` modes run on a sample of each workload, its first requests
 (128 / 64 sequences, 64 / 16 with ``--quick``): their tokens/s is a rate, and 4,096 rollouts
@@ -493,6 +497,29 @@ def run(
             "useful_tokens": workload.useful_tokens,
             **results,
         }
+    policy = next((m for m in ("coalesce", "lockstep") if m in modes), None)
+    if policy is not None and (not workloads or "extraction-json" in workloads):
+        from batchgen.bench.structured import run_extraction_json
+
+        logger.info("extraction-json: constrained and unconstrained (%s)", policy)
+        engine_kwargs = dict(
+            dtype=dtype,
+            device=device,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            kv_cache_memory_gb=kv_gb,
+            expert_coalesce_threshold=threshold,
+            max_step_tokens=MAX_STEP_TOKENS,
+            max_model_len=4096,
+        )
+        try:
+            record["structured"] = {
+                "extraction-json": run_extraction_json(
+                    path, quick, policy, engine_kwargs, cfg.vocab_size
+                )
+            }
+        except Exception as exc:  # the other workloads' figures stand
+            logger.warning("extraction-json failed: %s", exc)
+            record["structured"] = {"extraction-json": {"error": f"{type(exc).__name__}: {exc}"}}
     return _finish_record(record, torch_dtype, dev, peak)
 
 
@@ -582,6 +609,14 @@ def format_table(record: dict) -> str:
                 f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
             )
     lines += _legend(record)
+    structured = record.get("structured", {}).get("extraction-json")
+    if structured is not None:
+        from batchgen.bench.structured import format_extraction_json
+
+        if "error" in structured:
+            lines.append(f"extraction-json failed: {structured['error'][:200]}")
+        else:
+            lines += format_extraction_json(structured)
     for name, w in record["workloads"].items():
         for mode in MODES:
             extra = w.get(mode, {}).get("extra", {})

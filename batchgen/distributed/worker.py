@@ -396,7 +396,13 @@ class RankLoop:
             sched = engine.schedule() if has_work else None
             tokens = sched.num_batched_tokens if sched is not None else 0
             if has_work and not tokens:
-                raise RuntimeError("the scheduler produced an empty step with unfinished requests")
+                failed = engine.take_failed_outputs()  # a grammar that did not compile
+                if not failed:
+                    raise RuntimeError(
+                        "the scheduler produced an empty step with unfinished requests"
+                    )
+                self._send_outputs(failed)
+                has_work = engine.has_unfinished_requests()
             prefill = (
                 sum(e.num_new_tokens for e in sched.scheduled if e.num_new_tokens > 1)
                 if sched is not None

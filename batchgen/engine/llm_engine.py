@@ -62,6 +62,7 @@ from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from batchgen.distributed.rank import RankContext
@@ -198,6 +199,11 @@ class LLMEngine:
             config.max_running_seqs,
         )
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(
+            self.tokenizer, cfg.vocab_size, self.eos_token_ids
+        )
+        # Requests whose grammar failed to compile, returned (with ``error``) by the next step.
+        self._grammar_failed: dict[str, str] = {}
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._next_seq_id = 0
@@ -298,12 +304,19 @@ class LLMEngine:
         """Queue a request whose prompt `InputProcessor.process` has already validated (the
         data-parallel ranks get requests this way from the frontend).
 
+        A request with ``params.structured_outputs`` waits (without KV blocks) until its
+        grammar is compiled (`batchgen.structured.manager`), unless it is cached already; a
+        grammar that does not compile for this vocabulary fails the request in the next step
+        (its output's ``error``), like any per-request failure. A resumed request's samples
+        replay their tokens through a fresh grammar state.
+
         Args:
             arrival_time: when the request arrived (``time.time()`` seconds), for
                 `RequestMetrics`; default now.
             resume: the request's progress on another engine (`release_request` there): its
                 unfinished samples are recomputed and continue where they stopped
                 (`batchgen.engine.migration`).
+
         Raises:
             ValueError: duplicate ``request_id``, or a ``resume`` state that does not fit the
                 request (another ``n``, seeded state for an unseeded request).
@@ -337,10 +350,14 @@ class LLMEngine:
             if resume is not None:
                 restore_sequence(seq, resume.seqs[i])
             request.seqs.append(seq)
+        if params.structured_outputs is None or self.structured.add(request):
+            self._queue(request)
+        self.requests[request_id] = request
+
+    def _queue(self, request: Request) -> None:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.add(seq)
-        self.requests[request_id] = request
 
     def release_request(self, request_id: str, ship_kv: bool = False) -> RequestState | None:
         """Take an unfinished request out of this engine with its progress, to continue on
@@ -387,6 +404,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        self.structured.release(request_id)
+        self._grammar_failed.pop(request_id, None)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -435,18 +454,42 @@ class LLMEngine:
             return []
         sched = self.schedule()
         if sched.is_empty:
+            failed = self.take_failed_outputs()
+            if failed:  # the only news: requests whose grammar did not compile
+                return failed
             raise RuntimeError("scheduler produced an empty step with unfinished requests")
         return self.execute(sched)
+
+    def take_failed_outputs(self) -> list[RequestOutput]:
+        """The outputs of requests that `schedule` failed before they ran (a structured-output
+        grammar that did not compile), for a caller whose schedule came out empty; otherwise
+        `execute` returns them with the step's."""
+        return self._finished_outputs([], self._take_grammar_failures())
 
     def schedule(self) -> SchedulerOutput:
         """The first half of `step`: admission, chunking, preemption. (A data-parallel rank
         tells the other ranks its token counts between the two halves.)"""
         self._step_started = time.perf_counter()
         self._stage_before = dict(self.metrics.stage_seconds)
+        if self.structured.waiting:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         _note_first_scheduled(sched.scheduled)
         self.metrics.stage_seconds["scheduling"] += time.perf_counter() - self._step_started
         return sched
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is now compiled; fail those whose grammar failed.
+        When nothing else is queued, wait for the first grammar (a step is never empty)."""
+        ready, failed = self.structured.take_ready(block=self.scheduler.num_unfinished == 0)
+        for request in ready:
+            self._queue(request)
+        for request, reason in failed:
+            self._fail_request(request, None, self._grammar_failed, reason)
+
+    def _take_grammar_failures(self) -> dict[str, str]:
+        failed, self._grammar_failed = self._grammar_failed, {}
+        return failed
 
     def execute(self, sched: SchedulerOutput, local_prefill: bool = False) -> list[RequestOutput]:
         """The second half of `step`: run the model on ``sched`` (from `schedule`), sample,
@@ -491,7 +534,8 @@ class LLMEngine:
                 self.stats.num_prompt_tokens += entry.num_new_tokens
             seq.num_computed_tokens += entry.num_new_tokens
         finished: list[Request] = []
-        failed: dict[str, str] = {}  # request id -> why it failed in this step
+        # request id -> why it failed in this step (or, for a grammar, before it)
+        failed: dict[str, str] = self._take_grammar_failures()
         if sampling:
             finished = self._sample_isolated(sampling, logits, failed)
         self.scheduler.remove_finished()
@@ -517,18 +561,23 @@ class LLMEngine:
         """Sample and append one token per entry of ``sampling`` (``logits`` row order);
         return the requests that finished. A request whose rows or token handling raise is
         failed alone (recorded in ``failed``); the others go on."""
-        t0 = time.perf_counter()
         seqs = [e.seq for e in sampling]
+        bitmask = None  # [B, W] int32 when some row is constrained
+        if self.structured.live:
+            t0 = time.perf_counter()
+            bitmask = self.structured.token_bitmask(seqs)
+            self.metrics.stage_seconds["grammar_mask"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         # ~2 us per seeded row: lets a retry draw what the batched call would have drawn.
         rewind = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
         try:
-            out = self.sampler(logits, [self._sampling_row(s) for s in seqs])
+            out = self.sampler(logits, [self._sampling_row(s) for s in seqs], bitmask)
             picks: list[tuple[SamplerOutput, int] | None] = [(out, i) for i in range(len(seqs))]
         except Exception:
             logger.exception("sampling %d sequences failed; retrying request by request", len(seqs))
             for generator, state in rewind:
                 generator.set_state(state)
-            picks = self._sample_per_request(seqs, logits, failed)
+            picks = self._sample_per_request(seqs, logits, bitmask, failed)
         self.metrics.stage_seconds["sampling"] += time.perf_counter() - t0
         finished: list[Request] = []
         for seq, pick in zip(seqs, picks, strict=True):
@@ -545,7 +594,11 @@ class LLMEngine:
         return finished
 
     def _sample_per_request(
-        self, seqs: list[SequenceCoroutine], logits: torch.Tensor, failed: dict[str, str]
+        self,
+        seqs: list[SequenceCoroutine],
+        logits: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        failed: dict[str, str],
     ) -> list[tuple[SamplerOutput, int] | None]:
         """The sampler run once per request (its rows together); ``(output, row)`` per sequence,
         None for the sequences of requests that failed."""
@@ -555,7 +608,8 @@ class LLMEngine:
         picks: list[tuple[SamplerOutput, int] | None] = [None] * len(seqs)
         for idx in rows_of.values():
             try:
-                out = self.sampler(logits[idx], [self._sampling_row(seqs[i]) for i in idx])
+                rows = [self._sampling_row(seqs[i]) for i in idx]
+                out = self.sampler(logits[idx], rows, None if bitmask is None else bitmask[idx])
             except Exception as exc:
                 self._fail_request(seqs[idx[0]].request, exc, failed)
                 continue
@@ -564,7 +618,11 @@ class LLMEngine:
         return picks
 
     def _fail_request(
-        self, request: Request, exc: Exception, failed: dict[str, str], reason: str | None = None
+        self,
+        request: Request,
+        exc: Exception | None,
+        failed: dict[str, str],
+        reason: str | None = None,
     ) -> None:
         """End every sample of ``request`` now; the step returns it with ``error`` set to
         ``reason`` (default: the exception, named)."""
@@ -607,8 +665,10 @@ class LLMEngine:
                 self._fail_request(request, exc, failed)
                 continue
             del self.requests[request.request_id]
+            self.structured.release(request.request_id)
         for request_id, reason in failed.items():
             request = self.requests.pop(request_id, None)
+            self.structured.release(request_id)
             if request is not None:
                 results.append(
                     RequestOutput(
@@ -650,6 +710,10 @@ class LLMEngine:
             seq.logprobs.append(
                 {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in top}
             )
+        if seq.grammar is not None:
+            t0 = time.perf_counter()
+            seq.grammar.accept(token)  # raises (failing the request) on a forbidden token
+            self.metrics.stage_seconds["grammar_mask"] += time.perf_counter() - t0
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
@@ -661,6 +725,11 @@ class LLMEngine:
         matched = seq.detokenizer.add_tokens([token])  # no stop-string match below min_tokens
         if matched is not None:
             self._finish(seq, "stop", matched)
+            return
+        if seq.grammar is not None and seq.grammar.is_stopped:
+            # The grammar is complete and nothing may follow (a closed JSON value, a choice):
+            # end now rather than spend a step on the one token left (EOS), min_tokens or not.
+            self._finish(seq, "stop", None)
             return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or (
             seq.num_tokens >= self.max_model_len

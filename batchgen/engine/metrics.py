@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-STAGES = ("attention", "moe", "dense_ffn", "lm_head", "sampling", "scheduling")
+# "grammar_mask": structured outputs' matcher work (each constrained row's allowed-token mask
+# and advancing its grammar by the sampled token); applying the masks is part of "sampling".
+STAGES = ("attention", "moe", "dense_ffn", "lm_head", "sampling", "grammar_mask", "scheduling")
 
 
 @dataclass

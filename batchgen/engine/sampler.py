@@ -1,5 +1,5 @@
-"""One batched sampler: penalties, min_tokens, temperature, top-k / top-p / min-p, per-sample
-seeded sampling and log-probabilities.
+"""One batched sampler: penalties, min_tokens, structured-output token masks, temperature,
+top-k / top-p / min-p, per-sample seeded sampling and log-probabilities.
 
 The semantics follow vLLM v1 (`vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/penalties.py`,
 `vllm/v1/sample/ops/topk_topp_sampler.py`):
@@ -7,7 +7,8 @@ The semantics follow vLLM v1 (`vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/p
 1. log-probabilities come from the *raw* logits (vLLM v1's default ``logprobs_mode``);
 2. all processing runs in float32 on a copy of the logits;
 3. repetition penalty (prompt and output tokens), then frequency and presence penalties
-   (output tokens only), then the ``min_tokens`` mask;
+   (output tokens only), then the ``min_tokens`` mask, then the structured-output grammar
+   masks (one ``[B, ceil(V / 32)]`` int32 bitmask for the batch, `apply_token_bitmask`);
 4. greedy rows take the argmax of these processed logits;
 5. random rows: temperature, top-k, top-p, min-p (vLLM v1 applies min-p before top-k/top-p; the
    two orders differ only when a row sets both ``top_p < 1`` and ``min_p > 0``), then one
@@ -172,6 +173,37 @@ def apply_min_tokens(logits: torch.Tensor, block_ids: Sequence[Sequence[int]]) -
     return logits
 
 
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, W]`` int32 bitmask -> ``[B, vocab_size]`` bool, True = allowed.
+
+    Bit ``i % 32`` of word ``i // 32`` stands for token ``i`` (llguidance's and xgrammar's
+    layout). Example: words ``[5]`` (bits 0 and 2) with ``vocab_size=4`` -> ``[T, F, T, F]``.
+    """
+    shifts = _BIT_SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [B, V]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of the tokens a row's grammar forbids to -inf, in place: one masked fill
+    over the rows that are constrained (rows whose bitmask is all ones are left alone).
+
+    Args:
+        logits: ``[B, V]`` float32, modified in place and returned.
+        bitmask: ``[B, ceil(V / 32)]`` int32 (`unpack_token_bitmask`), any device.
+    """
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    constrained = (bitmask != -1).any(dim=1).nonzero().squeeze(1)  # [C]
+    if constrained.numel() == 0:
+        return logits
+    allowed = unpack_token_bitmask(bitmask[constrained], logits.shape[1])  # [C, V]
+    logits[constrained] = logits[constrained].masked_fill_(~allowed, float("-inf"))
+    return logits
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -268,12 +300,20 @@ class Sampler:
     Stateless; all per-request state (token histories, generators) comes in ``rows``.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: ``[B, V]`` any float dtype, any device; not modified.
             rows: ``B`` rows, ``rows[b]`` describing ``logits[b]``.
+            token_bitmask: ``[B, ceil(V / 32)]`` int32, the tokens each row's structured-output
+                grammar allows (`apply_token_bitmask`; all ones for an unconstrained row), or
+                None. A constrained row only ever samples an allowed token.
 
         Returns:
             The sampled ids, their raw-model log-probabilities and the requested top-N lists.
@@ -287,20 +327,28 @@ class Sampler:
         penalised = [b for b, row in enumerate(rows) if row.params.has_penalties]
         min_tokens = any(row.min_tokens_active for row in rows)
 
-        if all(greedy) and not penalised and not min_tokens:
+        masked = token_bitmask is not None
+        if all(greedy) and not penalised and not min_tokens and not masked:
             sampled = raw.argmax(dim=-1)  # [B] greedy fast path
         else:
-            processed = raw.clone() if penalised or min_tokens else raw  # [B, V]
+            copy = penalised or min_tokens or masked
+            processed = raw.clone() if copy else raw  # [B, V]
             if penalised:
                 self._apply_penalties(processed, rows, penalised)
             if min_tokens:
                 block = [row.min_tokens_block_ids if row.min_tokens_active else () for row in rows]
                 apply_min_tokens(processed, block)
+            if masked:
+                apply_token_bitmask(processed, token_bitmask)
             sampled = self._sample(processed, rows, greedy)
             # A row left with no finite logit (everything masked, or NaN) falls back to the
-            # argmax of the raw logits instead of a NaN draw.
+            # argmax of the raw logits instead of a NaN draw; a constrained row to the argmax
+            # of the raw logits its grammar allows (min_tokens yields to the grammar).
             dead = ~torch.isfinite(processed.amax(dim=-1))  # [B]
-            sampled = torch.where(dead, raw.argmax(dim=-1), sampled)
+            fallback = raw
+            if masked and bool(dead.any()):
+                fallback = apply_token_bitmask(raw.clone(), token_bitmask)
+            sampled = torch.where(dead, fallback.argmax(dim=-1), sampled)
 
         return self._make_output(raw, sampled, rows)
 

@@ -66,6 +66,8 @@ class SequenceCoroutine:
         num_preemptions: how often this sequence was preempted (metric).
         kv_import: K/V of its first positions shipped from another engine (straggler
             rebalancing), written into its blocks when the scheduler admits it.
+        grammar: the sample's structured-output state (`batchgen.structured.matcher
+            .SequenceGrammar`) when its request is constrained, else None.
     """
 
     seq_id: int
@@ -83,6 +85,7 @@ class SequenceCoroutine:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     kv_import: Any = None  # `migration.KVPayload` shipped from another engine, until admitted
+    grammar: Any = None
     group: Any = None  # the executor's `CoroutineGroup` while the coroutine is inside a step
 
     @property

@@ -22,14 +22,19 @@ Field policy (what a body may contain):
 * vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
   ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
   ``include_stop_str_in_output``, ``skip_special_tokens``.
+* Structured outputs (`batchgen.entrypoints.structured_body`): OpenAI's ``response_format``
+  (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and its older
+  ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of them.
+  An invalid schema, regex or grammar is an ``invalid_request`` whose ``param`` is the body
+  field that carried it (e.g. ``response_format.json_schema.schema``, ``guided_regex``).
 * ``model`` is informational (one engine serves one model); responses name the engine's model.
 * Fields that do not change the generated text are ignored: ``user``, ``metadata``, ``store``,
   ``service_tier``, ``stream_options``, ``parallel_tool_calls``, ``prompt_cache_key``,
   ``safety_identifier``.
 * Fields BatchGen cannot honour are accepted only at their no-op value and rejected otherwise
   (code ``unsupported_parameter``): ``stream`` (false), ``echo`` (false), ``suffix``
-  (null/""), ``best_of`` (null or == n), ``logit_bias`` (null/{}), ``response_format``
-  (null or ``{"type": "text"}``), ``tools``/``functions`` (null/[]), ``tool_choice``/
+  (null/""), ``best_of`` (null or == n), ``logit_bias`` (null/{}),
+  ``tools``/``functions`` (null/[]), ``tool_choice``/
   ``function_call`` (null/"none"), ``modalities`` (null/["text"]).
 * Any other field is rejected, like the OpenAI API does, so that a typo (``max_token``) does
   not silently run with defaults; the message suggests the closest known field.
@@ -52,6 +57,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine.detokenizer import token_bytes
+from batchgen.entrypoints.structured_body import (
+    STRUCTURED_BODY_FIELDS,
+    BodyFieldError,
+    param_for,
+    parse_structured_fields,
+)
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -110,7 +121,6 @@ _IGNORED_FIELDS = frozenset(
 _NOOP_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stream": ((None, False), "false (results are written to the output, not streamed)"),
     "logit_bias": ((None, {}), "null or {}"),
-    "response_format": ((None, {"type": "text"}), 'null or {"type": "text"}'),
     "tools": ((None, []), "null or []"),
     "functions": ((None, []), "null or []"),
     "tool_choice": ((None, "none"), 'null or "none"'),
@@ -126,6 +136,7 @@ _COMPLETION_FIELDS = frozenset(
     | _SAMPLING_FIELDS.keys()
     | _IGNORED_FIELDS
     | _NOOP_ONLY_FIELDS.keys()
+    | STRUCTURED_BODY_FIELDS
     | _COMPLETION_NOOP_ONLY.keys()
 )
 _CHAT_FIELDS = frozenset(
@@ -133,6 +144,7 @@ _CHAT_FIELDS = frozenset(
     | _SAMPLING_FIELDS.keys()
     | _IGNORED_FIELDS
     | _NOOP_ONLY_FIELDS.keys()
+    | STRUCTURED_BODY_FIELDS
 )
 _ENVELOPE_KEYS = ("url", "method", "body")
 
@@ -189,6 +201,9 @@ class ApiRequest:
         model: the body's ``model``, informational only.
         max_tokens_field: the body field that set ``sampling_params.max_tokens``
             (``max_completion_tokens`` when a chat request used it), named in errors.
+        structured_outputs_field: the body field that set
+            ``sampling_params.structured_outputs`` (e.g. ``response_format.json_schema.schema``),
+            named in errors; None when the request is not constrained.
     """
 
     url: str
@@ -197,6 +212,7 @@ class ApiRequest:
     sampling_params: SamplingParams
     model: str | None = None
     max_tokens_field: str = "max_tokens"
+    structured_outputs_field: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -307,6 +323,12 @@ def parse_request_body(url: str, body: Any) -> ApiRequest:
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
     kwargs = _sampling_kwargs(body)
+    try:
+        spec, spec_field = parse_structured_fields(body)
+    except BodyFieldError as err:
+        raise ProtocolError(str(err), code=err.code, param=err.param) from None
+    if spec is not None:
+        kwargs["structured_outputs"] = spec
     if is_chat:
         messages = parse_messages(body.get("messages"))
         kwargs.update(_chat_length_and_logprobs(body))
@@ -315,13 +337,21 @@ def parse_request_body(url: str, body: Any) -> ApiRequest:
             url,
             None,
             messages,
-            _sampling_params(kwargs, is_chat),
+            _sampling_params(kwargs, is_chat, spec_field),
             model,
             max_tokens_field=field or "max_tokens",
+            structured_outputs_field=spec_field,
         )
     prompt = _parse_prompt(body.get("prompt"))
     kwargs.update(_completion_length_and_logprobs(body, n=kwargs.get("n", 1)))
-    return ApiRequest(url, prompt, None, _sampling_params(kwargs, is_chat), model)
+    return ApiRequest(
+        url,
+        prompt,
+        None,
+        _sampling_params(kwargs, is_chat, spec_field),
+        model,
+        structured_outputs_field=spec_field,
+    )
 
 
 def _check_fields(body: dict[str, Any], url: str, known: frozenset[str]) -> None:
@@ -392,7 +422,9 @@ def _chat_length_and_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _sampling_params(kwargs: dict[str, Any], is_chat: bool) -> SamplingParams:
+def _sampling_params(
+    kwargs: dict[str, Any], is_chat: bool, spec_field: str | None = None
+) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:
@@ -401,6 +433,8 @@ def _sampling_params(kwargs: dict[str, Any], is_chat: bool) -> SamplingParams:
         field = message.split(" ", 1)[0]
         if is_chat and field == "logprobs":
             message, field = "top_logprobs" + message[len("logprobs") :], "top_logprobs"
+        elif field.startswith("structured_outputs"):
+            message, field = param_for(message, spec_field)
         raise ProtocolError(message, param=field) from None
 
 
@@ -911,6 +945,8 @@ def rejected_error(request: ApiRequest, err: Exception) -> tuple[str, str]:
     param = getattr(err, "param", None) or ("messages" if request.is_chat else "prompt")
     if param == "max_tokens":
         param = request.max_tokens_field
+    elif param == "structured_outputs" and request.structured_outputs_field:
+        param = request.structured_outputs_field
     return code, param
 
 
