@@ -18,12 +18,13 @@ With ``straggler_rebalance_interval_steps = K`` the frontend moves work while th
    tokens of work (below). Ties go to the cheaper request, then to the earlier one. A started
    request moves only to a rank with room for its K/V (its last report's free KV tokens; a rank
    without requests counts as free). Pinned requests (``data_parallel_rank``) and requests
-   already moving never move. **Within an expert-parallel group** a started request moves only
-   if its K/V are shipped: the group's ranks step together and share every step's expert work,
-   so a recompute there slows every rank of the group, and the skew it corrects costs little
-   (measured: recompute moves made a skewed expert-parallel job 1.27x the balanced one, against
-   1.11x unmoved; docs/distributed.md). If ``src`` has no such request, the next most loaded
-   rank is tried.
+   already moving never move. **Within an expert-parallel group only waiting requests move**:
+   the group's ranks step together and share every step's expert work, so the skew costs little
+   (a skewed job took 1.01x and 1.11x the balanced one's time), while moving started requests
+   made it slower, by recompute (1.27x) and even with their K/V shipped and nothing recomputed
+   (1.18x; why is not yet known; docs/distributed.md). Started requests move between groups
+   and between independent ranks. If ``src`` has no such request, the next most loaded rank
+   is tried.
 3. **Moving.** The frontend asks each source rank to `Release` its requests; the rank takes
    them out of its scheduler (freeing their KV blocks) and answers `Released` with each one's
    progress (`batchgen.engine.migration.RequestState`); the frontend queues each on its
@@ -133,8 +134,8 @@ def plan_moves(
             for i, c in enumerate(by_rank.get(src, ())):
                 if c.computed and free[dst] is not None and c.computed > free[dst]:
                     continue
-                if c.computed and same_group and not c.ship:
-                    continue  # a recompute would slow the whole group
+                if c.computed and same_group:
+                    continue  # costs the whole group more than the skew does (docstring)
                 peak = max(loads[src] - c.remaining, loads[dst] + c.remaining + c.price)
                 if peak >= loads[src]:
                     continue

@@ -26,15 +26,16 @@ What else travels makes the final `RequestOutput` the one an unmoved run gives:
 - the request's timestamps (`RequestMetrics`).
 
 With recompute, tokens are the same as unmoved for greedy and seeded requests up to the last
-bits of the recomputed logits (a prefill and a decode step compute the same position with other kernels,
-as after a preemption); unseeded sampled requests draw from the receiving rank's global
-generator, as they would after any rebatching.
+bits of the recomputed logits (a prefill and a decode step compute the same position with
+other kernels, as after a preemption); unseeded sampled requests draw from the receiving
+rank's global generator, as they would after any rebatching.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -75,7 +76,9 @@ def _slots(block_table: list[int], block_size: int, num_tokens: int) -> torch.Te
 
 
 def export_kv(
-    kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, block_table: list[int],
+    kv_caches: list[tuple[torch.Tensor, ...]],
+    block_size: int,
+    block_table: list[int],
     num_tokens: int,
 ) -> KVPayload:
     """Copy positions ``[0, num_tokens)`` of a sample out of the paged caches.
@@ -96,7 +99,9 @@ def export_kv(
 
 
 def import_kv(
-    kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, block_table: list[int],
+    kv_caches: list[tuple[torch.Tensor, ...]],
+    block_size: int,
+    block_table: list[int],
     payload: KVPayload,
 ) -> None:
     """Write ``payload`` (from `export_kv` on an engine of the same model and KV dtype) into
@@ -144,8 +149,8 @@ class SequenceState:
 @dataclass
 class RequestState:
     """A request's progress (`export_request`). ``num_computed_tokens``: tokens whose K/V the
-    source engine held for its unfinished samples and drops (the receiving engine recomputes those no `KVPayload`
-    carries)."""
+    source engine held for its unfinished samples and drops (the receiving engine recomputes
+    those no `KVPayload` carries)."""
 
     metrics: RequestMetrics
     seqs: list[SequenceState] = field(default_factory=list)
