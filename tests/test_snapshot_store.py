@@ -26,6 +26,7 @@ from batchgen.entrypoints.snapshot_store import (
     Manifest,
     SnapshotError,
     SnapshotStore,
+    SnapshotTakenOverError,
     SnapshotWriter,
 )
 
@@ -171,7 +172,65 @@ def test_a_manifest_without_results_is_replaced(store_at, caplog):
     store_at("job").open_job(manifest(model="a model that failed to load"))
     store_at("job").open_job(manifest())
     assert store_at("job").read_manifest() == manifest()
-    assert "replacing the manifest of another job that stored no results (model:" in caplog.text
+    assert "replacing the manifest of another job that stored no results (input " in caplog.text
+    assert "it differs in model: snapshot 'a model that failed to load'" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_manifest_was_replaced_stops_and_is_never_restored(store_at, caplog):
+    """Job A opened the URI but stored nothing yet; job B (another input) replaced its
+    manifest. A's next segment write is refused naming the URI and B; a segment A wrote in
+    the race window (between B's check and B's manifest) is never read as B's."""
+    a_store = store_at("job")
+    a_store.open_job(manifest(input_name="big.jsonl"))
+    a = SnapshotWriter(a_store)
+    b_store = store_at("job")
+    b_store.open_job(manifest(input_sha256="cd" * 32, input_name="small.jsonl"))
+    assert a_store.manifest.job_id != b_store.manifest.job_id
+    assert b_store.read_manifest().job_id == b_store.manifest.job_id
+    a.add(result_line("req-0", "A's text"))
+    with pytest.raises(SnapshotTakenOverError) as err:
+        a.flush()
+    text = str(err.value)
+    assert a_store.where("manifest.json") in text and "input 'small.jsonl'" in text
+    assert f"job id {b_store.manifest.job_id}" in text and "--resume" in text
+    with pytest.raises(SnapshotTakenOverError):  # and it stays refused
+        a.flush(finished=True)
+    assert a_store.segments() == [] and a.pending == 1
+    # The race: A's segment lands after B replaced the manifest (A checked just before).
+    a_store.write_segment(1, "aaaa", [result_line("req-0", "A's text")])
+    b = SnapshotWriter(b_store)
+    b.add(result_line("req-1", "B's text"))
+    b.flush()
+    assert len(b_store.segments()) == 2
+    restarted = store_at("job")
+    restarted.open_job(manifest(input_sha256="cd" * 32, input_name="small.jsonl"))
+    assert restarted.manifest.job_id == b_store.manifest.job_id  # the same job keeps its id
+    assert list(restarted.iter_result_lines()) == [result_line("req-1", "B's text")]
+    assert "ignoring 1 segments of another job" in caplog.text
+    # A restarted on the URI now holding B's results is refused (the segments count).
+    with pytest.raises(SnapshotError, match="holds the snapshot of another job"):
+        store_at("job").open_job(manifest(input_name="big.jsonl"))
+
+
+@pytest.mark.timeout(60)
+def test_segments_from_before_job_ids_are_still_read(tmp_path):
+    """A manifest and segments written before job ids (no job_id, untagged segment names)."""
+    uri = f"file://{tmp_path / 'old'}"
+    store = SnapshotStore(uri)
+    store.fs.makedirs(store.path("results"), exist_ok=True)
+    body = json.loads(manifest().to_json())
+    del body["job_id"], body["created_at"]
+    store.fs.pipe_file(store.path("manifest.json"), json.dumps(body).encode())
+    store.fs.pipe_file(store.path("results", "seg-00000001-aa.jsonl"), result_line("a"))
+    again = SnapshotStore(uri)
+    again.open_job(manifest())
+    assert again.manifest.job_id is None
+    writer = SnapshotWriter(again)
+    writer.add(result_line("b"))
+    writer.flush()
+    assert again.segments()[-1] == f"seg-00000002-{writer.run_id}.jsonl"
+    assert list(SnapshotStore(uri).iter_result_lines()) == [result_line("a"), result_line("b")]
 
 
 @pytest.mark.timeout(120)
@@ -293,6 +352,47 @@ def test_a_crashed_run_restarts_from_the_snapshot_on_a_new_output(tmp_path):
     ids = [json.loads(line)["custom_id"] for line in SnapshotStore(uri).iter_result_lines()]
     assert Counter(ids) == Counter(f"c{i:02d}" for i in range(12))  # the snapshot: once each
     assert SnapshotStore(uri).read_progress()["finished"] is True
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_on_one_uri_are_never_mixed(tmp_path):
+    """The tester's case: job A (30 requests) opened the URI; job B (12 other requests under
+    A's first 12 ids) replaced the manifest before A stored anything. A stops at its first
+    segment with every result it finished in its output; B, restarted, restores its own 12
+    results only; and results in the snapshot for ids B's input lacks are never written."""
+    uri = f"file://{tmp_path / 'snap'}"
+    big = write_lines(tmp_path / "big.jsonl", [completion_line(f"c{i:02d}") for i in range(30)])
+    small = write_lines(
+        tmp_path / "small.jsonl", [completion_line(f"c{i:02d}", max_tokens=2) for i in range(12)]
+    )
+
+    def writer(src: Path) -> SnapshotWriter:
+        store = SnapshotStore(uri)
+        store.open_job(manifest(input_sha256=src.name.ljust(64, "0"), input_name=src.name))
+        return SnapshotWriter(store, max_results=4, max_age_s=3600)
+
+    a = writer(big)
+    b = writer(small)  # replaces A's manifest: A stored nothing yet
+    with pytest.raises(SnapshotTakenOverError, match="input 'small.jsonl'"):
+        run_batch_file(FakeEngine(), big, tmp_path / "a.jsonl", progress=False, snapshot=a)
+    assert len(read_results(tmp_path / "a.jsonl")) == 4  # A's results so far: in its output
+    assert list(SnapshotStore(uri).iter_result_lines()) == []
+    run_batch_file(FakeEngine(per_step=2), small, tmp_path / "b1.jsonl", progress=False, snapshot=b)
+    # Another job's results stored under B's manifest anyway (by an older batchgen, say).
+    b.store.write_segment(99, "beef", [result_line("c00", "A's text"), result_line("zz-1")])
+    summary = run_batch_file(
+        FakeEngine(per_step=2), small, tmp_path / "b2.jsonl", progress=False, snapshot=writer(small)
+    )
+    assert (summary.restored, summary.skipped, summary.succeeded, summary.ignored) == (12, 12, 0, 1)
+    assert "1 snapshot results ignored (no such request in the input)" in summary.describe()
+    results = read_results(tmp_path / "b2.jsonl")
+    assert sorted(r["custom_id"] for r in results) == [f"c{i:02d}" for i in range(12)]
+
+    def text(result: dict) -> str:
+        return result["response"]["body"]["choices"][0]["text"]
+
+    assert {text(r) for r in results} == {text(read_results(tmp_path / "b1.jsonl")[0])}
+    assert len(text(results[0])) == 2  # B's max_tokens, not A's
 
 
 @pytest.mark.timeout(60)

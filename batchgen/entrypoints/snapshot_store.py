@@ -4,7 +4,8 @@ Layout under the URI (docs/snapshots.md)::
 
     manifest.json                      the job: input identity, model, output-changing settings
     progress.json                      counts and the last segment (informational, overwritten)
-    results/seg-<seq:08d>-<run>.jsonl  finished result lines, exactly as `batchgen run` writes them
+    results/seg-<seq:08d>-<run>-<job>.jsonl  finished result lines, exactly as `batchgen run`
+                                             writes them
 
 Object stores have neither append nor an atomic rename, so nothing is ever appended to: every
 object is written whole, once, under a name no other write uses (``<run>`` is a random id per
@@ -22,7 +23,10 @@ backend still expose a truncated segment, its incomplete last line is dropped wi
 (the results it held run again). ``manifest.json`` is written when a job first opens the
 store (before any model loads, so a store that cannot be written fails at once) and read back
 to verify it; a restart compares it with its own job and refuses, naming each difference, to
-mix the results of two jobs (a manifest with no results stored under it is replaced).
+mix the results of two jobs (a manifest with no results stored under it is replaced). Without
+locks, two jobs started at once are told apart by the manifest's job id: a writer checks it
+before each segment and stops when another job replaced it, and segments carry it in their
+names, so one job's segments are never restored into another's.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +51,23 @@ FORMAT = "batchgen-snapshot/1"
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 RESULTS = "results"
-SEGMENT = re.compile(r"^seg-(\d{8})-([0-9a-f]+)\.jsonl$")
+# seg-<sequence>-<run id>-<job id>.jsonl; segments written before job ids have no third part.
+SEGMENT = re.compile(r"^seg-(\d{8})-([0-9a-f]+)(?:-([0-9a-f]+))?\.jsonl$")
 # Protocols whose single PUT is atomic (the object appears whole or not at all).
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 
 
 class SnapshotError(ValueError):
     """The snapshot URI cannot be used for this job (message for the user)."""
+
+
+class SnapshotTakenOverError(SnapshotError):
+    """Another job replaced the manifest this run started under: it stores nothing more."""
+
+
+class SnapshotWriteError(OSError):
+    """The snapshot could not be written mid-run (message for the user: the output file holds
+    every result so far, rerun with ``--resume``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +87,11 @@ class Manifest:
             memory and parallel settings may differ between runs (another machine may have
             other devices).
         input_name: the input file's name, for people (not compared).
+        job_id: a random id given when the manifest is written (not compared): the writer of a
+            job checks it before every segment, and its segments carry it in their names, so a
+            job whose manifest another job replaced stops, and its segments are never read as
+            the other job's (None in manifests written before job ids).
+        created_at: when the manifest was written, for people (not compared).
     """
 
     input_sha256: str
@@ -80,6 +99,13 @@ class Manifest:
     model: str
     settings: dict[str, Any] = field(default_factory=dict)
     input_name: str = ""
+    job_id: str | None = field(default=None, compare=False)
+    created_at: str = field(default="", compare=False)
+
+    def describe(self) -> str:
+        """The job in a few words, for messages: its input, model and id."""
+        when = f", started {self.created_at}" if self.created_at else ""
+        return f"input {self.input_name!r}, model {self.model!r}, job id {self.job_id}{when}"
 
     def to_json(self) -> bytes:
         body = {"format": FORMAT, **asdict(self)}
@@ -218,7 +244,9 @@ class SnapshotStore:
     def open_job(self, manifest: Manifest) -> None:
         """Bind the store to a job: check a stored manifest against it, or write it (then read
         it back), which also proves the store writable before any model loads. A manifest of
-        another job that stored no result yet is replaced, with a warning.
+        another job that stored no result yet is replaced, with a warning; that job, if it is
+        still running, stops at its next segment (`check_job`) and its segments are ignored.
+        The bound manifest (``self.manifest``) carries the stored job id, or a new one.
 
         Raises:
             SnapshotError: the stored manifest is another job's that stored results (naming
@@ -241,16 +269,52 @@ class SnapshotStore:
             )
         if diffs:
             logger.warning(
-                "%s: replacing the manifest of another job that stored no results (%s)",
+                "%s: replacing the manifest of another job that stored no results (%s; it "
+                "differs in %s); if that job is still running, it stops at its next segment "
+                "write with an error, and nothing it writes is ever read as this job's",
                 self.uri,
+                stored.describe(),
                 "; ".join(diffs),
             )
-        if stored is None or diffs:
-            data = manifest.to_json()
-            self._put(self.path(MANIFEST), data)
-            if self.fs.cat_file(self.path(MANIFEST)) != data:
-                raise SnapshotError(f"{self.where(MANIFEST)} did not read back as written")
-        self.manifest = manifest
+        if stored is not None and not diffs:
+            # The same job again: keep its id (None for a manifest older than job ids: then
+            # this run writes untagged segments, as that version did).
+            self.manifest = replace(manifest, job_id=stored.job_id, created_at=stored.created_at)
+            return
+        bound = replace(
+            manifest,
+            job_id=uuid.uuid4().hex[:16],
+            created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        data = bound.to_json()
+        self._put(self.path(MANIFEST), data)
+        if self.fs.cat_file(self.path(MANIFEST)) != data:
+            raise SnapshotError(f"{self.where(MANIFEST)} did not read back as written")
+        self.manifest = bound
+
+    def check_job(self) -> None:
+        """Raise unless the stored manifest is still this job's (same job id and fields).
+
+        Object stores have no locks, so two jobs started on one URI are told apart after the
+        fact: the one whose manifest was replaced learns it here (before each segment it
+        writes) and stops, and its segments carry its job id, so even one written between the
+        other's replacement and this check is never restored into the other job.
+
+        Raises:
+            SnapshotTakenOverError: the manifest is gone or another job's.
+        """
+        self._check_open()
+        mine = self.manifest
+        stored = self.read_manifest()
+        if stored is not None and stored.job_id == mine.job_id and not stored.differences(mine):
+            return
+        other = "was removed" if stored is None else f"is now another job's ({stored.describe()})"
+        raise SnapshotTakenOverError(
+            f"the snapshot manifest {self.where(MANIFEST)} this run started under (job id "
+            f"{mine.job_id}) {other}: two jobs were started on one snapshot URI. This run "
+            "stores nothing more there; every result it finished is in its output file: "
+            "rerun it with --resume and another --snapshot-storage-uri"
+        )
 
     def _check_open(self) -> None:
         if self.manifest is None:
@@ -258,7 +322,8 @@ class SnapshotStore:
 
     # ---- result segments
     def segments(self) -> list[str]:
-        """Final segment names (not paths) in write order; temporaries are left out."""
+        """Final segment names (not paths) of every job in write order; temporaries are left
+        out."""
         directory = self.path(RESULTS)
         self.fs.invalidate_cache(directory)
         try:
@@ -267,23 +332,46 @@ class SnapshotStore:
             return []
         return sorted(n for n in names if SEGMENT.match(n))
 
+    def job_segments(self) -> list[str]:
+        """The segments of this store's job (the bound manifest's, else the stored one's):
+        those tagged with its job id, and untagged ones (written before job ids). Segments of
+        another job (one whose manifest was replaced) are left out, with a warning."""
+        job = self.manifest if self.manifest is not None else self.read_manifest()
+        job_id = job.job_id if job is not None else None
+        names, foreign = [], []
+        for name in self.segments():
+            tag = SEGMENT.match(name)[3]
+            (names if tag is None or job_id is None or tag == job_id else foreign).append(name)
+        if foreign:
+            logger.warning(
+                "%s: ignoring %d segments of another job (job ids %s), written under a "
+                "manifest that was replaced",
+                self.uri,
+                len(foreign),
+                ", ".join(sorted({SEGMENT.match(n)[3] for n in foreign})),
+            )
+        return names
+
     def next_sequence(self) -> int:
         """The sequence number after the last segment's (1 for an empty store)."""
         names = self.segments()
         return int(SEGMENT.match(names[-1])[1]) + 1 if names else 1
 
     def write_segment(self, sequence: int, run_id: str, lines: list[bytes]) -> str:
-        """Store result lines (each ending with a newline) as one segment; returns its name."""
+        """Store result lines (each ending with a newline) as one segment, tagged with the
+        job id; returns its name."""
         self._check_open()
-        name = f"seg-{sequence:08d}-{run_id}.jsonl"
+        job = f"-{self.manifest.job_id}" if self.manifest.job_id else ""
+        name = f"seg-{sequence:08d}-{run_id}{job}.jsonl"
         self._put(self.path(RESULTS, name), b"".join(lines))
         return name
 
     def iter_result_lines(self) -> Iterator[bytes]:
-        """Every complete result line of every segment, in write order, each ending with a
-        newline; one segment is held in memory at a time. An incomplete last line (a segment
-        truncated by a backend without atomic writes) is dropped with a warning."""
-        for name in self.segments():
+        """Every complete result line of this job's segments (`job_segments`), in write
+        order, each ending with a newline; one segment is held in memory at a time. An
+        incomplete last line (a segment truncated by a backend without atomic writes) is
+        dropped with a warning."""
+        for name in self.job_segments():
             data = self.fs.cat_file(self.path(RESULTS, name))
             keep = data.rfind(b"\n") + 1
             if keep < len(data):
@@ -366,6 +454,7 @@ class SnapshotWriter:
         self.last_segment: str | None = None
         self._lines: list[bytes] = []
         self._oldest = 0.0
+        self._taken_over: SnapshotTakenOverError | None = None
 
     def add(self, line: bytes) -> None:
         """Buffer one result line (ending with a newline)."""
@@ -386,7 +475,36 @@ class SnapshotWriter:
             self.flush()
 
     def flush(self, *, finished: bool = False) -> None:
-        """Write the buffered lines as one segment (none when empty), then the progress."""
+        """Write the buffered lines as one segment (none when empty), then the progress.
+
+        The stored manifest is checked first (one small read): a run whose manifest another
+        job replaced writes nothing more.
+
+        Raises:
+            SnapshotTakenOverError: another job replaced this job's manifest (and every later
+                call raises it again).
+            SnapshotWriteError: the store could not be read or written (the URI and the cause
+                named, with what to do).
+        """
+        if self._taken_over is not None:
+            raise self._taken_over
+        if not self._lines and not finished:
+            return
+        try:
+            self._flush(finished)
+        except SnapshotTakenOverError as err:
+            self._taken_over = err
+            raise
+        except OSError as err:
+            raise SnapshotWriteError(
+                f"could not write the snapshot at {self.store.uri} ({type(err).__name__}: "
+                f"{err}); every result finished so far is in the output file: rerun with "
+                "--resume once the snapshot URI is writable again (or with another "
+                "--snapshot-storage-uri)"
+            ) from err
+
+    def _flush(self, finished: bool) -> None:
+        self.store.check_job()
         if self._lines:
             name = self.store.write_segment(self.sequence, self.run_id, self._lines)
             self.sequence += 1
@@ -394,10 +512,9 @@ class SnapshotWriter:
             self.stored_results += len(self._lines)
             self.last_segment = name
             self._lines = []
-        elif not finished:
-            return
         self.store.write_progress(
             {
+                "job_id": self.store.manifest.job_id,
                 "run_id": self.run_id,
                 "results": self.stored_results,
                 "total_requests": self.total,
