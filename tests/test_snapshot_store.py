@@ -579,3 +579,88 @@ def test_sigkill_then_restart_from_a_local_s3_server(tmp_path, checkpoint_dir, s
     _kill_and_restart(
         tmp_path, checkpoint_dir("mixtral"), uri, SnapshotStore(uri, s3_options(s3_endpoint)), env
     )
+
+
+# ---- what identifies the job: the model's files, the settings as resolved
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_is_identified_by_its_files_not_its_folder_name(tmp_path, checkpoint_dir):
+    from batchgen.config import EngineConfig
+    from batchgen.entrypoints.snapshot_store import job_manifest
+
+    inp = _job(tmp_path, 3)
+    mixtral = _copy_model(checkpoint_dir("mixtral"), tmp_path / "a" / "model")
+    llama = _copy_model(checkpoint_dir("llama"), tmp_path / "b" / "model")
+    copy = _copy_model(mixtral, tmp_path / "c" / "model")
+
+    def job(model: Path) -> Manifest:
+        return job_manifest(inp, EngineConfig(model=str(model), device="cpu"))
+
+    first = job(mixtral)
+    fingerprint = first.model_fingerprint
+    assert first.model == "model" and fingerprint["architecture"] == "MixtralForCausalLM"
+    assert fingerprint["num_local_experts"] == 4 and len(fingerprint["config_sha256"]) == 64
+    weights = {p.name: p.stat().st_size for p in mixtral.glob("*.safetensors")}
+    assert fingerprint["weights"] == weights and weights
+    store = SnapshotStore(str(tmp_path / "snap"))
+    store.open_job(first)
+    store.write_segment(1, "aa", [result_line("c00")])
+    with pytest.raises(SnapshotError) as err:
+        SnapshotStore(str(tmp_path / "snap")).open_job(job(llama))
+    text = str(err.value)
+    assert "model architecture: snapshot 'MixtralForCausalLM', this run 'LlamaForCausalLM'" in text
+    assert "model config.json: snapshot sha256 " in text and "model weights: snapshot " in text
+    assert "model: snapshot" not in text  # the same folder name
+    SnapshotStore(str(tmp_path / "snap")).open_job(job(copy))  # a real copy is the same model
+    # Same config, other weights (another training run): the weights' sizes tell them apart.
+    retrained = _copy_model(mixtral, tmp_path / "d" / "model")
+    shard = sorted(retrained.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes() + b"\0" * 8)
+    with pytest.raises(SnapshotError, match=f"model weights: snapshot {shard.name} \\("):
+        SnapshotStore(str(tmp_path / "snap")).open_job(job(retrained))
+
+
+@pytest.mark.timeout(120)
+def test_settings_are_compared_as_the_engine_resolves_them(tmp_path, checkpoint_dir):
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.config import EngineConfig
+    from batchgen.entrypoints.snapshot_store import job_manifest
+
+    inp = _job(tmp_path, 3)
+    model = checkpoint_dir("mixtral")
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+
+    def job(**settings) -> Manifest:
+        return job_manifest(inp, EngineConfig(model=str(model), device="cpu", **settings))
+
+    default = job()
+    assert default.settings == {
+        "dtype": "float32",
+        "max_model_len": limit,
+        "seed": 0,
+        "tokenizer": None,
+    }
+    spelled_out = job(dtype="float32", max_model_len=limit, tokenizer=str(model))
+    assert default.differences(spelled_out) == []
+    tokenizer = _copy_model(model, tmp_path / "tokenizers" / "my-tok")
+    assert job(tokenizer=str(tokenizer)).settings["tokenizer"] == "my-tok"  # its name, no path
+    assert default.differences(job(dtype="bfloat16", max_model_len=limit // 2)) == [
+        "dtype: snapshot 'float32', this run 'bfloat16'",
+        f"max_model_len: snapshot {limit}, this run {limit // 2}",
+    ]
+    if not torch.cuda.is_available():  # Ray may put "auto" ranks on GPUs: left unresolved
+        ray = SimpleNamespace(distributed_executor_backend="ray")
+        config = EngineConfig(model=str(model))
+        assert job_manifest(inp, config, ray).settings["dtype"] == "auto"
+        assert job_manifest(inp, config).settings["dtype"] == "float32"

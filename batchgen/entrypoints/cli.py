@@ -213,7 +213,7 @@ def _open_snapshot(args: argparse.Namespace, kwargs: dict):
         return None
     try:
         store = SnapshotStore(parallel.snapshot_storage_uri)
-        store.open_job(job_manifest(args.input, engine_config))
+        store.open_job(job_manifest(args.input, engine_config, parallel))
     except SnapshotError as err:
         raise CliError(str(err)) from err
     except Exception as err:  # unreachable store, missing bucket, refused credentials...
