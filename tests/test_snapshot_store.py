@@ -268,7 +268,7 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
         "manifest.json",
         "progress.json",
     ]  # no temporary left behind
-    assert SnapshotStore("memory://snap").atomic_put
+    assert SnapshotStore("memory://snap", allow_memory=True).atomic_put
     assert SnapshotStore("~/snap").root == str(Path.home() / "snap")  # from YAML: no shell
 
 
@@ -276,6 +276,21 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
 def test_an_unknown_protocol_is_a_clear_error():
     with pytest.raises(SnapshotError, match="snapshot_storage_uri 'nosuch://x'"):
         SnapshotStore("nosuch://x")
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_uri_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SnapshotError, match="memory:// keeps the snapshot in this process"):
+        SnapshotStore("memory://job")
+    started = []
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: started.append(kwargs))
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "-i", str(_job(tmp_path, 2)), "-o", str(out), "--no-progress"]
+    assert cli.main([*argv, "--model", "tiny", "--snapshot-storage-uri", "memory://job"]) == 2
+    err = capsys.readouterr().err
+    assert "snapshot_storage_uri 'memory://job': memory:// keeps the snapshot" in err
+    assert "use a directory (a path or file://) or an object store" in err
+    assert started == [] and not out.exists()
 
 
 @pytest.mark.timeout(120)
@@ -481,6 +496,34 @@ def test_a_store_that_fails_mid_run_stops_the_run_and_resume_completes_it(tmp_pa
     expected = Counter(f"c{i:02d}" for i in range(12))
     assert Counter(r["custom_id"] for r in read_results(out)) == expected
     stored = SnapshotStore(uri).iter_result_lines()
+    assert Counter(json.loads(line)["custom_id"] for line in stored) == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_store_unwritable_mid_run_says_where_the_results_are(tmp_path, monkeypatch, capsys):
+    src, snap, out = _job(tmp_path), tmp_path / "snap", tmp_path / "out.jsonl"
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: FakeEngine(per_step=2))
+    real_put = SnapshotStore._put
+
+    def put(self, path, data):  # the store turns read-only after its first segment
+        if "/results/" in path and self.segments():
+            raise PermissionError(1, "Operation not permitted", f"{path}.tmp-0123")
+        return real_put(self, path, data)
+
+    monkeypatch.setattr(SnapshotStore, "_put", put)
+    argv = ["run", "-i", str(src), "-o", str(out), "--no-progress", "--model", "tiny"]
+    argv += ["--snapshot-storage-uri", str(snap), "--snapshot-interval-results", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"error: could not write the snapshot at {snap} (PermissionError: [Errno 1] " in err
+    assert "every result finished so far is in the output file: rerun with --resume" in err
+    assert len(read_results(out)) == 4
+    assert len(list(SnapshotStore(str(snap)).iter_result_lines())) == 2
+    monkeypatch.setattr(SnapshotStore, "_put", real_put)  # writable again
+    assert cli.main([*argv, "--resume"]) == 0
+    expected = Counter(f"c{i:02d}" for i in range(12))
+    assert Counter(r["custom_id"] for r in read_results(out)) == expected
+    stored = SnapshotStore(str(snap)).iter_result_lines()
     assert Counter(json.loads(line)["custom_id"] for line in stored) == expected
 
 

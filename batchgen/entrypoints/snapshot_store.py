@@ -362,13 +362,17 @@ class SnapshotStore:
             path. Credentials and endpoints come from the backend's usual sources (for S3:
             ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``..., or fsspec's ``FSSPEC_S3_*``).
         storage_options: keyword arguments for the fsspec file system (over those sources).
+        allow_memory: accept fsspec's ``memory://`` (for tests: it lives in this process only).
 
     Raises:
         SnapshotError: the URI names no usable file system (unknown protocol, or its package,
-            such as ``s3fs`` or ``gcsfs``, is not installed).
+            such as ``s3fs`` or ``gcsfs``, is not installed), or it is ``memory://``, which is
+            gone when the process exits and so can restore nothing.
     """
 
-    def __init__(self, uri: str, storage_options: dict | None = None) -> None:
+    def __init__(
+        self, uri: str, storage_options: dict | None = None, *, allow_memory: bool = False
+    ) -> None:
         from fsspec.core import url_to_fs
 
         self.uri = uri
@@ -386,6 +390,12 @@ class SnapshotStore:
         self.root = root.rstrip("/")
         protocols = self.fs.protocol
         protocols = {protocols} if isinstance(protocols, str) else set(protocols)
+        if "memory" in protocols and not allow_memory:
+            raise SnapshotError(
+                f"snapshot_storage_uri {self.uri!r}: memory:// keeps the snapshot in this "
+                "process's memory, which is gone when it exits, so a restart could restore "
+                "nothing; use a directory (a path or file://) or an object store (s3://, gs://)"
+            )
         self.atomic_put = bool(protocols & ATOMIC_PUT_PROTOCOLS)
         self.local = bool(protocols & {"file", "local"})
         self.manifest: Manifest | None = None  # this job's, once `open_job` checked it
