@@ -17,7 +17,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_batch_runner import FakeEngine, Stop, completion_line, read_results, write_lines
+from test_batch_runner import (
+    MIXED,
+    FakeEngine,
+    Stop,
+    completion_line,
+    read_results,
+    write_lines,
+)
 
 from batchgen.config import ParallelConfig
 from batchgen.entrypoints import cli
@@ -367,6 +374,34 @@ def test_a_crashed_run_restarts_from_the_snapshot_on_a_new_output(tmp_path):
     ids = [json.loads(line)["custom_id"] for line in SnapshotStore(uri).iter_result_lines()]
     assert Counter(ids) == Counter(f"c{i:02d}" for i in range(12))  # the snapshot: once each
     assert SnapshotStore(uri).read_progress()["finished"] is True
+
+
+def test_the_input_keys_are_those_of_the_results_the_run_writes(tmp_path):
+    """`input_result_keys` (a fast custom_id scan) names exactly the result keys a run of
+    the input writes, over every kind of bad line."""
+    from batchgen.entrypoints.batch_runner import input_result_keys, result_key
+    from batchgen.entrypoints.openai_protocol import (
+        BatchLineError,
+        batch_line_custom_id,
+        parse_batch_line,
+    )
+
+    lines = [*MIXED, '{"prompt": "plain, no id"}', '{"custom_id": 7, "prompt": "x"}', "NaN"]
+    lines += ['\ufeff{"custom_id": "bom", "prompt": "x"}', '{"custom_id": "\\ud800"}']
+    src = write_lines(tmp_path / "mixed.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    run_batch_file(FakeEngine(), src, out, progress=False)
+    written = {result_key(r) for r in read_results(out)}
+    count, keys = input_result_keys(src)
+    assert count == sum(1 for line in lines if line.strip())
+    expected = {("id", i) for i in keys.done_ids} | {("line", n) for n in keys.done_lines}
+    assert expected == written
+    for number, raw in enumerate(lines, start=1):  # the same ids as the full parse
+        try:
+            full = parse_batch_line(raw, number).custom_id
+        except BatchLineError as err:
+            full = err.custom_id
+        assert batch_line_custom_id(raw.encode(), number) == full, raw
 
 
 @pytest.mark.timeout(60)

@@ -42,6 +42,7 @@ from batchgen.entrypoints.openai_protocol import (
     BatchLineError,
     BatchRequest,
     BlankLines,
+    batch_line_custom_id,
     dumps_line,
     error_line,
     error_line_from,
@@ -246,10 +247,7 @@ def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
             if not raw.strip():
                 continue
             count += 1
-            try:
-                custom_id = parse_batch_line(raw, line).custom_id
-            except BatchLineError as err:
-                custom_id = err.custom_id
+            custom_id = batch_line_custom_id(raw, line)
             if custom_id is None or custom_id in keys.done_ids:
                 keys.done_lines.add(line)
             else:
