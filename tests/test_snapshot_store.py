@@ -17,7 +17,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_batch_runner import FakeEngine, Stop, completion_line, read_results, write_lines
+from test_batch_runner import (
+    MIXED,
+    FakeEngine,
+    Stop,
+    completion_line,
+    read_results,
+    write_lines,
+)
 
 from batchgen.config import ParallelConfig
 from batchgen.entrypoints import cli
@@ -26,6 +33,7 @@ from batchgen.entrypoints.snapshot_store import (
     Manifest,
     SnapshotError,
     SnapshotStore,
+    SnapshotTakenOverError,
     SnapshotWriter,
 )
 
@@ -171,7 +179,65 @@ def test_a_manifest_without_results_is_replaced(store_at, caplog):
     store_at("job").open_job(manifest(model="a model that failed to load"))
     store_at("job").open_job(manifest())
     assert store_at("job").read_manifest() == manifest()
-    assert "replacing the manifest of another job that stored no results (model:" in caplog.text
+    assert "replacing the manifest of another job that stored no results (input " in caplog.text
+    assert "it differs in model: snapshot 'a model that failed to load'" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_manifest_was_replaced_stops_and_is_never_restored(store_at, caplog):
+    """Job A opened the URI but stored nothing yet; job B (another input) replaced its
+    manifest. A's next segment write is refused naming the URI and B; a segment A wrote in
+    the race window (between B's check and B's manifest) is never read as B's."""
+    a_store = store_at("job")
+    a_store.open_job(manifest(input_name="big.jsonl"))
+    a = SnapshotWriter(a_store)
+    b_store = store_at("job")
+    b_store.open_job(manifest(input_sha256="cd" * 32, input_name="small.jsonl"))
+    assert a_store.manifest.job_id != b_store.manifest.job_id
+    assert b_store.read_manifest().job_id == b_store.manifest.job_id
+    a.add(result_line("req-0", "A's text"))
+    with pytest.raises(SnapshotTakenOverError) as err:
+        a.flush()
+    text = str(err.value)
+    assert a_store.where("manifest.json") in text and "input 'small.jsonl'" in text
+    assert f"job id {b_store.manifest.job_id}" in text and "--resume" in text
+    with pytest.raises(SnapshotTakenOverError):  # and it stays refused
+        a.flush(finished=True)
+    assert a_store.segments() == [] and a.pending == 1
+    # The race: A's segment lands after B replaced the manifest (A checked just before).
+    a_store.write_segment(1, "aaaa", [result_line("req-0", "A's text")])
+    b = SnapshotWriter(b_store)
+    b.add(result_line("req-1", "B's text"))
+    b.flush()
+    assert len(b_store.segments()) == 2
+    restarted = store_at("job")
+    restarted.open_job(manifest(input_sha256="cd" * 32, input_name="small.jsonl"))
+    assert restarted.manifest.job_id == b_store.manifest.job_id  # the same job keeps its id
+    assert list(restarted.iter_result_lines()) == [result_line("req-1", "B's text")]
+    assert "ignoring 1 segments of another job" in caplog.text
+    # A restarted on the URI now holding B's results is refused (the segments count).
+    with pytest.raises(SnapshotError, match="holds the snapshot of another job"):
+        store_at("job").open_job(manifest(input_name="big.jsonl"))
+
+
+@pytest.mark.timeout(60)
+def test_segments_from_before_job_ids_are_still_read(tmp_path):
+    """A manifest and segments written before job ids (no job_id, untagged segment names)."""
+    uri = f"file://{tmp_path / 'old'}"
+    store = SnapshotStore(uri)
+    store.fs.makedirs(store.path("results"), exist_ok=True)
+    body = json.loads(manifest().to_json())
+    del body["job_id"], body["created_at"]
+    store.fs.pipe_file(store.path("manifest.json"), json.dumps(body).encode())
+    store.fs.pipe_file(store.path("results", "seg-00000001-aa.jsonl"), result_line("a"))
+    again = SnapshotStore(uri)
+    again.open_job(manifest())
+    assert again.manifest.job_id is None
+    writer = SnapshotWriter(again)
+    writer.add(result_line("b"))
+    writer.flush()
+    assert again.segments()[-1] == f"seg-00000002-{writer.run_id}.jsonl"
+    assert list(SnapshotStore(uri).iter_result_lines()) == [result_line("a"), result_line("b")]
 
 
 @pytest.mark.timeout(120)
@@ -209,7 +275,7 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
         "manifest.json",
         "progress.json",
     ]  # no temporary left behind
-    assert SnapshotStore("memory://snap").atomic_put
+    assert SnapshotStore("memory://snap", allow_memory=True).atomic_put
     assert SnapshotStore("~/snap").root == str(Path.home() / "snap")  # from YAML: no shell
 
 
@@ -217,6 +283,21 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
 def test_an_unknown_protocol_is_a_clear_error():
     with pytest.raises(SnapshotError, match="snapshot_storage_uri 'nosuch://x'"):
         SnapshotStore("nosuch://x")
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_uri_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SnapshotError, match="memory:// keeps the snapshot in this process"):
+        SnapshotStore("memory://job")
+    started = []
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: started.append(kwargs))
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "-i", str(_job(tmp_path, 2)), "-o", str(out), "--no-progress"]
+    assert cli.main([*argv, "--model", "tiny", "--snapshot-storage-uri", "memory://job"]) == 2
+    err = capsys.readouterr().err
+    assert "snapshot_storage_uri 'memory://job': memory:// keeps the snapshot" in err
+    assert "use a directory (a path or file://) or an object store" in err
+    assert started == [] and not out.exists()
 
 
 @pytest.mark.timeout(120)
@@ -293,6 +374,75 @@ def test_a_crashed_run_restarts_from_the_snapshot_on_a_new_output(tmp_path):
     ids = [json.loads(line)["custom_id"] for line in SnapshotStore(uri).iter_result_lines()]
     assert Counter(ids) == Counter(f"c{i:02d}" for i in range(12))  # the snapshot: once each
     assert SnapshotStore(uri).read_progress()["finished"] is True
+
+
+def test_the_input_keys_are_those_of_the_results_the_run_writes(tmp_path):
+    """`input_result_keys` (a fast custom_id scan) names exactly the result keys a run of
+    the input writes, over every kind of bad line."""
+    from batchgen.entrypoints.batch_runner import input_result_keys, result_key
+    from batchgen.entrypoints.openai_protocol import (
+        BatchLineError,
+        batch_line_custom_id,
+        parse_batch_line,
+    )
+
+    lines = [*MIXED, '{"prompt": "plain, no id"}', '{"custom_id": 7, "prompt": "x"}', "NaN"]
+    lines += ['\ufeff{"custom_id": "bom", "prompt": "x"}', '{"custom_id": "\\ud800"}']
+    src = write_lines(tmp_path / "mixed.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    run_batch_file(FakeEngine(), src, out, progress=False)
+    written = {result_key(r) for r in read_results(out)}
+    count, keys = input_result_keys(src)
+    assert count == sum(1 for line in lines if line.strip())
+    expected = {("id", i) for i in keys.done_ids} | {("line", n) for n in keys.done_lines}
+    assert expected == written
+    for number, raw in enumerate(lines, start=1):  # the same ids as the full parse
+        try:
+            full = parse_batch_line(raw, number).custom_id
+        except BatchLineError as err:
+            full = err.custom_id
+        assert batch_line_custom_id(raw.encode(), number) == full, raw
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_on_one_uri_are_never_mixed(tmp_path):
+    """The tester's case: job A (30 requests) opened the URI; job B (12 other requests under
+    A's first 12 ids) replaced the manifest before A stored anything. A stops at its first
+    segment with every result it finished in its output; B, restarted, restores its own 12
+    results only; and results in the snapshot for ids B's input lacks are never written."""
+    uri = f"file://{tmp_path / 'snap'}"
+    big = write_lines(tmp_path / "big.jsonl", [completion_line(f"c{i:02d}") for i in range(30)])
+    small = write_lines(
+        tmp_path / "small.jsonl", [completion_line(f"c{i:02d}", max_tokens=2) for i in range(12)]
+    )
+
+    def writer(src: Path) -> SnapshotWriter:
+        store = SnapshotStore(uri)
+        store.open_job(manifest(input_sha256=src.name.ljust(64, "0"), input_name=src.name))
+        return SnapshotWriter(store, max_results=4, max_age_s=3600)
+
+    a = writer(big)
+    b = writer(small)  # replaces A's manifest: A stored nothing yet
+    with pytest.raises(SnapshotTakenOverError, match="input 'small.jsonl'"):
+        run_batch_file(FakeEngine(), big, tmp_path / "a.jsonl", progress=False, snapshot=a)
+    assert len(read_results(tmp_path / "a.jsonl")) == 4  # A's results so far: in its output
+    assert list(SnapshotStore(uri).iter_result_lines()) == []
+    run_batch_file(FakeEngine(per_step=2), small, tmp_path / "b1.jsonl", progress=False, snapshot=b)
+    # Another job's results stored under B's manifest anyway (by an older batchgen, say).
+    b.store.write_segment(99, "beef", [result_line("c00", "A's text"), result_line("zz-1")])
+    summary = run_batch_file(
+        FakeEngine(per_step=2), small, tmp_path / "b2.jsonl", progress=False, snapshot=writer(small)
+    )
+    assert (summary.restored, summary.skipped, summary.succeeded, summary.ignored) == (12, 12, 0, 1)
+    assert "1 snapshot results ignored (no such request in the input)" in summary.describe()
+    results = read_results(tmp_path / "b2.jsonl")
+    assert sorted(r["custom_id"] for r in results) == [f"c{i:02d}" for i in range(12)]
+
+    def text(result: dict) -> str:
+        return result["response"]["body"]["choices"][0]["text"]
+
+    assert {text(r) for r in results} == {text(read_results(tmp_path / "b1.jsonl")[0])}
+    assert len(text(results[0])) == 2  # B's max_tokens, not A's
 
 
 @pytest.mark.timeout(60)
@@ -381,6 +531,34 @@ def test_a_store_that_fails_mid_run_stops_the_run_and_resume_completes_it(tmp_pa
     expected = Counter(f"c{i:02d}" for i in range(12))
     assert Counter(r["custom_id"] for r in read_results(out)) == expected
     stored = SnapshotStore(uri).iter_result_lines()
+    assert Counter(json.loads(line)["custom_id"] for line in stored) == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_store_unwritable_mid_run_says_where_the_results_are(tmp_path, monkeypatch, capsys):
+    src, snap, out = _job(tmp_path), tmp_path / "snap", tmp_path / "out.jsonl"
+    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: FakeEngine(per_step=2))
+    real_put = SnapshotStore._put
+
+    def put(self, path, data):  # the store turns read-only after its first segment
+        if "/results/" in path and self.segments():
+            raise PermissionError(1, "Operation not permitted", f"{path}.tmp-0123")
+        return real_put(self, path, data)
+
+    monkeypatch.setattr(SnapshotStore, "_put", put)
+    argv = ["run", "-i", str(src), "-o", str(out), "--no-progress", "--model", "tiny"]
+    argv += ["--snapshot-storage-uri", str(snap), "--snapshot-interval-results", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"error: could not write the snapshot at {snap} (PermissionError: [Errno 1] " in err
+    assert "every result finished so far is in the output file: rerun with --resume" in err
+    assert len(read_results(out)) == 4
+    assert len(list(SnapshotStore(str(snap)).iter_result_lines())) == 2
+    monkeypatch.setattr(SnapshotStore, "_put", real_put)  # writable again
+    assert cli.main([*argv, "--resume"]) == 0
+    expected = Counter(f"c{i:02d}" for i in range(12))
+    assert Counter(r["custom_id"] for r in read_results(out)) == expected
+    stored = SnapshotStore(str(snap)).iter_result_lines()
     assert Counter(json.loads(line)["custom_id"] for line in stored) == expected
 
 
@@ -479,3 +657,88 @@ def test_sigkill_then_restart_from_a_local_s3_server(tmp_path, checkpoint_dir, s
     _kill_and_restart(
         tmp_path, checkpoint_dir("mixtral"), uri, SnapshotStore(uri, s3_options(s3_endpoint)), env
     )
+
+
+# ---- what identifies the job: the model's files, the settings as resolved
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_is_identified_by_its_files_not_its_folder_name(tmp_path, checkpoint_dir):
+    from batchgen.config import EngineConfig
+    from batchgen.entrypoints.snapshot_store import job_manifest
+
+    inp = _job(tmp_path, 3)
+    mixtral = _copy_model(checkpoint_dir("mixtral"), tmp_path / "a" / "model")
+    llama = _copy_model(checkpoint_dir("llama"), tmp_path / "b" / "model")
+    copy = _copy_model(mixtral, tmp_path / "c" / "model")
+
+    def job(model: Path) -> Manifest:
+        return job_manifest(inp, EngineConfig(model=str(model), device="cpu"))
+
+    first = job(mixtral)
+    fingerprint = first.model_fingerprint
+    assert first.model == "model" and fingerprint["architecture"] == "MixtralForCausalLM"
+    assert fingerprint["num_local_experts"] == 4 and len(fingerprint["config_sha256"]) == 64
+    weights = {p.name: p.stat().st_size for p in mixtral.glob("*.safetensors")}
+    assert fingerprint["weights"] == weights and weights
+    store = SnapshotStore(str(tmp_path / "snap"))
+    store.open_job(first)
+    store.write_segment(1, "aa", [result_line("c00")])
+    with pytest.raises(SnapshotError) as err:
+        SnapshotStore(str(tmp_path / "snap")).open_job(job(llama))
+    text = str(err.value)
+    assert "model architecture: snapshot 'MixtralForCausalLM', this run 'LlamaForCausalLM'" in text
+    assert "model config.json: snapshot sha256 " in text and "model weights: snapshot " in text
+    assert "model: snapshot" not in text  # the same folder name
+    SnapshotStore(str(tmp_path / "snap")).open_job(job(copy))  # a real copy is the same model
+    # Same config, other weights (another training run): the weights' sizes tell them apart.
+    retrained = _copy_model(mixtral, tmp_path / "d" / "model")
+    shard = sorted(retrained.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes() + b"\0" * 8)
+    with pytest.raises(SnapshotError, match=f"model weights: snapshot {shard.name} \\("):
+        SnapshotStore(str(tmp_path / "snap")).open_job(job(retrained))
+
+
+@pytest.mark.timeout(120)
+def test_settings_are_compared_as_the_engine_resolves_them(tmp_path, checkpoint_dir):
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.config import EngineConfig
+    from batchgen.entrypoints.snapshot_store import job_manifest
+
+    inp = _job(tmp_path, 3)
+    model = checkpoint_dir("mixtral")
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+
+    def job(**settings) -> Manifest:
+        return job_manifest(inp, EngineConfig(model=str(model), device="cpu", **settings))
+
+    default = job()
+    assert default.settings == {
+        "dtype": "float32",
+        "max_model_len": limit,
+        "seed": 0,
+        "tokenizer": None,
+    }
+    spelled_out = job(dtype="float32", max_model_len=limit, tokenizer=str(model))
+    assert default.differences(spelled_out) == []
+    tokenizer = _copy_model(model, tmp_path / "tokenizers" / "my-tok")
+    assert job(tokenizer=str(tokenizer)).settings["tokenizer"] == "my-tok"  # its name, no path
+    assert default.differences(job(dtype="bfloat16", max_model_len=limit // 2)) == [
+        "dtype: snapshot 'float32', this run 'bfloat16'",
+        f"max_model_len: snapshot {limit}, this run {limit // 2}",
+    ]
+    if not torch.cuda.is_available():  # Ray may put "auto" ranks on GPUs: left unresolved
+        ray = SimpleNamespace(distributed_executor_backend="ray")
+        config = EngineConfig(model=str(model))
+        assert job_manifest(inp, config, ray).settings["dtype"] == "auto"
+        assert job_manifest(inp, config).settings["dtype"] == "float32"

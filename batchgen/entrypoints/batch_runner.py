@@ -42,6 +42,7 @@ from batchgen.entrypoints.openai_protocol import (
     BatchLineError,
     BatchRequest,
     BlankLines,
+    batch_line_custom_id,
     dumps_line,
     error_line,
     error_line_from,
@@ -50,7 +51,11 @@ from batchgen.entrypoints.openai_protocol import (
     response_body,
     success_line,
 )
-from batchgen.entrypoints.snapshot_store import SnapshotWriter
+from batchgen.entrypoints.snapshot_store import (
+    SnapshotTakenOverError,
+    SnapshotWriteError,
+    SnapshotWriter,
+)
 from batchgen.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,8 @@ class BatchRunSummary:
         skipped: lines skipped because the output already held their result (``resume``) or
             the snapshot did.
         restored: results copied from the snapshot into the output (counted in ``skipped``).
+        ignored: results in the snapshot for no request of this input (another job's), left
+            out of the output.
         blank_lines: blank lines between request lines, skipped (blank lines after the last
             request line are not counted).
         prompt_tokens / generated_tokens: over the requests that succeeded in this run
@@ -87,6 +94,7 @@ class BatchRunSummary:
     failed: int = 0
     skipped: int = 0
     restored: int = 0
+    ignored: int = 0
     blank_lines: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -101,6 +109,8 @@ class BatchRunSummary:
         skipped = f", {self.skipped} skipped (already done)" if self.skipped else ""
         if self.restored:
             skipped += f", {self.restored} of them restored from the snapshot"
+        if self.ignored:
+            skipped += f", {self.ignored} snapshot results ignored (no such request in the input)"
         blank = ""
         if self.blank_lines:
             noun = "line" if self.blank_lines == 1 else "lines"
@@ -223,6 +233,28 @@ def count_request_lines(path: str | os.PathLike) -> int:
         return sum(1 for raw in f if raw.strip())
 
 
+def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
+    """(non-blank lines, the keys of the results the input can have) in one streaming pass.
+
+    The keys are what `result_key` gives the result line `run_batch_file` writes for each
+    request line: its custom_id, or its line number for a line without a usable custom_id and
+    for a duplicate (`ResumeState`). Memory: the set of custom_ids (which the run holds anyway).
+    """
+    keys = ResumeState()
+    count = 0
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            count += 1
+            custom_id = batch_line_custom_id(raw, line)
+            if custom_id is None or custom_id in keys.done_ids:
+                keys.done_lines.add(line)
+            else:
+                keys.done_ids.add(custom_id)
+    return count, keys
+
+
 class _ResultWriter:
     """Appends JSONL result lines; `flush` pushes them to the OS, fsync'ing now and then, and
     then to the snapshot when one is due."""
@@ -248,10 +280,13 @@ class _ResultWriter:
         if self._snapshot is not None:
             self._snapshot.maybe_flush()
 
-    def close(self, *, finished: bool) -> None:
-        """Flush and fsync the output, then store every buffered line in the snapshot."""
-        self.flush(fsync=True)
-        if self._snapshot is not None:
+    def close(self, *, finished: bool, snapshot: bool = True) -> None:
+        """Flush and fsync the output, then store every buffered line in the snapshot (unless
+        not ``snapshot``)."""
+        self._sink.flush()
+        if self._can_fsync:
+            os.fsync(self._sink.fileno())
+        if self._snapshot is not None and snapshot:
             self._snapshot.flush(finished=finished)
 
 
@@ -414,17 +449,21 @@ def _sync_with_snapshot(
     state: ResumeState,
     output_path: Path,
     local_size: int,
-) -> int:
+    expected: ResumeState,
+) -> tuple[int, int]:
     """Make the output and the snapshot hold the same results before a run starts.
 
     Appends to ``sink`` (the output, its first ``local_size`` bytes the results it already
     held, recorded in ``state``) each snapshot result it lacks, adding it to ``state``; then
     stores in the snapshot each of those ``local_size`` bytes' results the snapshot lacks (a
-    run killed between its two writes). Streams both: memory is one segment plus the keys.
-    Returns the number of results copied from the snapshot.
+    run killed between its two writes). Only results for a request of this input (their keys
+    in ``expected``, `input_result_keys`) are copied: a snapshot holding others (another
+    job's) never puts a line in the output for a custom_id the input does not have, nor its
+    text under one it has by chance. Streams both: memory is one segment plus the keys.
+    Returns the number of results copied from the snapshot and the number ignored.
     """
     stored = ResumeState()
-    held = restored = 0
+    held = restored = ignored = 0
     for line in snapshot.store.iter_result_lines():
         try:
             result = json.loads(line)
@@ -432,6 +471,9 @@ def _sync_with_snapshot(
             result = None
         if not isinstance(result, dict) or result_key(result) is None:
             logger.warning("snapshot %s: ignoring a line that is not a result", snapshot.store.uri)
+            continue
+        if not expected.has(result):
+            ignored += 1
             continue
         if stored.has(result):
             continue  # a second copy (never written by batchgen; tolerated)
@@ -442,6 +484,13 @@ def _sync_with_snapshot(
             state.add(result)
             restored += 1
     sink.flush()
+    if ignored:
+        logger.warning(
+            "snapshot %s: ignored %d results for requests this input does not have (another "
+            "job's results are stored there)",
+            snapshot.store.uri,
+            ignored,
+        )
     snapshot.stored_results = held
     if local_size:
         with open(output_path, "rb") as f:
@@ -457,7 +506,7 @@ def _sync_with_snapshot(
         if snapshot.pending:
             logger.info("storing %d results the snapshot lacked", snapshot.pending)
             snapshot.flush()
-    return restored
+    return restored, ignored
 
 
 def run_batch_file(
@@ -486,7 +535,9 @@ def run_batch_file(
         snapshot: also store every result line in this snapshot (its store bound to this job
             by `SnapshotStore.open_job`); results the snapshot already holds are copied into
             the output (whether or not ``resume``) and not run again, and results the resumed
-            output holds but the snapshot lacks are stored first (module docstring).
+            output holds but the snapshot lacks are stored first (module docstring). Only
+            results for a request of this input are copied; any other (another job's) is
+            counted in ``ignored``, with a warning. Needs a regular input file.
 
     Returns:
         The counts of this run.
@@ -496,10 +547,11 @@ def run_batch_file(
         BatchFileError: input and output are the same file, or ``resume`` found an output that
             is not a batch result file.
         ValueError: ``max_in_flight`` < 1.
-        Exception: anything the engine raises other than a per-request ValueError, or the
-            snapshot store raises (e.g. the network); requests still in flight are aborted
-            first and the results written so far stay on disk (and are stored in the snapshot
-            where it still works).
+        SnapshotTakenOverError: another job replaced the snapshot's manifest mid-run.
+        SnapshotWriteError: the snapshot could not be written mid-run.
+        Exception: anything the engine raises other than a per-request ValueError; requests
+            still in flight are aborted first and the results written so far stay on disk
+            (and are stored in the snapshot where it still works).
     """
     input_path, output_path = Path(input_path), Path(output_path)
     if max_in_flight < 1:
@@ -517,28 +569,41 @@ def run_batch_file(
         local_size = os.path.getsize(output_path)
     # A pipe or FIFO (`-i <(zcat big.jsonl.gz)`) can be read once only: no total then.
     counted = (progress or snapshot is not None) and input_path.is_file()
-    total = count_request_lines(input_path) if counted else None
+    expected = None
+    if snapshot is not None:
+        if not input_path.is_file():
+            raise BatchFileError(
+                f"a snapshot needs a regular input file, not {str(input_path)!r} (a pipe)"
+            )
+        total, expected = input_result_keys(input_path)
+    else:
+        total = count_request_lines(input_path) if counted else None
     with (
         open(input_path, "rb") as source,
         open(output_path, "ab" if resume else "wb") as sink,
         tqdm(total=total, unit="req", disable=not progress, file=sys.stderr) as bar,
     ):
-        restored = 0
+        restored = ignored = 0
         if snapshot is not None:
             snapshot.total = total
-            restored = _sync_with_snapshot(snapshot, sink, state, output_path, local_size)
+            restored, ignored = _sync_with_snapshot(
+                snapshot, sink, state, output_path, local_size, expected or ResumeState()
+            )
         writer = _ResultWriter(sink, snapshot)
         batch_run = _BatchRun(engine, writer, state, max_in_flight, bar)
         try:
             summary = batch_run.run(enumerate(source, start=1))
-        except BaseException:
+        except BaseException as err:
+            # A snapshot that refused or failed a write is not tried again for the last ones.
+            snapshot_failed = isinstance(err, (SnapshotTakenOverError, SnapshotWriteError))
             try:
-                writer.close(finished=False)
-            except Exception as err:  # the engine's exception is the one to report
-                logger.warning("could not store the last results in the snapshot: %s", err)
+                writer.close(finished=False, snapshot=not snapshot_failed)
+            except Exception as close_err:  # the engine's exception is the one to report
+                logger.warning("could not store the last results in the snapshot: %s", close_err)
             raise
         writer.close(finished=True)
         summary.restored = restored
+        summary.ignored = ignored
     if batch_run.blank.count:
         logger.warning(
             "%s: skipped %s between requests (a batch file holds one request per line)",

@@ -213,7 +213,7 @@ def _open_snapshot(args: argparse.Namespace, kwargs: dict):
         return None
     try:
         store = SnapshotStore(parallel.snapshot_storage_uri)
-        store.open_job(job_manifest(args.input, engine_config))
+        store.open_job(job_manifest(args.input, engine_config, parallel))
     except SnapshotError as err:
         raise CliError(str(err)) from err
     except Exception as err:  # unreachable store, missing bucket, refused credentials...
@@ -237,6 +237,7 @@ def _without_snapshot(kwargs: dict) -> dict:
 def _run(args: argparse.Namespace) -> int:
     from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
+    from batchgen.entrypoints.snapshot_store import SnapshotTakenOverError, SnapshotWriteError
 
     _check_run_paths(args)
     kwargs = engine_kwargs(args)
@@ -252,6 +253,10 @@ def _run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             snapshot=snapshot,
         )
+    except (SnapshotTakenOverError, SnapshotWriteError) as err:
+        # Their messages say where the results are and what to do.
+        print(f"{PROG} run: error: {err}", file=sys.stderr)
+        return 1
     except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
         raise CliError(str(err)) from err
     except RankFailedError as err:

@@ -591,6 +591,36 @@ def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
             or non-string custom_id, method other than POST, unknown url, or an invalid body
             (see `parse_request_body`).
     """
+    obj = _decode_batch_line(raw, line)
+    if any(key in obj for key in _ENVELOPE_KEYS):
+        custom_id, url, body = _parse_envelope(obj, line)
+    else:
+        body = dict(obj)
+        custom_id = _custom_id(body.pop("custom_id", f"line-{line}"), line)
+        url = CHAT_COMPLETIONS_URL if "messages" in body else COMPLETIONS_URL
+    try:
+        return BatchRequest(custom_id, line, parse_request_body(url, body))
+    except ProtocolError as err:
+        raise BatchLineError(
+            str(err), line=line, custom_id=custom_id, code=err.code, param=err.param
+        ) from None
+
+
+def batch_line_custom_id(raw: str | bytes, line: int) -> str | None:
+    """The custom_id `parse_batch_line` gives a line (or its `BatchLineError` carries), found
+    without checking the body, so about ten times faster; None for a line whose result a
+    custom_id cannot name (invalid JSON, not an object, no usable custom_id)."""
+    try:
+        obj = _decode_batch_line(raw, line)
+        if any(key in obj for key in _ENVELOPE_KEYS):
+            return _custom_id(obj.get("custom_id"), line)
+        return _custom_id(obj.get("custom_id", f"line-{line}"), line)
+    except BatchLineError:
+        return None
+
+
+def _decode_batch_line(raw: str | bytes, line: int) -> dict[str, Any]:
+    """A batch line's JSON object (`parse_batch_line`'s first half)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         # Without its newline, json's error position is a position in this line.
@@ -629,18 +659,7 @@ def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
             custom_id=None,
             code=INVALID_JSON_LINE,
         )
-    if any(key in obj for key in _ENVELOPE_KEYS):
-        custom_id, url, body = _parse_envelope(obj, line)
-    else:
-        body = dict(obj)
-        custom_id = _custom_id(body.pop("custom_id", f"line-{line}"), line)
-        url = CHAT_COMPLETIONS_URL if "messages" in body else COMPLETIONS_URL
-    try:
-        return BatchRequest(custom_id, line, parse_request_body(url, body))
-    except ProtocolError as err:
-        raise BatchLineError(
-            str(err), line=line, custom_id=custom_id, code=err.code, param=err.param
-        ) from None
+    return obj
 
 
 def _custom_id(value: Any, line: int) -> str:
