@@ -34,8 +34,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from batchgen.config import EngineConfig
-from batchgen.config_fields import SECTIONS, TOP_LEVEL
+from batchgen.config import ALIASES, EngineConfig
+from batchgen.config_fields import SECTIONS, TOP_LEVEL, given_text
 from batchgen.distributed.layout import ParallelLayout, resolve_layout
 from batchgen.parallel_config import ParallelConfig
 
@@ -138,6 +138,69 @@ class ClusterConfig:
     engine: EngineConfig
     parallel: ParallelConfig
     layout: ParallelLayout
+    # kwargs name -> the file's keys it comes from, each (key path, line, value as written):
+    # ``data_parallel_size`` (ranks) from ``world_size`` and ``parallelism.data_parallel_size``.
+    sources: dict[str, tuple[tuple[str, int | None, object], ...]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def origin(self, name: str) -> str:
+        """Where the file sets ``kwargs[name]``: ``batchgen_cluster.world_size: 2 at f.yaml:3``."""
+        return ", ".join(
+            f"{key}: {value!r} at {self.path}" + (f":{line}" if line else "")
+            for key, line, value in self.sources.get(name, ())
+        )
+
+    def merge(self, given: dict) -> tuple[dict, list[str]]:
+        """The file's `kwargs` with ``given`` (flags or ``LLM`` arguments) over them, key by key,
+        and one sentence per setting given that replaces keys of the file.
+
+        Two names of one setting (`batchgen.config.ALIASES`: ``max_num_seqs`` and
+        ``max_active_coroutines``) are one key: either given replaces the file's value of
+        either. ``enable_expert_parallel=False`` given (``--no-enable-expert-parallel``) turns
+        expert parallelism off, as in vLLM: the file's ``expert_parallel_size`` > 1 and
+        ``decode_strategy: dp_attention_ep_moe`` give way too, unless also given.
+        """
+        merged = dict(self.kwargs)
+        replaced: dict[str, list[str]] = {}
+        for name in given:
+            same = [n for n in (name, *ALIASES.get(name, ())) if n in self.kwargs]
+            replaced[name] = same
+            for n in same:
+                merged.pop(n, None)
+        if given.get("enable_expert_parallel") is False:
+            for name, shards in (
+                ("expert_parallel_size", lambda v: v is not None and v > 1),
+                ("decode_strategy", lambda v: v == "dp_attention_ep_moe"),
+            ):
+                if name not in given and shards(merged.get(name)):
+                    del merged[name]
+                    replaced["enable_expert_parallel"].append(name)
+        merged.update(given)
+        notes = []
+        for name, names in replaced.items():
+            if names and given[name] is not None:  # None: the default, not a user's setting
+                note = f"{given_text(name, given[name])} overrides "
+                note += ", ".join(self.origin(n) for n in names)
+                if name == "enable_expert_parallel" and not given[name]:
+                    note += ": the experts are replicated on every rank"
+                notes.append(note)
+        return merged, notes
+
+    def explain(self, err: ValueError, given: dict, merged: dict) -> ClusterConfigError:
+        """``err`` of the settings `merge` made (``merged``), with where each setting it names
+        comes from: the file's key and line, or the flag (``LLM`` argument) given."""
+        text = str(err)
+        named = [n for n in merged if n != "model" and _mentions(text, n)]
+        named = [n for n in named if n in given or n in self.sources]
+        named.sort(key=lambda n: _mentions(text, n))
+        parts = [
+            f"{n} from {given_text(n, given[n])}" if n in given else f"{n} from {self.origin(n)}"
+            for n in named
+        ]
+        if not parts:
+            return ClusterConfigError(self.path, [f"{self.path} with the settings given: {text}"])
+        return ClusterConfigError(self.path, [f"{text} ({'; '.join(parts)})"])
 
     def flags(self) -> list[str]:
         """The command line that sets the same as the file (``--model M --data-parallel-size
@@ -194,7 +257,7 @@ class _Loader:
     def error(self, loc: tuple, what: str, line: int | None = None) -> str:
         """``file:line: batchgen_cluster.a.b: what``, with the line of the deepest known key."""
         for i in range(len(loc), 0, -1):
-            line = line or self.lines.get(loc[:i])
+            line = line or self.line_of(loc[:i])
         where = f"{self.path}:{line}" if line else self.path
         key = ".".join(str(p) for p in loc)
         return f"{where}: {key}: {what}" if key else f"{where}: {what}"
@@ -207,7 +270,7 @@ class _Loader:
 
     def load(self, text: str) -> ClusterConfig:
         cluster = self.check_types(self.parse(text))
-        return self.build(cluster, self.check_sizes(cluster))
+        return self.build(cluster, *self.check_sizes(cluster))
 
     # ---- stages 1-2: YAML and the file's shape
     def parse(self, text: str) -> dict:
@@ -290,9 +353,10 @@ class _Loader:
         return self.error(loc, f"expected {expected}, got {value!r} ({_yaml_type(value)})")
 
     # ---- stage 4: sizes
-    def check_sizes(self, cluster: BaseModel) -> dict:
+    def check_sizes(self, cluster: BaseModel) -> tuple[dict, dict]:
         """The file's world_size, replicas and ranks per group as the flags' kwargs:
-        ``data_parallel_size`` (ranks) and ``expert_parallel_size``, where the file sets them."""
+        ``data_parallel_size`` (ranks) and ``expert_parallel_size``, where the file sets them,
+        and the keys each comes from (`ClusterConfig.sources`)."""
         par = cluster.parallelism
         w, ws = cluster.world_size, (ROOT, "world_size")
         d = par.data_parallel_size if par else None
@@ -330,33 +394,77 @@ class _Loader:
         if local is not None and ranks is not None and local > ranks:
             loc = (ROOT, "parallelism", "data_parallel_size_local")
             self.fail_at(loc, f"{local} is more than the job's {ranks} ranks (world_size)")
-        out = {} if ranks is None else {"data_parallel_size": ranks}
-        return out if e is None else {**out, "expert_parallel_size": e}
+        given = {loc: self.source(loc, v) for loc, v in sizes if v is not None}
+        dp_loc, ep_loc = sizes[1][0], sizes[2][0]
+        out, sources = {}, {}
+        if ranks is not None:
+            out["data_parallel_size"] = ranks
+            from_keys = [given[k] for k in (ws, dp_loc) if k in given]
+            sources["data_parallel_size"] = tuple(from_keys or [given[ep_loc]])
+        if e is not None:
+            out["expert_parallel_size"] = e
+            keys = (ep_loc,) if ep_loc in given else (ws, dp_loc)  # e = world / replicas
+            from_keys = [given[k] for k in keys if k in given]
+            sources["expert_parallel_size"] = tuple(from_keys)
+        return out, sources
+
+    def source(self, loc: tuple, value: object) -> tuple[str, int | None, object]:
+        """(key path, line, value) of a key of the file, for `ClusterConfig.sources`."""
+        return ".".join(str(p) for p in loc), self.line_of(loc), value
+
+    def line_of(self, loc: tuple) -> int | None:
+        """The line of the key at ``loc`` (non-string keys match by their text)."""
+        return self.lines.get(tuple(str(p) for p in loc))
 
     # ---- stage 5: values, through the dataclasses
-    def build(self, cluster: BaseModel, sizes: dict) -> ClusterConfig:
+    def build(self, cluster: BaseModel, sizes: dict, sources: dict) -> ClusterConfig:
         kwargs: dict = {"model": cluster.model, **sizes}
+        sources = {"model": (self.source((ROOT, "model"), cluster.model),), **sources}
         for key in self.keys:
             section = getattr(cluster, key.section) if key.section else cluster
             if key.owner is None or key.name in kwargs or section is None:
                 continue
             if key.name in section.model_fields_set:
                 kwargs[key.name] = getattr(section, key.name)
-        configs = {}
+                sources[key.name] = (self.source(key.loc, kwargs[key.name]),)
+        configs, errors = {}, []
         for cls in (EngineConfig, ParallelConfig):
-            try:
-                configs[cls] = cls(**{k: v for k, v in kwargs.items() if k in cls.field_names()})
-            except ValueError as err:
-                self.fail(self.value_error(cls, err))
+            mine = {k: v for k, v in kwargs.items() if k in cls.field_names()}
+            # validate() stops at its first problem: set that key aside (its default is
+            # valid) and validate again, so that every bad value is reported at once.
+            while cls not in configs:
+                try:
+                    configs[cls] = cls(**mine)
+                except ValueError as err:
+                    key = self.key_of(cls, err)
+                    errors.append(self.value_error(key, err, sources))
+                    if key is None or key.name not in mine or key.name in sizes:
+                        break
+                    del mine[key.name]
+        if errors:
+            self.fail(*errors)
         parallel = configs[ParallelConfig]
         layout = resolve_layout(parallel)
-        return ClusterConfig(self.path, kwargs, configs[EngineConfig], parallel, layout)
+        return ClusterConfig(self.path, kwargs, configs[EngineConfig], parallel, layout, sources)
 
-    def value_error(self, cls: type, err: ValueError) -> str:
-        """A dataclass's message (it starts with the field's name) under the key's full path."""
+    def key_of(self, cls: type, err: ValueError) -> SchemaKey | None:
+        """The key whose field a dataclass's message starts with."""
+        name = re.match(r"\w+", str(err))
+        return next((k for k in self.keys if k.owner is cls and name and k.name == name[0]), None)
+
+    def value_error(self, key: SchemaKey | None, err: ValueError, sources: dict) -> str:
+        """A dataclass's message (it starts with the field's name) under the key's full path,
+        with the lines of the other keys it names."""
         text = str(err)
-        name = re.match(r"\w+", text)
-        key = next((k for k in self.keys if k.owner is cls and name and k.name == name[0]), None)
+        others = [
+            f"{n}: {', '.join(f'{p} (line {line})' for p, line, _ in sources[n])}"
+            for n in sorted(
+                (n for n in sources if n != "model" and (key is None or n != key.name)),
+                key=lambda n: _mentions(text, n) or 0,
+            )
+            if _mentions(text, n)
+        ]
+        text += f" ({'; '.join(others)})" if others else ""
         if key is None:
             return self.error((ROOT,), text)
         return self.error(key.loc, text.removeprefix(key.name + " "))
@@ -376,6 +484,14 @@ def _cluster_model() -> type[BaseModel]:
         )
     top = {k.name: (k.annotation, None) for k in keys if k.section == TOP_LEVEL}
     return create_model("Cluster", __config__=strict, **top, **sections)
+
+
+def _mentions(text: str, name: str) -> int | None:
+    """Where a message names the field ``name`` (``max_num_seqs`` or ``--max-num-seqs``),
+    1-based; None when it does not."""
+    flag = "--" + name.replace("_", "-")
+    found = re.search(rf"(?<![\w-])(?:{name}|{flag})(?![\w-])", text)
+    return found.start() + 1 if found else None
 
 
 def _type_text(annotation: object) -> str:

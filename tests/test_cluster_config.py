@@ -78,8 +78,14 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def _configs(argv: list[str]) -> tuple[EngineConfig, ParallelConfig]:
     """The settings `batchgen run ARGV` would start the engine with (no engine started)."""
+    from batchgen.config_fields import GIVEN_AS
+
     args = cli.build_parser().parse_args(["run", "-i", "in.jsonl", "-o", "out.jsonl", *argv])
-    return make_configs(**cli.engine_kwargs(args))
+    token = GIVEN_AS.set("flag")  # as `batchgen` names settings in messages
+    try:
+        return make_configs(**cli.engine_kwargs(args))
+    finally:
+        GIVEN_AS.reset(token)
 
 
 # ---- the seed file
@@ -348,6 +354,114 @@ def test_llm_arguments_override_the_file():
     assert engine.model == "m" and engine.max_active_coroutines == 8 and engine.tile_size == 128
     assert engine.expert_coalesce_threshold == 32 and parallel.expert_parallel_size == 16
     assert make_configs(config=SEED)[0].model == "deepseek-ai/DeepSeek-V3"
+
+
+@pytest.mark.parametrize("example", [LOCAL, SEED])
+def test_a_flag_of_either_name_overrides_the_files_running_limit(example):
+    # Both examples set coroutine_scheduler.max_active_coroutines; max_num_seqs is the same
+    # limit by vLLM's name, and a flag or argument of either name replaces the file's value.
+    engine, _ = _configs(["--config", str(example), "--max-num-seqs", "512"])
+    assert (engine.max_num_seqs, engine.max_active_coroutines, engine.max_running_seqs) == (
+        512,
+        None,
+        512,
+    )
+    engine, _ = make_configs(config=example, max_num_seqs=32)
+    assert (engine.max_num_seqs, engine.max_active_coroutines, engine.max_running_seqs) == (
+        32,
+        None,
+        32,
+    )
+    engine, _ = _configs(["--config", str(example), "--max-active-coroutines", "7"])
+    assert (engine.max_num_seqs, engine.max_running_seqs) == (None, 7)
+
+
+def test_both_names_at_one_level_conflict_and_the_error_says_where(tmp_path):
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(LOCAL), "--max-num-seqs", "3", "--max-active-coroutines", "4"])
+    assert str(info.value) == (
+        "max_num_seqs=3 and max_active_coroutines=4 name the same limit (sequences running at "
+        "once): give one of them, or both equal (max_num_seqs from --max-num-seqs 3; "
+        "max_active_coroutines from --max-active-coroutines 4)"
+    )
+    both = "batchgen_cluster:\n  model: m\n  coroutine_scheduler:\n"
+    both += "    max_num_seqs: 5\n    max_active_coroutines: 6\n"
+    path = _write(tmp_path, both)
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:4: batchgen_cluster.coroutine_scheduler.max_num_seqs: max_num_seqs=5 and "
+        "max_active_coroutines=6 name the same limit (sequences running at once): give one of "
+        "them, or both equal (max_active_coroutines: "
+        "batchgen_cluster.coroutine_scheduler.max_active_coroutines (line 5))"
+    ]
+
+
+def test_a_flag_contradicting_the_file_names_the_files_key():
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(LOCAL), "--data-parallel-size", "3"])
+    assert str(info.value) == (
+        "expert_parallel_size=2 must divide data_parallel_size=3 (expert_parallel_size from "
+        f"batchgen_cluster.parallelism.expert_parallel_size: 2 at {LOCAL}:21; "
+        "data_parallel_size from --data-parallel-size 3)"
+    )
+    with pytest.raises(ClusterConfigError, match=r"data_parallel_size from data_parallel_size=3\)"):
+        make_configs(config=LOCAL, data_parallel_size=3)
+
+
+def test_settings_that_replace_keys_of_the_file_are_logged(monkeypatch, caplog):
+    import logging
+
+    import batchgen.distributed.frontend as frontend
+    from batchgen import LLM
+    from batchgen.config_fields import GIVEN_AS
+
+    monkeypatch.setattr(frontend, "DPEngineClient", lambda engine, parallel: parallel)
+    token = GIVEN_AS.set("flag")  # as on the command line
+    try:
+        with caplog.at_level(logging.INFO, logger="batchgen"):
+            llm = LLM(config=LOCAL, data_parallel_size=4, max_num_seqs=512)
+    finally:
+        GIVEN_AS.reset(token)
+    assert llm.llm_engine.data_parallel_size == 4  # 2 replicas of the file's 2-rank groups
+    notes = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+    assert notes == [
+        f"--data-parallel-size 4 overrides batchgen_cluster.world_size: 2 at {LOCAL}:13, "
+        f"batchgen_cluster.parallelism.data_parallel_size: 1 at {LOCAL}:20",
+        "--max-num-seqs 512 overrides batchgen_cluster.coroutine_scheduler."
+        f"max_active_coroutines: 256 at {LOCAL}:27",
+    ]
+    assert all(r.levelname == "INFO" for r in caplog.records if "overrides" in r.getMessage())
+
+
+def test_no_enable_expert_parallel_turns_the_files_expert_parallelism_off():
+    from batchgen.distributed.layout import resolve_layout
+    from batchgen.entrypoints.llm import _resolve_configs
+
+    _, parallel = _configs(["--config", str(LOCAL), "--no-enable-expert-parallel"])
+    assert (parallel.data_parallel_size, parallel.resolved_expert_parallel_size) == (2, 1)
+    assert parallel.resolved_decode_strategy == "data_parallel"
+    assert resolve_layout(parallel).num_expert_replicas == 2
+    _, _, notes = _resolve_configs(None, LOCAL, {"enable_expert_parallel": False})
+    assert notes == [
+        "enable_expert_parallel=False overrides batchgen_cluster.parallelism."
+        f"expert_parallel_size: 2 at {LOCAL}:21, batchgen_cluster.parallelism.decode_strategy: "
+        f"'dp_attention_ep_moe' at {LOCAL}:23: the experts are replicated on every rank"
+    ]
+    # an explicit size given with it still shards (the flags' own meaning)
+    flags = ["--no-enable-expert-parallel", "--expert-parallel-size", "2"]
+    _, p2 = _configs(["--config", str(LOCAL), *flags])
+    assert p2.resolved_expert_parallel_size == 2
+    # the seed's data_parallel_offload needs expert parallelism: an error naming both
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(SEED), "--no-enable-expert-parallel"])
+    message = str(info.value)
+    assert message.startswith("prefill_strategy='data_parallel_offload' streams the experts")
+    assert message.endswith(
+        "(prefill_strategy from batchgen_cluster.parallelism.prefill_strategy: "
+        f"'data_parallel_offload' at {SEED}:8; enable_expert_parallel from "
+        "--no-enable-expert-parallel)"
+    )
 
 
 def test_a_bad_file_stops_batchgen_run_before_the_engine(tmp_path, capsys):
