@@ -37,10 +37,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from batchgen.config import ALIASES, EngineConfig
 from batchgen.config_fields import SECTIONS, TOP_LEVEL, given_text
 from batchgen.distributed.layout import ParallelLayout, resolve_layout
-from batchgen.parallel_config import ParallelConfig
+from batchgen.parallel_config import MAX_RANKS, ParallelConfig
 
 ROOT = "batchgen_cluster"
 EXAMPLE = "examples/cluster.yaml"
+# Bounds on what a file may make YAML build (a cluster file has a few dozen values): its size,
+# and the values it expands to, aliases of anchors counted once per use (a 1 KB file of nested
+# aliases expands to billions: "billion laughs").
+MAX_FILE_CHARS = 1 << 20
+MAX_YAML_VALUES = 10_000
 DEFAULT_SECTION = {EngineConfig: "engine", ParallelConfig: "parallelism"}
 # The one key that is no field: the job's ranks (module docstring).
 WORLD_HELP = (
@@ -275,9 +280,15 @@ class _Loader:
     # ---- stages 1-2: YAML and the file's shape
     def parse(self, text: str) -> dict:
         example = f"it needs the root key `{ROOT}:` (see {EXAMPLE})"
+        if len(text) > MAX_FILE_CHARS:
+            what = f"{len(text)} characters, more than a cluster file needs (at most "
+            self.fail_at((), what + f"{MAX_FILE_CHARS})")
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
+            self.check_expansion(node)  # before anything follows the aliases
             doc = yaml.safe_load(text)
+        except RecursionError:
+            self.fail_at((), "YAML nested too deeply for a cluster file")
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"{self.path}:{mark.line + 1}:{mark.column + 1}" if mark else self.path
@@ -304,6 +315,47 @@ class _Loader:
         if not isinstance(doc[ROOT], dict):
             self.fail_at((ROOT,), f"expected a mapping of settings, got {_yaml_type(doc[ROOT])}")
         return doc[ROOT]
+
+    def check_expansion(self, root: yaml.Node | None) -> None:
+        """Fail on an anchor that contains an alias of itself (YAML would build a recursive
+        value) and on aliases that expand to more than `MAX_YAML_VALUES` values. Walks the node
+        graph once per node (an alias is the anchor's node), without expanding it."""
+        if root is None:
+            return
+        size: dict[int, int] = {}  # id(node) -> values it expands to, itself included
+        open_: set[int] = set()  # the nodes being walked: the path from the root
+        stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+        while stack:
+            node, walked = stack.pop()
+            children = []
+            if isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            elif isinstance(node, yaml.SequenceNode):
+                children = list(node.value)
+            if walked:
+                open_.discard(id(node))
+                size[id(node)] = 1 + sum(size[id(c)] for c in children)
+                if size[id(node)] > MAX_YAML_VALUES:
+                    self.fail_at(
+                        (),
+                        f"YAML anchors and aliases expand to more than {MAX_YAML_VALUES} values; "
+                        "a cluster file needs a few dozen: write the settings out",
+                        node.start_mark.line + 1,
+                    )
+                continue
+            if id(node) in size:
+                continue
+            if id(node) in open_:
+                line = node.start_mark.line + 1
+                self.fail_at(
+                    (),
+                    f"the YAML anchor on line {line} contains an alias of itself (a recursive "
+                    "value); a cluster file cannot be recursive",
+                    line,
+                )
+            open_.add(id(node))
+            stack.append((node, True))
+            stack += [(c, False) for c in reversed(children)]
 
     def record_lines(self, node, prefix: tuple) -> None:
         """Record each key's line; a duplicate key fails (YAML would keep its last value)."""
@@ -366,8 +418,19 @@ class _Loader:
         bad = [
             self.error(loc, f"must be >= 1, got {v}") for loc, v in sizes if v is not None and v < 1
         ]
+        bad += [
+            self.error(loc, f"{v} is more than {MAX_RANKS} ranks, the most a job may have")
+            for loc, v in sizes
+            if v is not None and v > MAX_RANKS
+        ]
         if bad:
             self.fail(*bad)
+        if d is not None and e is not None and w is None and d * e > MAX_RANKS:
+            self.fail_at(
+                sizes[1][0],
+                f"{d} replicas x parallelism.expert_parallel_size {e} = {d * e} ranks is more than "
+                f"{MAX_RANKS}, the most a job may have",
+            )
         ranks = w
         if d is not None and e is not None:
             if w is not None and w != d * e:

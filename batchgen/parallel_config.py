@@ -27,6 +27,10 @@ from batchgen.config_fields import is_int, is_number, meta
 SEGMENT_MAX_RESULTS = 256
 SEGMENT_MAX_AGE_S = 10.0
 
+# The most ranks a job may have (a sanity bound: the layout, the frontend's per-rank state and
+# `batchgen config check` grow with it).
+MAX_RANKS = 65536
+
 PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
 DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -183,9 +187,10 @@ class ParallelConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+        if not is_int(self.data_parallel_size) or not 1 <= self.data_parallel_size <= MAX_RANKS:
             raise ValueError(
-                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+                f"data_parallel_size must be an integer >= 1 and at most {MAX_RANKS} (ranks), "
+                f"got {self.data_parallel_size!r}"
             )
         for name in (
             "expert_parallel_size",

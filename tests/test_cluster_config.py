@@ -316,6 +316,99 @@ def test_a_bad_file_is_a_clear_error(tmp_path, name):
     assert isinstance(info.value, ValueError) and info.value.errors
 
 
+def _billion_laughs() -> str:
+    """About 500 bytes that expand to 8**10 values: anchors &l0..&l9, 8 aliases each."""
+    lines = ["batchgen_cluster:", "  model: m", "  l0: &l0 [x, x, x, x, x, x, x, x]"]
+    lines += [f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 8)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n  engine: *l9\n"
+
+
+@pytest.mark.timeout(20)
+def test_aliases_that_expand_too_far_are_refused_without_expanding_them(tmp_path):
+    import resource
+    import time
+
+    path = _write(tmp_path, _billion_laughs())
+    rss, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert time.monotonic() - start < 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100_000  # KiB
+    assert info.value.errors == [  # line 7: &l4, 8**5 values
+        f"{path}:7: YAML anchors and aliases expand to more than 10000 values; a cluster file "
+        "needs a few dozen: write the settings out"
+    ]
+    # an anchor used within bounds is fine
+    ok = "batchgen_cluster:\n  model: m\n  engine: &e {block_size: 32}\n"
+    assert load_cluster_config(_write(tmp_path, ok)).engine.block_size == 32
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("batchgen_cluster: &a {model: M, engine: *a}\n", 1),
+        ("batchgen_cluster:\n  model: m\n  engine: &e\n    - *e\n", 3),
+    ],
+)
+def test_a_recursive_anchor_is_a_clean_error(tmp_path, text, line):
+    path = _write(tmp_path, text)
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:{line}: the YAML anchor on line {line} contains an alias of itself (a recursive "
+        "value); a cluster file cannot be recursive"
+    ]
+
+
+def test_config_check_refuses_a_yaml_bomb_with_exit_2(tmp_path, capsys):
+    path = _write(tmp_path, "batchgen_cluster: &a {model: M, engine: *a}\n")
+    assert cli.main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"batchgen config: error: {path}:1: the YAML anchor on line 1")
+    assert "Traceback" not in err
+
+
+def test_sizes_are_bounded(tmp_path):
+    path = _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 10000000\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:3: batchgen_cluster.world_size: 10000000 is more than 65536 ranks, the most a "
+        "job may have"
+    ]
+    product = "batchgen_cluster:\n  model: m\n  parallelism:\n    data_parallel_size: 4096\n"
+    path = _write(tmp_path, product + "    expert_parallel_size: 32\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:4: batchgen_cluster.parallelism.data_parallel_size: 4096 replicas x parallelism."
+        "expert_parallel_size 32 = 131072 ranks is more than 65536, the most a job may have"
+    ]
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1 and at most"):
+        ParallelConfig(data_parallel_size=65537)
+    assert load_cluster_config(
+        _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 65536\n")
+    ).layout.world_size == 65536
+
+
+def test_config_check_summarises_many_replicas(tmp_path):
+    from batchgen.entrypoints.config_check import report
+
+    text = "batchgen_cluster:\n  model: m/m\n  world_size: 65536\n  parallelism:\n"
+    cluster = load_cluster_config(_write(tmp_path, text + "    expert_parallel_size: 16\n"))
+    lines = report(cluster)
+    replicas = [line for line in lines if line.startswith("  ")]
+    assert replicas == [
+        "  replica 0: ranks 0-15",
+        "  replica 1: ranks 16-31",
+        "  replica 2: ranks 32-47",
+        "  ... replicas 3-4093: ranks 48-65503, 16 per replica",
+        "  replica 4094: ranks 65504-65519",
+        "  replica 4095: ranks 65520-65535",
+    ]
+    assert len(lines) < 20
+
+
 def test_a_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ClusterConfigError, match="cannot read the cluster file"):
         load_cluster_config(tmp_path / "nope.yaml")
