@@ -396,8 +396,9 @@ class _Loader:
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             return self.error(loc, f"unknown key; {hint}allowed: {', '.join(allowed)}")
-        if e["type"] == "invalid_key":
-            return self.error(loc[:-1], f"a key must be a string, got {_yaml_type(value)}")
+        if e["type"] == "invalid_key":  # loc ends with the key; the line is the key's
+            what = f"a key must be a string, got {value!r} ({_yaml_type(value)})"
+            return self.error(loc[:-1], what, self.line_of(loc))
         if len(loc) == 2 and loc[1] in SECTIONS:
             return self.error(loc, f"expected a mapping of settings, got {_yaml_type(value)}")
         key = next((k for k in self.keys if k.loc == loc), None)

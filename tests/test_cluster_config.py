@@ -210,7 +210,33 @@ BAD_FILES = {
     ),
     "a key that is not a string": (
         "batchgen_cluster:\n  model: m\n  engine:\n    1: x\n",
-        ["cluster.yaml:3: batchgen_cluster.engine: a key must be a string, got an integer"],
+        ["cluster.yaml:4: batchgen_cluster.engine: a key must be a string, got 1 (an integer)"],
+    ),
+    "a top-level key that is not a string": (
+        "batchgen_cluster:\n  model: m\n  3: x\n",
+        ["cluster.yaml:3: batchgen_cluster: a key must be a string, got 3 (an integer)"],
+    ),
+    "a root key that is not a string": (
+        "batchgen_cluster:\n  model: m\n3: x\n",
+        ["cluster.yaml:3: 3: unknown key; the only root key is `batchgen_cluster`"],
+    ),
+    "every bad value of the stage at once": (
+        "batchgen_cluster:\n  model: m\n  engine:\n    block_size: 0\n    tile_size: 0\n"
+        "  parallelism:\n    stream_buffer_layers: 0\n",
+        [
+            "3 errors",
+            "cluster.yaml:4: batchgen_cluster.engine.block_size: must be an integer >= 1, got 0\n",
+            "cluster.yaml:5: batchgen_cluster.engine.tile_size: must be an integer >= 1, got 0\n",
+            "cluster.yaml:7: batchgen_cluster.parallelism.stream_buffer_layers: must be an "
+            "integer >= 1, got 0",
+        ],
+    ),
+    "an infinite timeout": (
+        "batchgen_cluster:\n  model: m\n  parallelism:\n    distributed_timeout_s: .inf\n",
+        [
+            "cluster.yaml:4: batchgen_cluster.parallelism.distributed_timeout_s: must be a number "
+            "> 0 and finite (seconds), got inf"
+        ],
     ),
     "section not a mapping": (
         "batchgen_cluster:\n  model: m\n  parallelism: 8\n",
