@@ -705,6 +705,38 @@ def test_more_local_ranks_than_cuda_devices_fail_before_loading(monkeypatch):
     check_local_devices(parallel, "cpu")
 
 
+def test_cuda_without_cuda_fails_in_the_frontend_and_warns_in_config_check(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    import batchgen.distributed.frontend as frontend
+    from batchgen import LLM
+    from batchgen.entrypoints.config_check import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(frontend, "DPEngineClient", lambda *args: started.append(args))
+    text = "batchgen_cluster:\n  model: m/m\n  world_size: 4\n  engine:\n    device: cuda\n"
+    path = _write(tmp_path, text)
+    with pytest.raises(ClusterConfigError) as info:
+        LLM(config=path)
+    assert str(info.value) == (
+        "device='cuda' but this machine has no usable CUDA device (torch.cuda.is_available() is "
+        "False): use device 'auto' or 'cpu' (device from batchgen_cluster.engine.device: 'cuda' "
+        f"at {path}:5)"
+    )
+    assert started == []  # no rank started
+    with pytest.raises(ValueError, match="^device='cuda' but this machine has no usable CUDA"):
+        LLM("m/m", device="cuda", data_parallel_size=4)
+    assert started == []
+    lines = report(load_cluster_config(path))  # exit 0: the job may run elsewhere
+    assert (
+        "warning: batchgen_cluster.engine.device is 'cuda' but this machine has no usable CUDA "
+        "device: the job cannot start here (fine if it runs on another machine)"
+    ) in lines
+
+
 def test_a_group_larger_than_the_experts_fails_before_any_rank_starts(checkpoint_dir):
     from batchgen import LLM
 

@@ -64,7 +64,11 @@ def report(cluster: ClusterConfig) -> list[str]:
             unreadable or unsupported local model, fewer experts than expert-parallel ranks,
             more local ranks than CUDA devices.
     """
-    from batchgen.distributed.layout import ExpertPlacement, check_local_devices
+    from batchgen.distributed.layout import (
+        ExpertPlacement,
+        check_device_available,
+        check_local_devices,
+    )
 
     layout, parallel = cluster.layout, cluster.parallel
     world, ep, replicas = layout.world_size, layout.expert_parallel_size, layout.num_expert_replicas
@@ -106,6 +110,13 @@ def report(cluster: ClusterConfig) -> list[str]:
 
         lines += _listed(ep, holds, lambda a, b: f"  ... expert-parallel ranks {a}-{b}")
     check_local_devices(parallel, cluster.engine.device)
+    try:
+        check_device_available(cluster.engine.device)
+    except ValueError:  # the job may run on another machine: a warning here
+        lines.append(
+            "warning: batchgen_cluster.engine.device is 'cuda' but this machine has no usable "
+            "CUDA device: the job cannot start here (fine if it runs on another machine)"
+        )
     local = parallel.data_parallel_size_local
     started = f"{local} (data_parallel_size_local)" if local is not None else f"all {world}"
     lines.append(f"ranks started on this machine: {started}")
