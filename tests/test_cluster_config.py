@@ -690,6 +690,23 @@ def test_config_check_places_the_experts_of_a_local_model(tmp_path, checkpoint_d
         report(load_cluster_config(missing))
 
 
+def test_a_missing_model_directory_says_how_to_make_it(tmp_path, capsys):
+    tiny = tmp_path / "batchgen-tiny-mixtral"  # the local example's model, not built yet
+    text = LOCAL.read_text().replace("/tmp/batchgen-tiny-mixtral", str(tiny))
+    path = _write(tmp_path, text)
+    assert cli.main(["config", "check", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"batchgen config: error: {path}: batchgen_cluster.model: model directory '{tiny}' does "
+        f"not exist; write it with `batchgen make-model --arch mixtral --out {tiny}`\n"
+    )
+    other = _write(tmp_path, "batchgen_cluster:\n  model: /no/such/dir\n")
+    assert cli.main(["config", "check", str(other)]) == 2
+    assert capsys.readouterr().err.endswith(
+        "model directory '/no/such/dir' does not exist; give an HF checkpoint directory, or "
+        "write a tiny random-weight one with `batchgen make-model --arch mixtral --out DIR`\n"
+    )
+
+
 def test_more_local_ranks_than_cuda_devices_fail_before_loading(monkeypatch):
     import torch
 
