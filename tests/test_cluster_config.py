@@ -495,6 +495,29 @@ def test_a_flag_of_either_name_overrides_the_files_running_limit(example):
     assert (engine.max_num_seqs, engine.max_running_seqs) == (None, 7)
 
 
+def test_batchgen_run_config_with_max_num_seqs_reaches_the_ranks(tmp_path, monkeypatch, capsys):
+    import batchgen.distributed.frontend as frontend
+
+    seen = []
+
+    def ranks(engine, parallel):  # where the ranks would start
+        seen.append((engine, parallel))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(frontend, "DPEngineClient", ranks)
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--config", str(LOCAL)]
+    assert cli.main([*argv, "--max-num-seqs", "512"]) == 130  # not 2: no error
+    [(engine, parallel)] = seen
+    assert engine.max_running_seqs == 512 and parallel.data_parallel_size == 2
+    err = capsys.readouterr().err
+    assert (
+        "INFO batchgen.entrypoints.llm: --max-num-seqs 512 overrides batchgen_cluster."
+        f"coroutine_scheduler.max_active_coroutines: 256 at {LOCAL}:27\n"
+    ) in err
+
+
 def test_both_names_at_one_level_conflict_and_the_error_says_where(tmp_path):
     with pytest.raises(ClusterConfigError) as info:
         _configs(["--config", str(LOCAL), "--max-num-seqs", "3", "--max-active-coroutines", "4"])
