@@ -18,7 +18,13 @@ Validation runs in stages and stops after the first that fails, reporting every 
 that stage as ``file:line: batchgen_cluster.section.key: what``: YAML syntax; the file's shape
 (a mapping with the one root key, no duplicate keys); keys and types (pydantic, strict: ``"16"``
 is not an integer; unknown keys list the allowed ones and the closest); sizes (the arithmetic);
-the values (the dataclasses' own ``validate()``). Nothing here loads a model.
+the values (the dataclasses' own ``validate()``, every refused value reported). Aliases of YAML
+anchors are checked on the node graph before anything expands them (`MAX_YAML_VALUES`, no
+recursive anchor). Nothing here loads a model.
+
+Flags and ``LLM`` arguments go over the file with `ClusterConfig.merge` (key by key; the two
+names of the running-sequence limit count as one key), which says which keys of the file they
+replace; `ClusterConfig.explain` says where each setting of an invalid combination comes from.
 """
 
 from __future__ import annotations
