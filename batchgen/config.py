@@ -28,6 +28,9 @@ POLICIES = ("coalesce", "lockstep")
 # coalesce wants many coroutines to merge at each MoE layer; lockstep keeps vLLM's 256.
 DEFAULT_MAX_NUM_SEQS = {"coalesce": 1024, "lockstep": 256}
 SCHED = "coroutine_scheduler"  # the cluster YAML section of the scheduling limits
+# Fields that name the same setting: one given over a cluster file replaces the file's value
+# under either name (flag > file, the pair treated as one key).
+ALIASES = {"max_num_seqs": ("max_active_coroutines",), "max_active_coroutines": ("max_num_seqs",)}
 
 
 @dataclass
@@ -96,7 +99,8 @@ class EngineConfig:
         default=None,
         metadata=meta(
             "the same limit as max_num_seqs, by its name in the cluster YAML "
-            "(coroutine_scheduler.max_active_coroutines); give one, or both equal",
+            "(coroutine_scheduler.max_active_coroutines); give one, or both equal; a flag or "
+            "argument of either name overrides the file's value of either",
             section=SCHED,
         ),
     )

@@ -10,10 +10,31 @@ in docs/cluster-config.md all come from the fields, so a new setting is one fiel
 
 from __future__ import annotations
 
+import contextvars
+
 # Cluster YAML sections (`batchgen_cluster.<section>.<field>`); TOP_LEVEL: directly under
 # `batchgen_cluster` (the model).
 TOP_LEVEL = ""
 SECTIONS = ("engine", "parallelism", "coroutine_scheduler", "checkpoint_service")
+
+
+# How messages name a value given over a cluster file: "flag" (``--max-num-seqs 512``; the
+# ``batchgen`` command line sets it while a subcommand runs) or "argument"
+# (``max_num_seqs=512``, as ``LLM(...)`` takes it).
+GIVEN_AS: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "batchgen_given_as", default="argument"
+)
+
+
+def given_text(name: str, value: object) -> str:
+    """A setting as the user gave it: ``--max-num-seqs 512`` / ``--no-enable-expert-parallel``
+    on the command line (`GIVEN_AS` "flag"), else ``max_num_seqs=512``."""
+    if GIVEN_AS.get() != "flag":
+        return f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
 
 
 def meta(help: str, *, section: str | None = None, short: str | None = None) -> dict:

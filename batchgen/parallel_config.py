@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from math import inf
 
 from batchgen.config_fields import is_int, is_number, meta
 
 # The snapshot intervals' defaults (batchgen/entrypoints/snapshot_store.py uses them).
 SEGMENT_MAX_RESULTS = 256
 SEGMENT_MAX_AGE_S = 10.0
+
+# The most ranks a job may have (a sanity bound: the layout, the frontend's per-rank state and
+# `batchgen config check` grow with it).
+MAX_RANKS = 65536
 
 PREFILL_STRATEGIES = ("expert_parallel", "data_parallel_offload")
 DECODE_STRATEGIES = ("dp_attention_ep_moe", "data_parallel")
@@ -183,9 +188,10 @@ class ParallelConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+        if not is_int(self.data_parallel_size) or not 1 <= self.data_parallel_size <= MAX_RANKS:
             raise ValueError(
-                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+                f"data_parallel_size must be an integer >= 1 and at most {MAX_RANKS} (ranks), "
+                f"got {self.data_parallel_size!r}"
             )
         for name in (
             "expert_parallel_size",
@@ -208,9 +214,9 @@ class ParallelConfig:
             raise ValueError(
                 f"stream_buffer_layers must be an integer >= 1, got {self.stream_buffer_layers!r}"
             )
-        if not (is_number(self.distributed_timeout_s) and 0 < self.distributed_timeout_s):
-            raise ValueError(
-                f"distributed_timeout_s must be a number > 0 (seconds), got "
+        if not (is_number(self.distributed_timeout_s) and 0 < self.distributed_timeout_s < inf):
+            raise ValueError(  # infinite: a stuck rank would never be detected
+                f"distributed_timeout_s must be a number > 0 and finite (seconds), got "
                 f"{self.distributed_timeout_s!r}"
             )
         if self.data_parallel_rpc_port is not None and (
@@ -231,9 +237,10 @@ class ParallelConfig:
                 f"(s3://bucket/prefix/, gs://bucket/prefix/, file:///dir/) or a path, got {uri!r}"
             )
         interval = self.snapshot_interval_s
-        if interval is not None and not (is_number(interval) and interval > 0):
+        if interval is not None and not (is_number(interval) and 0 < interval < inf):
             raise ValueError(
-                f"snapshot_interval_s must be a number > 0 (seconds) or None, got {interval!r}"
+                f"snapshot_interval_s must be a number > 0 and finite (seconds) or None, got "
+                f"{interval!r}"
             )
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(

@@ -78,8 +78,14 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def _configs(argv: list[str]) -> tuple[EngineConfig, ParallelConfig]:
     """The settings `batchgen run ARGV` would start the engine with (no engine started)."""
+    from batchgen.config_fields import GIVEN_AS
+
     args = cli.build_parser().parse_args(["run", "-i", "in.jsonl", "-o", "out.jsonl", *argv])
-    return make_configs(**cli.engine_kwargs(args))
+    token = GIVEN_AS.set("flag")  # as `batchgen` names settings in messages
+    try:
+        return make_configs(**cli.engine_kwargs(args))
+    finally:
+        GIVEN_AS.reset(token)
 
 
 # ---- the seed file
@@ -204,7 +210,33 @@ BAD_FILES = {
     ),
     "a key that is not a string": (
         "batchgen_cluster:\n  model: m\n  engine:\n    1: x\n",
-        ["cluster.yaml:3: batchgen_cluster.engine: a key must be a string, got an integer"],
+        ["cluster.yaml:4: batchgen_cluster.engine: a key must be a string, got 1 (an integer)"],
+    ),
+    "a top-level key that is not a string": (
+        "batchgen_cluster:\n  model: m\n  3: x\n",
+        ["cluster.yaml:3: batchgen_cluster: a key must be a string, got 3 (an integer)"],
+    ),
+    "a root key that is not a string": (
+        "batchgen_cluster:\n  model: m\n3: x\n",
+        ["cluster.yaml:3: 3: unknown key; the only root key is `batchgen_cluster`"],
+    ),
+    "every bad value of the stage at once": (
+        "batchgen_cluster:\n  model: m\n  engine:\n    block_size: 0\n    tile_size: 0\n"
+        "  parallelism:\n    stream_buffer_layers: 0\n",
+        [
+            "3 errors",
+            "cluster.yaml:4: batchgen_cluster.engine.block_size: must be an integer >= 1, got 0\n",
+            "cluster.yaml:5: batchgen_cluster.engine.tile_size: must be an integer >= 1, got 0\n",
+            "cluster.yaml:7: batchgen_cluster.parallelism.stream_buffer_layers: must be an "
+            "integer >= 1, got 0",
+        ],
+    ),
+    "an infinite timeout": (
+        "batchgen_cluster:\n  model: m\n  parallelism:\n    distributed_timeout_s: .inf\n",
+        [
+            "cluster.yaml:4: batchgen_cluster.parallelism.distributed_timeout_s: must be a number "
+            "> 0 and finite (seconds), got inf"
+        ],
     ),
     "section not a mapping": (
         "batchgen_cluster:\n  model: m\n  parallelism: 8\n",
@@ -310,6 +342,99 @@ def test_a_bad_file_is_a_clear_error(tmp_path, name):
     assert isinstance(info.value, ValueError) and info.value.errors
 
 
+def _billion_laughs() -> str:
+    """About 500 bytes that expand to 8**10 values: anchors &l0..&l9, 8 aliases each."""
+    lines = ["batchgen_cluster:", "  model: m", "  l0: &l0 [x, x, x, x, x, x, x, x]"]
+    lines += [f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 8)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n  engine: *l9\n"
+
+
+@pytest.mark.timeout(20)
+def test_aliases_that_expand_too_far_are_refused_without_expanding_them(tmp_path):
+    import resource
+    import time
+
+    path = _write(tmp_path, _billion_laughs())
+    rss, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert time.monotonic() - start < 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100_000  # KiB
+    assert info.value.errors == [  # line 7: &l4, 8**5 values
+        f"{path}:7: YAML anchors and aliases expand to more than 10000 values; a cluster file "
+        "needs a few dozen: write the settings out"
+    ]
+    # an anchor used within bounds is fine
+    ok = "batchgen_cluster:\n  model: m\n  engine: &e {block_size: 32}\n"
+    assert load_cluster_config(_write(tmp_path, ok)).engine.block_size == 32
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("batchgen_cluster: &a {model: M, engine: *a}\n", 1),
+        ("batchgen_cluster:\n  model: m\n  engine: &e\n    - *e\n", 3),
+    ],
+)
+def test_a_recursive_anchor_is_a_clean_error(tmp_path, text, line):
+    path = _write(tmp_path, text)
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:{line}: the YAML anchor on line {line} contains an alias of itself (a recursive "
+        "value); a cluster file cannot be recursive"
+    ]
+
+
+def test_config_check_refuses_a_yaml_bomb_with_exit_2(tmp_path, capsys):
+    path = _write(tmp_path, "batchgen_cluster: &a {model: M, engine: *a}\n")
+    assert cli.main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"batchgen config: error: {path}:1: the YAML anchor on line 1")
+    assert "Traceback" not in err
+
+
+def test_sizes_are_bounded(tmp_path):
+    path = _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 10000000\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:3: batchgen_cluster.world_size: 10000000 is more than 65536 ranks, the most a "
+        "job may have"
+    ]
+    product = "batchgen_cluster:\n  model: m\n  parallelism:\n    data_parallel_size: 4096\n"
+    path = _write(tmp_path, product + "    expert_parallel_size: 32\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:4: batchgen_cluster.parallelism.data_parallel_size: 4096 replicas x parallelism."
+        "expert_parallel_size 32 = 131072 ranks is more than 65536, the most a job may have"
+    ]
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1 and at most"):
+        ParallelConfig(data_parallel_size=65537)
+    assert load_cluster_config(
+        _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 65536\n")
+    ).layout.world_size == 65536
+
+
+def test_config_check_summarises_many_replicas(tmp_path):
+    from batchgen.entrypoints.config_check import report
+
+    text = "batchgen_cluster:\n  model: m/m\n  world_size: 65536\n  parallelism:\n"
+    cluster = load_cluster_config(_write(tmp_path, text + "    expert_parallel_size: 16\n"))
+    lines = report(cluster)
+    replicas = [line for line in lines if line.startswith("  ")]
+    assert replicas == [
+        "  replica 0: ranks 0-15",
+        "  replica 1: ranks 16-31",
+        "  replica 2: ranks 32-47",
+        "  ... replicas 3-4093: ranks 48-65503, 16 per replica",
+        "  replica 4094: ranks 65504-65519",
+        "  replica 4095: ranks 65520-65535",
+    ]
+    assert len(lines) < 20
+
+
 def test_a_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ClusterConfigError, match="cannot read the cluster file"):
         load_cluster_config(tmp_path / "nope.yaml")
@@ -348,6 +473,137 @@ def test_llm_arguments_override_the_file():
     assert engine.model == "m" and engine.max_active_coroutines == 8 and engine.tile_size == 128
     assert engine.expert_coalesce_threshold == 32 and parallel.expert_parallel_size == 16
     assert make_configs(config=SEED)[0].model == "deepseek-ai/DeepSeek-V3"
+
+
+@pytest.mark.parametrize("example", [LOCAL, SEED])
+def test_a_flag_of_either_name_overrides_the_files_running_limit(example):
+    # Both examples set coroutine_scheduler.max_active_coroutines; max_num_seqs is the same
+    # limit by vLLM's name, and a flag or argument of either name replaces the file's value.
+    engine, _ = _configs(["--config", str(example), "--max-num-seqs", "512"])
+    assert (engine.max_num_seqs, engine.max_active_coroutines, engine.max_running_seqs) == (
+        512,
+        None,
+        512,
+    )
+    engine, _ = make_configs(config=example, max_num_seqs=32)
+    assert (engine.max_num_seqs, engine.max_active_coroutines, engine.max_running_seqs) == (
+        32,
+        None,
+        32,
+    )
+    engine, _ = _configs(["--config", str(example), "--max-active-coroutines", "7"])
+    assert (engine.max_num_seqs, engine.max_running_seqs) == (None, 7)
+
+
+def test_batchgen_run_config_with_max_num_seqs_reaches_the_ranks(tmp_path, monkeypatch, capsys):
+    import batchgen.distributed.frontend as frontend
+
+    seen = []
+
+    def ranks(engine, parallel):  # where the ranks would start
+        seen.append((engine, parallel))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(frontend, "DPEngineClient", ranks)
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--config", str(LOCAL)]
+    assert cli.main([*argv, "--max-num-seqs", "512"]) == 130  # not 2: no error
+    [(engine, parallel)] = seen
+    assert engine.max_running_seqs == 512 and parallel.data_parallel_size == 2
+    err = capsys.readouterr().err
+    assert (
+        "INFO batchgen.entrypoints.llm: --max-num-seqs 512 overrides batchgen_cluster."
+        f"coroutine_scheduler.max_active_coroutines: 256 at {LOCAL}:27\n"
+    ) in err
+
+
+def test_both_names_at_one_level_conflict_and_the_error_says_where(tmp_path):
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(LOCAL), "--max-num-seqs", "3", "--max-active-coroutines", "4"])
+    assert str(info.value) == (
+        "max_num_seqs=3 and max_active_coroutines=4 name the same limit (sequences running at "
+        "once): give one of them, or both equal (max_num_seqs from --max-num-seqs 3; "
+        "max_active_coroutines from --max-active-coroutines 4)"
+    )
+    both = "batchgen_cluster:\n  model: m\n  coroutine_scheduler:\n"
+    both += "    max_num_seqs: 5\n    max_active_coroutines: 6\n"
+    path = _write(tmp_path, both)
+    with pytest.raises(ClusterConfigError) as info:
+        load_cluster_config(path)
+    assert info.value.errors == [
+        f"{path}:4: batchgen_cluster.coroutine_scheduler.max_num_seqs: max_num_seqs=5 and "
+        "max_active_coroutines=6 name the same limit (sequences running at once): give one of "
+        "them, or both equal (max_active_coroutines: "
+        "batchgen_cluster.coroutine_scheduler.max_active_coroutines (line 5))"
+    ]
+
+
+def test_a_flag_contradicting_the_file_names_the_files_key():
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(LOCAL), "--data-parallel-size", "3"])
+    assert str(info.value) == (
+        "expert_parallel_size=2 must divide data_parallel_size=3 (expert_parallel_size from "
+        f"batchgen_cluster.parallelism.expert_parallel_size: 2 at {LOCAL}:21; "
+        "data_parallel_size from --data-parallel-size 3)"
+    )
+    with pytest.raises(ClusterConfigError, match=r"data_parallel_size from data_parallel_size=3\)"):
+        make_configs(config=LOCAL, data_parallel_size=3)
+
+
+def test_settings_that_replace_keys_of_the_file_are_logged(monkeypatch, caplog):
+    import logging
+
+    import batchgen.distributed.frontend as frontend
+    from batchgen import LLM
+    from batchgen.config_fields import GIVEN_AS
+
+    monkeypatch.setattr(frontend, "DPEngineClient", lambda engine, parallel: parallel)
+    token = GIVEN_AS.set("flag")  # as on the command line
+    try:
+        with caplog.at_level(logging.INFO, logger="batchgen"):
+            llm = LLM(config=LOCAL, data_parallel_size=4, max_num_seqs=512)
+    finally:
+        GIVEN_AS.reset(token)
+    assert llm.llm_engine.data_parallel_size == 4  # 2 replicas of the file's 2-rank groups
+    notes = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+    assert notes == [
+        f"--data-parallel-size 4 overrides batchgen_cluster.world_size: 2 at {LOCAL}:13, "
+        f"batchgen_cluster.parallelism.data_parallel_size: 1 at {LOCAL}:20",
+        "--max-num-seqs 512 overrides batchgen_cluster.coroutine_scheduler."
+        f"max_active_coroutines: 256 at {LOCAL}:27",
+    ]
+    assert all(r.levelname == "INFO" for r in caplog.records if "overrides" in r.getMessage())
+
+
+def test_no_enable_expert_parallel_turns_the_files_expert_parallelism_off():
+    from batchgen.distributed.layout import resolve_layout
+    from batchgen.entrypoints.llm import _resolve_configs
+
+    _, parallel = _configs(["--config", str(LOCAL), "--no-enable-expert-parallel"])
+    assert (parallel.data_parallel_size, parallel.resolved_expert_parallel_size) == (2, 1)
+    assert parallel.resolved_decode_strategy == "data_parallel"
+    assert resolve_layout(parallel).num_expert_replicas == 2
+    _, _, notes = _resolve_configs(None, LOCAL, {"enable_expert_parallel": False})
+    assert notes == [
+        "enable_expert_parallel=False overrides batchgen_cluster.parallelism."
+        f"expert_parallel_size: 2 at {LOCAL}:21, batchgen_cluster.parallelism.decode_strategy: "
+        f"'dp_attention_ep_moe' at {LOCAL}:23: the experts are replicated on every rank"
+    ]
+    # an explicit size given with it still shards (the flags' own meaning)
+    flags = ["--no-enable-expert-parallel", "--expert-parallel-size", "2"]
+    _, p2 = _configs(["--config", str(LOCAL), *flags])
+    assert p2.resolved_expert_parallel_size == 2
+    # the seed's data_parallel_offload needs expert parallelism: an error naming both
+    with pytest.raises(ClusterConfigError) as info:
+        _configs(["--config", str(SEED), "--no-enable-expert-parallel"])
+    message = str(info.value)
+    assert message.startswith("prefill_strategy='data_parallel_offload' streams the experts")
+    assert message.endswith(
+        "(prefill_strategy from batchgen_cluster.parallelism.prefill_strategy: "
+        f"'data_parallel_offload' at {SEED}:8; enable_expert_parallel from "
+        "--no-enable-expert-parallel)"
+    )
 
 
 def test_a_bad_file_stops_batchgen_run_before_the_engine(tmp_path, capsys):
@@ -457,6 +713,23 @@ def test_config_check_places_the_experts_of_a_local_model(tmp_path, checkpoint_d
         report(load_cluster_config(missing))
 
 
+def test_a_missing_model_directory_says_how_to_make_it(tmp_path, capsys):
+    tiny = tmp_path / "batchgen-tiny-mixtral"  # the local example's model, not built yet
+    text = LOCAL.read_text().replace("/tmp/batchgen-tiny-mixtral", str(tiny))
+    path = _write(tmp_path, text)
+    assert cli.main(["config", "check", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"batchgen config: error: {path}: batchgen_cluster.model: model directory '{tiny}' does "
+        f"not exist; write it with `batchgen make-model --arch mixtral --out {tiny}`\n"
+    )
+    other = _write(tmp_path, "batchgen_cluster:\n  model: /no/such/dir\n")
+    assert cli.main(["config", "check", str(other)]) == 2
+    assert capsys.readouterr().err.endswith(
+        "model directory '/no/such/dir' does not exist; give an HF checkpoint directory, or "
+        "write a tiny random-weight one with `batchgen make-model --arch mixtral --out DIR`\n"
+    )
+
+
 def test_more_local_ranks_than_cuda_devices_fail_before_loading(monkeypatch):
     import torch
 
@@ -470,6 +743,38 @@ def test_more_local_ranks_than_cuda_devices_fail_before_loading(monkeypatch):
         check_local_devices(parallel, "auto")
     check_local_devices(dataclasses.replace(parallel, data_parallel_size_local=8), "auto")
     check_local_devices(parallel, "cpu")
+
+
+def test_cuda_without_cuda_fails_in_the_frontend_and_warns_in_config_check(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    import batchgen.distributed.frontend as frontend
+    from batchgen import LLM
+    from batchgen.entrypoints.config_check import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(frontend, "DPEngineClient", lambda *args: started.append(args))
+    text = "batchgen_cluster:\n  model: m/m\n  world_size: 4\n  engine:\n    device: cuda\n"
+    path = _write(tmp_path, text)
+    with pytest.raises(ClusterConfigError) as info:
+        LLM(config=path)
+    assert str(info.value) == (
+        "device='cuda' but this machine has no usable CUDA device (torch.cuda.is_available() is "
+        "False): use device 'auto' or 'cpu' (device from batchgen_cluster.engine.device: 'cuda' "
+        f"at {path}:5)"
+    )
+    assert started == []  # no rank started
+    with pytest.raises(ValueError, match="^device='cuda' but this machine has no usable CUDA"):
+        LLM("m/m", device="cuda", data_parallel_size=4)
+    assert started == []
+    lines = report(load_cluster_config(path))  # exit 0: the job may run elsewhere
+    assert (
+        "warning: batchgen_cluster.engine.device is 'cuda' but this machine has no usable CUDA "
+        "device: the job cannot start here (fine if it runs on another machine)"
+    ) in lines
 
 
 def test_a_group_larger_than_the_experts_fails_before_any_rank_starts(checkpoint_dir):

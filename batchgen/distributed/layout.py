@@ -81,6 +81,19 @@ def resolve_layout(parallel: ParallelConfig) -> ParallelLayout:
     return ParallelLayout(parallel.data_parallel_size, parallel.resolved_expert_parallel_size)
 
 
+def check_device_available(device: str) -> None:
+    """Fail before any rank starts when ``device`` is "cuda" and this machine has none.
+
+    Raises:
+        ValueError: naming the setting and what to use instead.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device='cuda' but this machine has no usable CUDA device (torch.cuda.is_available() "
+            "is False): use device 'auto' or 'cpu'"
+        )
+
+
 def check_local_devices(parallel: ParallelConfig, device: str) -> None:
     """Fail before anything starts when this machine would get more ranks than CUDA devices.
 

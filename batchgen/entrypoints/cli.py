@@ -32,6 +32,7 @@ from pathlib import Path
 
 from batchgen import __version__
 from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.config_fields import GIVEN_AS
 from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOTE
 
 PROG = "batchgen"
@@ -610,6 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
         set_openmp_wait_policy()
+    given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
     try:
         return command.run(args)
     except CliError as err:
@@ -619,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = " (rerun with --resume to continue)" if command.name == "run" else ""
         print(f"{PROG} {command.name}: interrupted{hint}", file=sys.stderr)
         return 130
+    finally:
+        GIVEN_AS.reset(given_as)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batchgen.entrypoints.cli import CliError
@@ -63,7 +64,11 @@ def report(cluster: ClusterConfig) -> list[str]:
             unreadable or unsupported local model, fewer experts than expert-parallel ranks,
             more local ranks than CUDA devices.
     """
-    from batchgen.distributed.layout import ExpertPlacement, check_local_devices
+    from batchgen.distributed.layout import (
+        ExpertPlacement,
+        check_device_available,
+        check_local_devices,
+    )
 
     layout, parallel = cluster.layout, cluster.parallel
     world, ep, replicas = layout.world_size, layout.expert_parallel_size, layout.num_expert_replicas
@@ -78,9 +83,11 @@ def report(cluster: ClusterConfig) -> list[str]:
         f"prefill: {parallel.prefill_strategy}; decode: {parallel.resolved_decode_strategy}",
         f"expert-parallel groups (rank r is expert-parallel rank r % {ep} of replica r // {ep}):",
     ]
-    lines += [
-        f"  replica {g}: ranks {_span(ranks)}" for g, ranks in enumerate(layout.all_ep_groups())
-    ]
+    lines += _listed(
+        replicas,
+        lambda g: f"  replica {g}: ranks {_span(list(range(g * ep, (g + 1) * ep)))}",
+        lambda a, b: f"  ... replicas {a}-{b}: ranks {a * ep}-{(b + 1) * ep - 1}, {ep} per replica",
+    )
     if model_config is None:
         lines.append("experts per rank: not shown, the model's config.json is not on this machine")
     elif not model_config.is_moe:
@@ -93,13 +100,23 @@ def report(cluster: ClusterConfig) -> list[str]:
         except ValueError as err:
             raise ValueError(f"batchgen_cluster.parallelism.expert_parallel_size: {err}") from None
         lines.append(f"experts per rank ({model_config.num_local_experts} routed experts):")
-        for r in range(ep):
+
+        def holds(r: int) -> str:
             experts = placement.experts_of(r)
-            lines.append(
+            return (
                 f"  expert-parallel rank {r} ({_every(r, ep, world)}): experts "
                 f"{_span(experts)} ({len(experts)})"
             )
+
+        lines += _listed(ep, holds, lambda a, b: f"  ... expert-parallel ranks {a}-{b}")
     check_local_devices(parallel, cluster.engine.device)
+    try:
+        check_device_available(cluster.engine.device)
+    except ValueError:  # the job may run on another machine: a warning here
+        lines.append(
+            "warning: batchgen_cluster.engine.device is 'cuda' but this machine has no usable "
+            "CUDA device: the job cannot start here (fine if it runs on another machine)"
+        )
     local = parallel.data_parallel_size_local
     started = f"{local} (data_parallel_size_local)" if local is not None else f"all {world}"
     lines.append(f"ranks started on this machine: {started}")
@@ -139,6 +156,19 @@ def _local_model_config(model: str) -> tuple[ModelConfig | None, str]:
         return ModelConfig.from_hf(AutoConfig.from_pretrained(config_dir)), found
     except (OSError, ValueError) as err:
         raise ValueError(f"batchgen_cluster.model: {err}") from None
+
+
+# `batchgen config check` lists at most this many replicas (expert-parallel ranks) one per line;
+# beyond, the first and last few and one line for those between.
+MAX_LISTED = 16
+
+
+def _listed(count: int, line: Callable[[int], str], between: Callable[[int, int], str]) -> list:
+    """``line(i)`` for i < ``count``, or, past `MAX_LISTED`, the first 3, ``between(3, count -
+    3)`` and the last 2."""
+    if count <= MAX_LISTED:
+        return [line(i) for i in range(count)]
+    return [*map(line, range(3)), between(3, count - 3), *map(line, range(count - 2, count))]
 
 
 def _span(ids: list[int]) -> str:

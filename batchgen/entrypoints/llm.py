@@ -45,7 +45,9 @@ class LLM:
     def __init__(
         self, model: str | None = None, config: str | os.PathLike | None = None, **kwargs
     ) -> None:
-        engine, parallel = make_configs(model, config, **kwargs)
+        engine, parallel, overrides = _resolve_configs(model, config, kwargs, this_machine=True)
+        for note in overrides:  # flags / arguments that replace keys of the cluster file
+            logger.info("%s", note)
         for warning in parallel.ineffective_settings():
             logger.warning("%s", warning)
         if parallel.snapshot_storage_uri is not None:
@@ -56,9 +58,7 @@ class LLM:
             )
         if parallel.is_distributed:
             from batchgen.distributed.frontend import DPEngineClient
-            from batchgen.distributed.layout import check_local_devices
 
-            check_local_devices(parallel, engine.device)
             self.llm_engine = DPEngineClient(engine, parallel)
         else:
             self.llm_engine = LLMEngine(engine)
@@ -205,21 +205,52 @@ def make_configs(
         ValueError: an unknown argument or an invalid setting (naming it); a
             `batchgen.cluster_config.ClusterConfigError` for an invalid cluster file.
     """
-    if config is not None:
-        from batchgen.cluster_config import load_cluster_config
+    engine, parallel, _ = _resolve_configs(model, config, kwargs)
+    return engine, parallel
 
-        given = kwargs if model is None else {**kwargs, "model": model}
-        kwargs = {**load_cluster_config(config).kwargs, **given}
-        model = kwargs.pop("model")
+
+def _resolve_configs(
+    model: str | None,
+    config: str | os.PathLike | None,
+    kwargs: dict,
+    this_machine: bool = False,
+) -> tuple[EngineConfig, ParallelConfig, list[str]]:
+    """`make_configs`, and one sentence per key of the cluster file that a setting given
+    replaces (`ClusterConfig.merge`). With a cluster file, an invalid combination raises a
+    `ClusterConfigError` saying where each setting it names comes from (`ClusterConfig.explain`).
+
+    ``this_machine``: also check that this machine can start the job, before any rank does:
+    ``device='cuda'`` needs CUDA, and the ranks started here a CUDA device each."""
     engine_fields, parallel_fields = EngineConfig.field_names(), ParallelConfig.field_names()
     unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
     if unknown:
         raise ValueError(
             f"unknown LLM arguments {sorted(unknown)}; allowed: {engine_fields + parallel_fields}"
         )
-    engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k in engine_fields})
-    parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
-    return engine, parallel
+    cluster, notes = None, []
+    if config is not None:
+        from batchgen.cluster_config import load_cluster_config
+
+        cluster = load_cluster_config(config)
+        given = kwargs if model is None else {**kwargs, "model": model}
+        kwargs, notes = cluster.merge(given)
+        model = kwargs.pop("model")
+    try:
+        engine = EngineConfig(
+            model=model, **{k: v for k, v in kwargs.items() if k in engine_fields}
+        )
+        parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in parallel_fields})
+        if this_machine:
+            from batchgen.distributed.layout import check_device_available, check_local_devices
+
+            check_device_available(engine.device)
+            if parallel.is_distributed:
+                check_local_devices(parallel, engine.device)
+    except ValueError as err:
+        if cluster is None:
+            raise
+        raise cluster.explain(err, given, kwargs) from None
+    return engine, parallel, notes
 
 
 def _params_per_prompt(

@@ -54,7 +54,7 @@ def resolve_model_path(model: str) -> Path:
     if path.exists():
         raise ValueError(f"model {model!r} is a file; pass the checkpoint directory")
     if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
-        raise ValueError(f"model directory {model!r} does not exist")
+        raise ValueError(f"model directory {model!r} does not exist; {_make_model_hint(model)}")
     try:
         from huggingface_hub import snapshot_download
 
@@ -69,6 +69,21 @@ def resolve_model_path(model: str) -> Path:
             f"{type(exc).__name__}: {exc}"
         ) from None
     return Path(local)
+
+
+def _make_model_hint(model: str) -> str:
+    """What to do about a local model directory that does not exist: the `batchgen make-model`
+    command that writes it when its name says which tiny model it is (the examples'
+    ``/tmp/batchgen-tiny-mixtral``), else how to make one."""
+    from batchgen.models.make_model import SUPPORTED_MAKE_ARCHS
+
+    tiny = re.search(r"batchgen-tiny-(\w+?)/?$", model)
+    if tiny and tiny[1] in SUPPORTED_MAKE_ARCHS:
+        return f"write it with `batchgen make-model --arch {tiny[1]} --out {model}`"
+    return (
+        "give an HF checkpoint directory, or write a tiny random-weight one with "
+        "`batchgen make-model --arch mixtral --out DIR`"
+    )
 
 
 def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
