@@ -24,7 +24,7 @@ from math import inf
 
 from batchgen.config_fields import is_int, is_number, meta
 
-# The snapshot intervals' defaults (batchgen/entrypoints/snapshot_store.py uses them).
+# The snapshot intervals' defaults (batchgen/entrypoints/snapshot_writer.py uses them).
 SEGMENT_MAX_RESULTS = 256
 SEGMENT_MAX_AGE_S = 10.0
 

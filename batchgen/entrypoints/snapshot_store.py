@@ -27,12 +27,14 @@ mix the results of two jobs (a manifest with no results stored under it is repla
 locks, two jobs started at once are told apart by the manifest's job id: a writer checks it
 before each segment and stops when another job replaced it, and segments carry it in their
 names, so one job's segments are never restored into another's.
+
+This module is the storage (`SnapshotStore`: the URI, atomic writes, binding a job, segments,
+progress). What a manifest holds and how a run's is made: `snapshot_manifest`; buffering a
+run's results into segments: `snapshot_writer` (their names are importable from here too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -40,15 +42,51 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
-from batchgen.parallel_config import SEGMENT_MAX_AGE_S, SEGMENT_MAX_RESULTS
+# Re-exported: importable from here as before these moved to their own modules.
+from batchgen.entrypoints.snapshot_manifest import (
+    FINGERPRINT_CONFIG_KEYS,
+    FORMAT,
+    HUB_FILES,
+    OUTPUT_SETTINGS,
+    Manifest,
+    SnapshotError,
+    SnapshotTakenOverError,
+    file_identity,
+    job_manifest,
+    local_model_dir,
+    model_fingerprint,
+    resolved_settings,
+)
+from batchgen.entrypoints.snapshot_writer import SnapshotWriteError, SnapshotWriter
+
+__all__ = [
+    "ATOMIC_PUT_PROTOCOLS",
+    "FINGERPRINT_CONFIG_KEYS",
+    "FORMAT",
+    "HUB_FILES",
+    "MANIFEST",
+    "OUTPUT_SETTINGS",
+    "PROGRESS",
+    "RESULTS",
+    "SEGMENT",
+    "Manifest",
+    "SnapshotError",
+    "SnapshotStore",
+    "SnapshotTakenOverError",
+    "SnapshotWriteError",
+    "SnapshotWriter",
+    "file_identity",
+    "job_manifest",
+    "local_model_dir",
+    "model_fingerprint",
+    "resolved_settings",
+]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "batchgen-snapshot/1"
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 RESULTS = "results"
@@ -56,298 +94,6 @@ RESULTS = "results"
 SEGMENT = re.compile(r"^seg-(\d{8})-([0-9a-f]+)(?:-([0-9a-f]+))?\.jsonl$")
 # Protocols whose single PUT is atomic (the object appears whole or not at all).
 ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
-
-
-class SnapshotError(ValueError):
-    """The snapshot URI cannot be used for this job (message for the user)."""
-
-
-class SnapshotTakenOverError(SnapshotError):
-    """Another job replaced the manifest this run started under: it stores nothing more."""
-
-
-class SnapshotWriteError(OSError):
-    """The snapshot could not be written mid-run (message for the user: the output file holds
-    every result so far, rerun with ``--resume``)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The manifest: which job a snapshot belongs to
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What makes two runs the same job.
-
-    Attributes:
-        input_sha256 / input_size: the input file's bytes (its name and path may differ
-            between machines; its content may not).
-        model: the model's served name (a local directory's name, not its path, or the hub
-            id), as result bodies report it.
-        settings: the engine settings that change a result (`OUTPUT_SETTINGS`), resolved
-            where that is cheap (`resolved_settings`: ``dtype`` "auto" as the device makes
-            it, ``max_model_len`` None as the model's, ``tokenizer`` by name, None for the
-            model's own); the batching, memory and parallel settings may differ between runs
-            (another machine may have other devices).
-        model_fingerprint: what identifies the checkpoint without reading its weights
-            (`model_fingerprint`); None where it cannot be known without a download (a hub id
-            not in the local cache, the embedded default model) or in manifests written
-            before fingerprints, and then not compared.
-        input_name: the input file's name, for people (not compared).
-        job_id: a random id given when the manifest is written (not compared): the writer of a
-            job checks it before every segment, and its segments carry it in their names, so a
-            job whose manifest another job replaced stops, and its segments are never read as
-            the other job's (None in manifests written before job ids).
-        created_at: when the manifest was written, for people (not compared).
-    """
-
-    input_sha256: str
-    input_size: int
-    model: str
-    settings: dict[str, Any] = field(default_factory=dict)
-    input_name: str = ""
-    model_fingerprint: dict[str, Any] | None = None
-    job_id: str | None = field(default=None, compare=False)
-    created_at: str = field(default="", compare=False)
-
-    def describe(self) -> str:
-        """The job in a few words, for messages: its input, model and id."""
-        when = f", started {self.created_at}" if self.created_at else ""
-        return f"input {self.input_name!r}, model {self.model!r}, job id {self.job_id}{when}"
-
-    def to_json(self) -> bytes:
-        body = {"format": FORMAT, **asdict(self)}
-        return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> Manifest:
-        try:
-            body = json.loads(data)
-            if body.pop("format") != FORMAT:
-                raise ValueError("unknown format")
-            return cls(**body)
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            raise SnapshotError(
-                f"{where} is not a batchgen snapshot manifest ({err}); use another "
-                "snapshot URI, or remove it to start over"
-            ) from None
-
-    def differences(self, other: Manifest) -> list[str]:
-        """``"what: snapshot X, this run Y"`` for every compared field that differs."""
-        out = []
-        if (self.input_sha256, self.input_size) != (other.input_sha256, other.input_size):
-            out.append(
-                f"input file: snapshot {self.input_name!r} ({self.input_size} bytes, sha256 "
-                f"{self.input_sha256[:12]}...), this run {other.input_name!r} "
-                f"({other.input_size} bytes, sha256 {other.input_sha256[:12]}...)"
-            )
-        if self.model != other.model:
-            out.append(f"model: snapshot {self.model!r}, this run {other.model!r}")
-        if self.model_fingerprint is not None and other.model_fingerprint is not None:
-            out += _fingerprint_differences(self.model_fingerprint, other.model_fingerprint)
-        for name in sorted(set(self.settings) | set(other.settings)):
-            mine, theirs = self.settings.get(name), other.settings.get(name)
-            if mine != theirs:
-                out.append(f"{name}: snapshot {mine!r}, this run {theirs!r}")
-        return out
-
-
-def _fingerprint_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    out = []
-    for key in sorted(set(mine) | set(theirs)):
-        a, b = mine.get(key), theirs.get(key)
-        if a == b:
-            continue
-        if key == "weights" and isinstance(a, dict) and isinstance(b, dict):
-            names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-
-            def files(side: dict) -> str:
-                held = [f"{n} ({side[n]} bytes)" for n in names if n in side]
-                return ", ".join(held) or "none of them"
-
-            out.append(f"model weights: snapshot {files(a)}, this run {files(b)}")
-        elif key == "config_sha256":
-            out.append(
-                f"model config.json: snapshot sha256 {str(a)[:12]}..., this run sha256 "
-                f"{str(b)[:12]}..."
-            )
-        else:
-            out.append(f"model {key}: snapshot {a!r}, this run {b!r}")
-    return out
-
-
-# EngineConfig fields that change what a request's result is.
-OUTPUT_SETTINGS = ("tokenizer", "dtype", "seed", "max_model_len")
-# config.json keys shown in the fingerprint (readable; the config's sha256 covers all of it).
-FINGERPRINT_CONFIG_KEYS = (
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "vocab_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_local_experts",
-    "num_experts",
-    "n_routed_experts",
-)
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-
-
-def local_model_dir(model: str | None) -> Path | None:
-    """The checkpoint directory of ``model`` without downloading anything: the directory
-    itself, or a hub id's snapshot in the local Hugging Face cache; None for the embedded
-    default model, a hub id not cached, or a directory without config.json."""
-    if model is None:
-        return None
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path if (path / "config.json").is_file() else None
-    if path.exists() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = Path(
-            snapshot_download(repo_id=model, local_files_only=True, allow_patterns=HUB_FILES)
-        )
-    except Exception:  # not cached (or no such id): the engine will say so
-        return None
-    return local if (local / "config.json").is_file() else None
-
-
-def model_fingerprint(model_dir: Path) -> dict[str, Any]:
-    """What tells one checkpoint from another without reading its weights (hundreds of GB):
-    the architecture and main sizes from ``config.json``, that file's sha256, and the name and
-    size of each safetensors file. A copy of the directory (anywhere, under any name) has the
-    same fingerprint."""
-    raw = (model_dir / "config.json").read_bytes()
-    try:
-        config = json.loads(raw)
-    except ValueError:
-        config = {}
-    config = config if isinstance(config, dict) else {}
-    fingerprint: dict[str, Any] = {
-        "architecture": ",".join(map(str, config.get("architectures") or [])) or None
-    }
-    fingerprint.update({key: config[key] for key in FINGERPRINT_CONFIG_KEYS if key in config})
-    fingerprint["config_sha256"] = hashlib.sha256(raw).hexdigest()
-    fingerprint["weights"] = {
-        p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))
-    }
-    return fingerprint
-
-
-def resolved_settings(
-    engine_config: Any, model_dir: Path | None, parallel: Any = None
-) -> dict[str, Any]:
-    """`OUTPUT_SETTINGS` as the engine will use them, where that is cheap to know, so that a
-    setting spelled out as its default is the same job as the default:
-
-    - ``dtype`` "auto": what `resolve_dtype` makes of it on this machine's device (float32 on
-      CPU; the checkpoint's dtype on CUDA). Left "auto" where the device is not this
-      machine's to know: Ray ranks with ``device`` "auto" and no CUDA here.
-    - ``max_model_len`` None: the model's ``max_position_embeddings`` (the engine may lower it
-      further to the KV cache's capacity, which memory settings decide, not the job).
-    - ``tokenizer``: None when it is the model's own (unset, or the model's directory), a
-      local directory's name (not its path), or the hub id.
-    """
-    settings = {name: getattr(engine_config, name) for name in OUTPUT_SETTINGS}
-    config: dict[str, Any] = {}
-    if model_dir is not None:
-        with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads((model_dir / "config.json").read_bytes())
-            config = loaded if isinstance(loaded, dict) else {}
-    if settings["dtype"] == "auto":
-        settings["dtype"] = _resolved_dtype(engine_config, config, model_dir, parallel)
-    if settings["max_model_len"] is None and isinstance(
-        config.get("max_position_embeddings"), int
-    ):
-        settings["max_model_len"] = config["max_position_embeddings"]
-    settings["tokenizer"] = _tokenizer_name(settings["tokenizer"], engine_config.model)
-    return settings
-
-
-def _resolved_dtype(
-    engine_config: Any, config: dict[str, Any], model_dir: Path | None, parallel: Any
-) -> str:
-    from types import SimpleNamespace
-
-    from batchgen.engine.llm_engine import resolve_device
-    from batchgen.models.loader import resolve_dtype
-
-    backend = getattr(parallel, "distributed_executor_backend", "mp")
-    if engine_config.device == "auto" and backend == "ray":
-        import torch
-
-        if not torch.cuda.is_available():
-            return "auto"  # Ray may place the ranks on GPUs this machine does not have
-    try:
-        device = resolve_device(engine_config.device)
-    except ValueError:
-        return "auto"  # cuda asked for and absent: the engine will refuse it
-    if device.type != "cpu" and model_dir is None:
-        return "auto"  # the checkpoint's dtype decides, and it is not at hand
-    checkpoint = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = resolve_dtype("auto", device, SimpleNamespace(torch_dtype=checkpoint))
-    return str(dtype).removeprefix("torch.")
-
-
-def _tokenizer_name(tokenizer: str | None, model: str | None) -> str | None:
-    if tokenizer is None or tokenizer == model:
-        return None
-    path = Path(tokenizer).expanduser()
-    if path.is_dir():
-        if model is not None and Path(model).expanduser().is_dir():
-            if path.resolve() == Path(model).expanduser().resolve():
-                return None
-        return path.resolve().name
-    return tokenizer
-
-
-def file_identity(path: str | os.PathLike) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in one streaming pass."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def job_manifest(
-    input_path: str | os.PathLike, engine_config: Any, parallel: Any = None
-) -> Manifest:
-    """The manifest of running ``input_path`` with ``engine_config`` (an `EngineConfig`) and
-    ``parallel`` (its `ParallelConfig`, for where the ranks run); reads the input once and the
-    model's config.json, and loads no model.
-
-    Raises:
-        SnapshotError: the input is not a regular file (a pipe has no identity to record).
-    """
-    path = Path(input_path)
-    if not path.is_file():
-        raise SnapshotError(
-            f"a snapshot needs a regular input file (its sha256 identifies the job); "
-            f"{str(path)!r} is not one"
-        )
-    size, sha = file_identity(path)
-    model = engine_config.served_model_name or _model_name(engine_config.model)
-    model_dir = local_model_dir(engine_config.model)
-    fingerprint = model_fingerprint(model_dir) if model_dir is not None else None
-    settings = resolved_settings(engine_config, model_dir, parallel)
-    return Manifest(
-        sha, size, model, settings, input_name=path.name, model_fingerprint=fingerprint
-    )
-
-
-def _model_name(model: str | None) -> str:
-    """The name result bodies carry (`LLMEngine.model_name` without loading anything)."""
-    if model is None:
-        from batchgen.models.default_model import DEFAULT_MODEL_NAME
-
-        return f"batchgen/{DEFAULT_MODEL_NAME}"
-    path = Path(model)
-    return path.resolve().name if path.is_dir() else model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,115 +333,3 @@ class SnapshotStore:
             finally:
                 os.close(fd)
         self.fs.mv(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# The writer: result lines -> segments, every N results or T seconds
-
-
-class SnapshotWriter:
-    """Buffers result lines and stores them as segments of a `SnapshotStore`.
-
-    A segment is written when ``max_results`` lines are buffered or the oldest buffered line
-    is ``max_age_s`` old (checked by `maybe_flush`), and by `flush`. `progress.json` is
-    rewritten after each segment.
-
-    Args:
-        store: a store bound to its job (`SnapshotStore.open_job`).
-        stored_results: result lines the store already held when the run started.
-        total: the input's request lines, where known (for progress only).
-    """
-
-    DEFAULT_MAX_RESULTS = SEGMENT_MAX_RESULTS
-    DEFAULT_MAX_AGE_S = SEGMENT_MAX_AGE_S
-
-    def __init__(
-        self,
-        store: SnapshotStore,
-        *,
-        max_results: int = SEGMENT_MAX_RESULTS,
-        max_age_s: float = SEGMENT_MAX_AGE_S,
-        stored_results: int = 0,
-        total: int | None = None,
-    ) -> None:
-        self.store = store
-        self.max_results = max_results
-        self.max_age_s = max_age_s
-        self.run_id = uuid.uuid4().hex[:8]
-        self.sequence = store.next_sequence()
-        self.stored_results = stored_results
-        self.total = total
-        self.segments_written = 0
-        self.last_segment: str | None = None
-        self._lines: list[bytes] = []
-        self._oldest = 0.0
-        self._taken_over: SnapshotTakenOverError | None = None
-
-    def add(self, line: bytes) -> None:
-        """Buffer one result line (ending with a newline)."""
-        if not self._lines:
-            self._oldest = time.monotonic()
-        self._lines.append(line)
-
-    @property
-    def pending(self) -> int:
-        return len(self._lines)
-
-    def maybe_flush(self) -> None:
-        """Write a segment when the buffer is full or old enough."""
-        if self._lines and (
-            len(self._lines) >= self.max_results
-            or time.monotonic() - self._oldest >= self.max_age_s
-        ):
-            self.flush()
-
-    def flush(self, *, finished: bool = False) -> None:
-        """Write the buffered lines as one segment (none when empty), then the progress.
-
-        The stored manifest is checked first (one small read): a run whose manifest another
-        job replaced writes nothing more.
-
-        Raises:
-            SnapshotTakenOverError: another job replaced this job's manifest (and every later
-                call raises it again).
-            SnapshotWriteError: the store could not be read or written (the URI and the cause
-                named, with what to do).
-        """
-        if self._taken_over is not None:
-            raise self._taken_over
-        if not self._lines and not finished:
-            return
-        try:
-            self._flush(finished)
-        except SnapshotTakenOverError as err:
-            self._taken_over = err
-            raise
-        except OSError as err:
-            raise SnapshotWriteError(
-                f"could not write the snapshot at {self.store.uri} ({type(err).__name__}: "
-                f"{err}); every result finished so far is in the output file: rerun with "
-                "--resume once the snapshot URI is writable again (or with another "
-                "--snapshot-storage-uri)"
-            ) from err
-
-    def _flush(self, finished: bool) -> None:
-        self.store.check_job()
-        if self._lines:
-            name = self.store.write_segment(self.sequence, self.run_id, self._lines)
-            self.sequence += 1
-            self.segments_written += 1
-            self.stored_results += len(self._lines)
-            self.last_segment = name
-            self._lines = []
-        self.store.write_progress(
-            {
-                "job_id": self.store.manifest.job_id,
-                "run_id": self.run_id,
-                "results": self.stored_results,
-                "total_requests": self.total,
-                "last_segment": self.last_segment,
-                "segments_this_run": self.segments_written,
-                "finished": finished,
-                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-        )
