@@ -1,8 +1,6 @@
-"""The cluster file (``batchgen_cluster:``): its schema, loading and validation, in one place.
+"""The cluster file (``batchgen_cluster:``): loading it and validating it, stage by stage.
 
-The schema is derived from the config dataclasses: every `EngineConfig` and `ParallelConfig`
-field is a key of the section its ``metadata["section"]`` names (`batchgen.config_fields`;
-default ``engine`` for `EngineConfig`, ``parallelism`` for `ParallelConfig`), so a new engine
+The schema is derived from the config dataclasses (`batchgen.cluster_schema`): a new engine
 flag is a new YAML key without a second edit. Two keys differ from their flags:
 
 - ``world_size`` (top level, optional): the job's ranks; checked, when given, against
@@ -25,220 +23,62 @@ recursive anchor). Nothing here loads a model.
 Flags and ``LLM`` arguments go over the file with `ClusterConfig.merge` (key by key; the two
 names of the running-sequence limit count as one key), which says which keys of the file they
 replace; `ClusterConfig.explain` says where each setting of an invalid combination comes from.
+
+Here: `load_cluster_config` and the stages 3-5 (keys and types, sizes, values). The rest, each
+in its module and importable from here too: the schema (`batchgen.cluster_schema`), the YAML
+and the file's shape, its key lines and error format (`batchgen.cluster_yaml`), the loaded file
+and the flags over it (`batchgen.cluster_merge`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
-import types
-import typing
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ValidationError
 
-from batchgen.config import ALIASES, EngineConfig
-from batchgen.config_fields import SECTIONS, TOP_LEVEL, given_text
-from batchgen.distributed.layout import ParallelLayout, resolve_layout
+# Re-exported: importable from here as before these moved to their own modules.
+from batchgen.cluster_merge import ClusterConfig, mentions
+from batchgen.cluster_schema import (
+    DEFAULT_SECTION,
+    EXAMPLE,
+    ROOT,
+    WORLD_HELP,
+    YAML_MEANING,
+    SchemaKey,
+    cluster_model,
+    schema_keys,
+    schema_markdown,
+    type_text,
+)
+from batchgen.cluster_yaml import (
+    MAX_FILE_CHARS,
+    MAX_YAML_VALUES,
+    ClusterConfigError,
+    ClusterFileReader,
+    yaml_type,
+)
+from batchgen.config import EngineConfig
+from batchgen.config_fields import SECTIONS, TOP_LEVEL
+from batchgen.distributed.layout import resolve_layout
 from batchgen.parallel_config import MAX_RANKS, ParallelConfig
 
-ROOT = "batchgen_cluster"
-EXAMPLE = "examples/cluster.yaml"
-# Bounds on what a file may make YAML build (a cluster file has a few dozen values): its size,
-# and the values it expands to, aliases of anchors counted once per use (a 1 KB file of nested
-# aliases expands to billions: "billion laughs").
-MAX_FILE_CHARS = 1 << 20
-MAX_YAML_VALUES = 10_000
-DEFAULT_SECTION = {EngineConfig: "engine", ParallelConfig: "parallelism"}
-# The one key that is no field: the job's ranks (module docstring).
-WORLD_HELP = (
-    "the job's ranks; optional: when given it must equal data_parallel_size x "
-    "expert_parallel_size (default: that product)"
-)
-# (help, flag) of the parallelism keys whose meaning in the file is not their flag's.
-YAML_MEANING = {
-    "data_parallel_size": (
-        "replicas: independent expert-parallel groups, each holding all routed experts; "
-        "world_size = data_parallel_size x expert_parallel_size (default: world_size / "
-        "expert_parallel_size). Not the flag's meaning: --data-parallel-size counts ranks",
-        "none: --data-parallel-size counts ranks (world_size)",
-    ),
-    "expert_parallel_size": (
-        "ranks per expert-parallel group (default: world_size / data_parallel_size when both "
-        "are given; else all ranks with enable_expert_parallel or decode_strategy "
-        "dp_attention_ep_moe, else 1: experts replicated)",
-        "--expert-parallel-size",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class SchemaKey:
-    """One key of the cluster file.
-
-    Attributes:
-        section: the section under ``batchgen_cluster`` ("" for the top level).
-        name: the key, which is also the dataclass field's name.
-        owner: `EngineConfig` or `ParallelConfig`; None for ``world_size`` (no field).
-        annotation: the value's type, e.g. ``int | None``.
-        default: the default when the key is absent.
-        help: one line of meaning.
-        flag: the command-line flag that sets the same, or a note where none does.
-    """
-
-    section: str
-    name: str
-    owner: type | None
-    annotation: object
-    default: object
-    help: str
-    flag: str
-
-    @property
-    def loc(self) -> tuple[str, ...]:
-        """The key's place in the file: ``("batchgen_cluster", "parallelism", "...")``."""
-        return tuple(p for p in (ROOT, self.section, self.name) if p)
-
-    @property
-    def path(self) -> str:
-        return ".".join(self.loc)
-
-
-def schema_keys() -> list[SchemaKey]:
-    """Every key of the cluster file, top level first, then by section in `SECTIONS` order."""
-    keys = []
-    for cls in (EngineConfig, ParallelConfig):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            section = f.metadata.get("section", DEFAULT_SECTION[cls])
-            flag = "--" + f.name.replace("_", "-")
-            help = f.metadata.get("help", "")
-            default = f.default
-            if cls is ParallelConfig and f.name in YAML_MEANING:
-                (help, flag), default = YAML_MEANING[f.name], None
-            keys.append(SchemaKey(section, f.name, cls, hints[f.name], default, help, flag))
-            if f.name == "model":
-                ranks = "--data-parallel-size (ranks)"
-                keys.append(SchemaKey("", "world_size", None, int | None, None, WORLD_HELP, ranks))
-    order = {s: i for i, s in enumerate((TOP_LEVEL, *SECTIONS))}
-    return sorted(keys, key=lambda k: order[k.section])
-
-
-# ---------------------------------------------------------------------------------------------
-# The loaded file
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """A validated cluster file.
-
-    Attributes:
-        path: the file.
-        kwargs: the `EngineConfig` and `ParallelConfig` fields the file sets, as ``LLM(...)``
-            and the flags take them (``data_parallel_size`` in ranks); command-line flags and
-            ``LLM`` keyword arguments override them key by key.
-        engine, parallel: the file's settings with every other field at its default.
-        layout: the rank grid of ``parallel``.
-    """
-
-    path: str
-    kwargs: dict
-    engine: EngineConfig
-    parallel: ParallelConfig
-    layout: ParallelLayout
-    # kwargs name -> the file's keys it comes from, each (key path, line, value as written):
-    # ``data_parallel_size`` (ranks) from ``world_size`` and ``parallelism.data_parallel_size``.
-    sources: dict[str, tuple[tuple[str, int | None, object], ...]] = dataclasses.field(
-        default_factory=dict
-    )
-
-    def origin(self, name: str) -> str:
-        """Where the file sets ``kwargs[name]``: ``batchgen_cluster.world_size: 2 at f.yaml:3``."""
-        return ", ".join(
-            f"{key}: {value!r} at {self.path}" + (f":{line}" if line else "")
-            for key, line, value in self.sources.get(name, ())
-        )
-
-    def merge(self, given: dict) -> tuple[dict, list[str]]:
-        """The file's `kwargs` with ``given`` (flags or ``LLM`` arguments) over them, key by key,
-        and one sentence per setting given that replaces keys of the file.
-
-        Two names of one setting (`batchgen.config.ALIASES`: ``max_num_seqs`` and
-        ``max_active_coroutines``) are one key: either given replaces the file's value of
-        either. ``enable_expert_parallel=False`` given (``--no-enable-expert-parallel``) turns
-        expert parallelism off, as in vLLM: the file's ``expert_parallel_size`` > 1 and
-        ``decode_strategy: dp_attention_ep_moe`` give way too, unless also given.
-        """
-        merged = dict(self.kwargs)
-        replaced: dict[str, list[str]] = {}
-        for name in given:
-            same = [n for n in (name, *ALIASES.get(name, ())) if n in self.kwargs]
-            replaced[name] = same
-            for n in same:
-                merged.pop(n, None)
-        if given.get("enable_expert_parallel") is False:
-            for name, shards in (
-                ("expert_parallel_size", lambda v: v is not None and v > 1),
-                ("decode_strategy", lambda v: v == "dp_attention_ep_moe"),
-            ):
-                if name not in given and shards(merged.get(name)):
-                    del merged[name]
-                    replaced["enable_expert_parallel"].append(name)
-        merged.update(given)
-        notes = []
-        for name, names in replaced.items():
-            if names and given[name] is not None:  # None: the default, not a user's setting
-                note = f"{given_text(name, given[name])} overrides "
-                note += ", ".join(self.origin(n) for n in names)
-                if name == "enable_expert_parallel" and not given[name]:
-                    note += ": the experts are replicated on every rank"
-                notes.append(note)
-        return merged, notes
-
-    def explain(self, err: ValueError, given: dict, merged: dict) -> ClusterConfigError:
-        """``err`` of the settings `merge` made (``merged``), with where each setting it names
-        comes from: the file's key and line, or the flag (``LLM`` argument) given."""
-        text = str(err)
-        named = [n for n in merged if n != "model" and _mentions(text, n)]
-        named = [n for n in named if n in given or n in self.sources]
-        named.sort(key=lambda n: _mentions(text, n))
-        parts = [
-            f"{n} from {given_text(n, given[n])}" if n in given else f"{n} from {self.origin(n)}"
-            for n in named
-        ]
-        if not parts:
-            return ClusterConfigError(self.path, [f"{self.path} with the settings given: {text}"])
-        return ClusterConfigError(self.path, [f"{text} ({'; '.join(parts)})"])
-
-    def flags(self) -> list[str]:
-        """The command line that sets the same as the file (``--model M --data-parallel-size
-        128 ...``)."""
-        out: list[str] = []
-        for name, value in self.kwargs.items():
-            flag = "--" + name.replace("_", "-")
-            if value is None:  # `key: null` is the default: no flag
-                continue
-            if isinstance(value, bool):
-                out.append(flag if value else "--no-" + flag[2:])
-            else:
-                out += [flag, str(value)]
-        return out
-
-
-class ClusterConfigError(ValueError):
-    """A cluster file that cannot be used. ``errors``: one line per problem, each
-    ``file[:line]: batchgen_cluster.key.path: what is wrong``."""
-
-    def __init__(self, path: str, errors: list[str]) -> None:
-        self.path, self.errors = path, errors
-        if len(errors) == 1:
-            message = errors[0]
-        else:
-            message = f"{path}: {len(errors)} errors:\n" + "\n".join("  " + e for e in errors)
-        super().__init__(message)
+__all__ = [
+    "DEFAULT_SECTION",
+    "EXAMPLE",
+    "MAX_FILE_CHARS",
+    "MAX_YAML_VALUES",
+    "ROOT",
+    "WORLD_HELP",
+    "YAML_MEANING",
+    "ClusterConfig",
+    "ClusterConfigError",
+    "SchemaKey",
+    "load_cluster_config",
+    "schema_keys",
+    "schema_markdown",
+]
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:
@@ -257,128 +97,22 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     return _Loader(path).load(text)
 
 
-class _Loader:
-    """One file's validation stages (module docstring); each failing stage raises."""
+class _Loader(ClusterFileReader):
+    """One file's validation stages (module docstring); each failing stage raises. Stages 1-2
+    (YAML, the file's shape) are `ClusterFileReader`'s."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.lines: dict[tuple, int] = {}  # key path -> line of the key (1-based)
+        super().__init__(path)
         self.keys = schema_keys()
-
-    def error(self, loc: tuple, what: str, line: int | None = None) -> str:
-        """``file:line: batchgen_cluster.a.b: what``, with the line of the deepest known key."""
-        for i in range(len(loc), 0, -1):
-            line = line or self.line_of(loc[:i])
-        where = f"{self.path}:{line}" if line else self.path
-        key = ".".join(str(p) for p in loc)
-        return f"{where}: {key}: {what}" if key else f"{where}: {what}"
-
-    def fail(self, *errors: str) -> typing.NoReturn:
-        raise ClusterConfigError(self.path, list(errors))
-
-    def fail_at(self, loc: tuple, what: str, line: int | None = None) -> typing.NoReturn:
-        self.fail(self.error(loc, what, line))
 
     def load(self, text: str) -> ClusterConfig:
         cluster = self.check_types(self.parse(text))
         return self.build(cluster, *self.check_sizes(cluster))
 
-    # ---- stages 1-2: YAML and the file's shape
-    def parse(self, text: str) -> dict:
-        example = f"it needs the root key `{ROOT}:` (see {EXAMPLE})"
-        if len(text) > MAX_FILE_CHARS:
-            what = f"{len(text)} characters, more than a cluster file needs (at most "
-            self.fail_at((), what + f"{MAX_FILE_CHARS})")
-        try:
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
-            self.check_expansion(node)  # before anything follows the aliases
-            doc = yaml.safe_load(text)
-        except RecursionError:
-            self.fail_at((), "YAML nested too deeply for a cluster file")
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"{self.path}:{mark.line + 1}:{mark.column + 1}" if mark else self.path
-            problem = getattr(err, "problem", None) or str(err)
-            context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
-            if context and start:
-                problem += f" ({context}, line {start.line + 1})"
-            self.fail(f"{where}: YAML syntax error: {problem}")
-        if node is None or doc is None:
-            self.fail_at((), f"the file is empty; {example}")
-        self.record_lines(node, ())
-        if not isinstance(doc, dict):
-            self.fail_at((), f"the file must be a mapping, got {_yaml_type(doc)}; {example}")
-        if ROOT not in doc:
-            first = str(next(iter(doc)))
-            typo = f" ({first!r} misspelled?)" if difflib.get_close_matches(first, [ROOT]) else ""
-            found = ", ".join(repr(str(k)) for k in doc)
-            self.fail_at((), f"no root key `{ROOT}:`{typo}; found {found} (see {EXAMPLE})")
-        extra = [k for k in doc if k != ROOT]
-        if extra:
-            self.fail(
-                *(self.error((k,), f"unknown key; the only root key is `{ROOT}`") for k in extra)
-            )
-        if not isinstance(doc[ROOT], dict):
-            self.fail_at((ROOT,), f"expected a mapping of settings, got {_yaml_type(doc[ROOT])}")
-        return doc[ROOT]
-
-    def check_expansion(self, root: yaml.Node | None) -> None:
-        """Fail on an anchor that contains an alias of itself (YAML would build a recursive
-        value) and on aliases that expand to more than `MAX_YAML_VALUES` values. Walks the node
-        graph once per node (an alias is the anchor's node), without expanding it."""
-        if root is None:
-            return
-        size: dict[int, int] = {}  # id(node) -> values it expands to, itself included
-        open_: set[int] = set()  # the nodes being walked: the path from the root
-        stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-        while stack:
-            node, walked = stack.pop()
-            children = []
-            if isinstance(node, yaml.MappingNode):
-                children = [n for pair in node.value for n in pair]
-            elif isinstance(node, yaml.SequenceNode):
-                children = list(node.value)
-            if walked:
-                open_.discard(id(node))
-                size[id(node)] = 1 + sum(size[id(c)] for c in children)
-                if size[id(node)] > MAX_YAML_VALUES:
-                    self.fail_at(
-                        (),
-                        f"YAML anchors and aliases expand to more than {MAX_YAML_VALUES} values; "
-                        "a cluster file needs a few dozen: write the settings out",
-                        node.start_mark.line + 1,
-                    )
-                continue
-            if id(node) in size:
-                continue
-            if id(node) in open_:
-                line = node.start_mark.line + 1
-                self.fail_at(
-                    (),
-                    f"the YAML anchor on line {line} contains an alias of itself (a recursive "
-                    "value); a cluster file cannot be recursive",
-                    line,
-                )
-            open_.add(id(node))
-            stack.append((node, True))
-            stack += [(c, False) for c in reversed(children)]
-
-    def record_lines(self, node, prefix: tuple) -> None:
-        """Record each key's line; a duplicate key fails (YAML would keep its last value)."""
-        if not isinstance(node, yaml.MappingNode):
-            return
-        for key_node, value_node in node.value:
-            loc, line = (*prefix, key_node.value), key_node.start_mark.line + 1
-            if loc in self.lines:
-                first = self.lines[loc]
-                self.fail_at(loc, f"duplicate key (first on line {first}); give it once", line)
-            self.lines[loc] = line
-            self.record_lines(value_node, loc)
-
     # ---- stage 3: keys and types
     def check_types(self, cluster: dict) -> BaseModel:
         try:
-            validated = _cluster_model().model_validate(cluster)
+            validated = cluster_model().model_validate(cluster)
         except ValidationError as err:
             self.fail(*(self.type_error(e) for e in err.errors()))
         if validated.model is None:
@@ -403,13 +137,13 @@ class _Loader:
             hint = f"did you mean {close[0]!r}? " if close else ""
             return self.error(loc, f"unknown key; {hint}allowed: {', '.join(allowed)}")
         if e["type"] == "invalid_key":  # loc ends with the key; the line is the key's
-            what = f"a key must be a string, got {value!r} ({_yaml_type(value)})"
+            what = f"a key must be a string, got {value!r} ({yaml_type(value)})"
             return self.error(loc[:-1], what, self.line_of(loc))
         if len(loc) == 2 and loc[1] in SECTIONS:
-            return self.error(loc, f"expected a mapping of settings, got {_yaml_type(value)}")
+            return self.error(loc, f"expected a mapping of settings, got {yaml_type(value)}")
         key = next((k for k in self.keys if k.loc == loc), None)
-        expected = _type_text(key.annotation) if key else e["msg"]
-        return self.error(loc, f"expected {expected}, got {value!r} ({_yaml_type(value)})")
+        expected = type_text(key.annotation) if key else e["msg"]
+        return self.error(loc, f"expected {expected}, got {value!r} ({yaml_type(value)})")
 
     # ---- stage 4: sizes
     def check_sizes(self, cluster: BaseModel) -> tuple[dict, dict]:
@@ -478,14 +212,6 @@ class _Loader:
             sources["expert_parallel_size"] = tuple(from_keys)
         return out, sources
 
-    def source(self, loc: tuple, value: object) -> tuple[str, int | None, object]:
-        """(key path, line, value) of a key of the file, for `ClusterConfig.sources`."""
-        return ".".join(str(p) for p in loc), self.line_of(loc), value
-
-    def line_of(self, loc: tuple) -> int | None:
-        """The line of the key at ``loc`` (non-string keys match by their text)."""
-        return self.lines.get(tuple(str(p) for p in loc))
-
     # ---- stage 5: values, through the dataclasses
     def build(self, cluster: BaseModel, sizes: dict, sources: dict) -> ClusterConfig:
         kwargs: dict = {"model": cluster.model, **sizes}
@@ -530,84 +256,11 @@ class _Loader:
             f"{n}: {', '.join(f'{p} (line {line})' for p, line, _ in sources[n])}"
             for n in sorted(
                 (n for n in sources if n != "model" and (key is None or n != key.name)),
-                key=lambda n: _mentions(text, n) or 0,
+                key=lambda n: mentions(text, n) or 0,
             )
-            if _mentions(text, n)
+            if mentions(text, n)
         ]
         text += f" ({'; '.join(others)})" if others else ""
         if key is None:
             return self.error((ROOT,), text)
         return self.error(key.loc, text.removeprefix(key.name + " "))
-
-
-def _cluster_model() -> type[BaseModel]:
-    """The pydantic model of the mapping under ``batchgen_cluster`` (strict types, no unknown
-    keys), one sub-model per section, built from `schema_keys`."""
-    strict = ConfigDict(extra="forbid", strict=True)
-    keys = schema_keys()
-    sections = {}
-    for section in SECTIONS:
-        fields = {k.name: (k.annotation, None) for k in keys if k.section == section}
-        sections[section] = (
-            create_model(f"Cluster_{section}", __config__=strict, **fields) | None,
-            None,
-        )
-    top = {k.name: (k.annotation, None) for k in keys if k.section == TOP_LEVEL}
-    return create_model("Cluster", __config__=strict, **top, **sections)
-
-
-def _mentions(text: str, name: str) -> int | None:
-    """Where a message names the field ``name`` (``max_num_seqs`` or ``--max-num-seqs``),
-    1-based; None when it does not."""
-    flag = "--" + name.replace("_", "-")
-    found = re.search(rf"(?<![\w-])(?:{name}|{flag})(?![\w-])", text)
-    return found.start() + 1 if found else None
-
-
-def _type_text(annotation: object) -> str:
-    """``int | None`` -> "an integer or null"."""
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    return " or ".join(names.get(a, "null" if a is type(None) else str(a)) for a in args)
-
-
-def _yaml_type(value: object) -> str:
-    """What YAML made of a value, in YAML's words."""
-    for kind, name in (
-        (bool, "a boolean"),
-        (int, "an integer"),
-        (float, "a number"),
-        (str, "a string"),
-        (list, "a list"),
-        (dict, "a mapping"),
-    ):
-        if isinstance(value, kind):
-            return name
-    return "null" if value is None else type(value).__name__
-
-
-# ---------------------------------------------------------------------------------------------
-# The schema as a table (docs/cluster-config.md, `batchgen config schema`)
-
-
-def schema_markdown() -> str:
-    """The Markdown table of every key: YAML key, CLI flag, default, meaning."""
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
-    def default(key: SchemaKey) -> str:
-        if key.name == "model":
-            return "required"
-        if key.default is None:
-            return "see meaning" if "default" in key.help else "unset"
-        if isinstance(key.default, bool):
-            return f"`{str(key.default).lower()}`"
-        return f"`{key.default!r}`" if isinstance(key.default, str) else f"`{key.default}`"
-
-    rows = ["| YAML key | CLI flag | default | meaning |", "| --- | --- | --- | --- |"]
-    for key in schema_keys():
-        name = key.path.removeprefix(ROOT + ".")
-        flag = re.sub(r"(--[\w-]+)", r"`\1`", key.flag)
-        rows.append(f"| `{name}` | {cell(flag)} | {default(key)} | {cell(key.help)} |")
-    return "\n".join(rows) + "\n"
