@@ -412,9 +412,12 @@ def test_sizes_are_bounded(tmp_path):
     ]
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1 and at most"):
         ParallelConfig(data_parallel_size=65537)
-    assert load_cluster_config(
-        _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 65536\n")
-    ).layout.world_size == 65536
+    assert (
+        load_cluster_config(
+            _write(tmp_path, "batchgen_cluster:\n  model: m\n  world_size: 65536\n")
+        ).layout.world_size
+        == 65536
+    )
 
 
 def test_config_check_summarises_many_replicas(tmp_path):
@@ -745,9 +748,7 @@ def test_more_local_ranks_than_cuda_devices_fail_before_loading(monkeypatch):
     check_local_devices(parallel, "cpu")
 
 
-def test_cuda_without_cuda_fails_in_the_frontend_and_warns_in_config_check(
-    tmp_path, monkeypatch
-):
+def test_cuda_without_cuda_fails_in_the_frontend_and_warns_in_config_check(tmp_path, monkeypatch):
     import torch
 
     import batchgen.distributed.frontend as frontend

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchgen.entrypoints.cli import CliError
