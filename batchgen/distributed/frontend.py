@@ -24,7 +24,10 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   Survivors restart too: their expert-parallel collectives broke with the dead rank, and a
   restart of the whole group is the one path that also works when the dead rank's machine is
   gone for good. Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
-  headless ones).
+  headless ones). A rank that dies while the ranks start (the first start or a restart:
+  before connecting, or while loading the model) is one more failure: the half-started ranks
+  are stopped and started again, within the same budget; a rank that exits with an error
+  while starting (a bad model, a missing package) ends the job at once.
 - **Straggler rebalancing** (``straggler_rebalance_interval_steps``): the ranks report their
   load every so many steps, and the frontend moves requests from the most loaded rank to the
   least loaded one while the job runs (`batchgen.distributed.rebalance`: the rule, and how
@@ -98,7 +101,8 @@ class DPEngineClient:
     Raises:
         ValueError: bad settings, or ranks expected from elsewhere without
             ``$BATCHGEN_DP_AUTHKEY``.
-        RankFailedError: a rank failed while starting.
+        RankFailedError: a rank failed while starting (after `MAX_RECOVERIES` restarts, with
+            elastic recovery, if it died rather than raised).
     """
 
     def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
@@ -134,7 +138,10 @@ class DPEngineClient:
         self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
         self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
-        self.rank_set = RankSet(config, parallel)
+        self._fatal: RankFailedError | None = None  # a failure recovery did not outlive
+        self.rank_set = self._start_ranks()
+        if self.recovery.recovering:  # the first start failed and was retried
+            self.recovery.end(len(self.rank_set.ranks), 0)
         self._ranks = self.rank_set.ranks
         self.max_model_len = self.rank_set.max_model_len
         self.input_processor = InputProcessor(
@@ -243,21 +250,40 @@ class DPEngineClient:
             self._flush(rank)
 
     def _check_open(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
         if self.rank_set.failure is not None:
             self._recover(self.rank_set.failure)
         if self.rank_set.closed:
             raise RuntimeError("this engine was shut down (LLM.shutdown); create a new LLM")
 
+    def _start_ranks(self) -> RankSet:
+        """A new `RankSet`. A recoverable failure while it starts (a rank killed before
+        connecting or while loading the model, or never connecting) is one more failure:
+        `ElasticRecovery.begin` counts a restart for it and the ranks start again, or it raises.
+        A set that failed to start has stopped its processes itself (`RankSet.__init__`)."""
+        while True:
+            try:
+                return RankSet(self.config, self.parallel)
+            except RankFailedError as failure:
+                self.recovery.begin(failure, [], 0, len(self.requests))
+
     def _recover(self, failure: RankFailedError) -> None:
         """Start fresh ranks and re-queue every unfinished request (module docstring), or
-        raise ``failure`` (see `ElasticRecovery.begin`).
+        raise ``failure`` (see `ElasticRecovery.begin`). A failure while the new ranks start
+        is retried within the same budget (`_start_ranks`).
 
         Raises:
-            RankFailedError: ``failure``, or the new ranks failed to start.
+            RankFailedError: ``failure``, or the new ranks' last failure to start (not
+                recoverable, or past the budget). Every later call raises it again.
         """
-        self.recovery.begin(failure, self._ranks, self._done_tokens, len(self.requests))
-        self.rank_set.shutdown()
-        self.rank_set = RankSet(self.config, self.parallel)
+        try:
+            self.recovery.begin(failure, self._ranks, self._done_tokens, len(self.requests))
+            self.rank_set.shutdown()
+            self.rank_set = self._start_ranks()
+        except RankFailedError as fatal:
+            self._fatal = fatal
+            raise
         self._ranks = self.rank_set.ranks
         self._done_tokens = 0
         self.rebalancer.reset()  # moves in flight died with the old ranks
@@ -265,7 +291,7 @@ class DPEngineClient:
         for request_id, request in requests.items():
             request.reset()
             self._assign(request_id, request)
-        self.recovery.end(len(self._ranks))
+        self.recovery.end(len(self._ranks), len(requests))
 
     def _flush(self, rank: RankHandle) -> None:
         if rank.pending:

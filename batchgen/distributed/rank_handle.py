@@ -14,9 +14,10 @@ from batchgen.distributed.rank_process import RankProcess
 
 class RankFailedError(RuntimeError):
     """A rank died, failed or went silent. ``ranks``: the ranks at fault. ``recoverable``: the
-    fault is a rank's death or silence while the job ran (a machine or process lost, which a
-    restart of the ranks can outlive), not an error raised on a rank (which a restart would
-    repeat) nor a failure to start."""
+    fault is a rank's death or silence (a machine or process lost, which a restart of the ranks
+    can outlive), while the job ran or while the ranks started (killed before connecting,
+    never connecting, dying while loading the model), not an error raised on a rank nor a rank
+    that exited with an error code while starting (a restart would repeat either)."""
 
     def __init__(self, message: str, ranks: list[int], recoverable: bool = False) -> None:
         super().__init__(message)

@@ -1,8 +1,9 @@
 """A rank the frontend started, whatever started it: a process on this machine (the ``mp``
 executor, here) or a Ray actor (`batchgen.distributed.ray_executor`).
 
-`RankSet` only asks four things of one, so its failure reports and its shutdown read the same
-for both: has it ended (`done`), how (`describe`), stop it (`kill`), wait for it (`wait`).
+`RankSet` only asks five things of one, so its failure reports and its shutdown read the same
+for both: has it ended (`done`), how (`describe`), was it lost rather than exiting by itself
+(`killed`), stop it (`kill`), wait for it (`wait`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class RankProcess(Protocol):
     def describe(self) -> str:
         """How it ended (``killed by SIGKILL``, ``exited with code 1``, ``its Ray actor died:
         ...``), or ``its connection closed`` when that is not known (yet)."""
+
+    def killed(self) -> bool:
+        """True once it has ended without exiting by itself: killed by a signal (the OOM
+        killer, an operator, a lost machine) or, under Ray, its actor died. Such an end need
+        not repeat when the rank starts again; an exit code (an error while starting) would.
+        False while it runs."""
 
     def kill(self) -> None:
         """Stop it at once (no-op once it has ended)."""
@@ -61,6 +68,10 @@ class LocalRankProcess:
 
     def describe(self) -> str:
         return describe_exit(self.popen.poll())
+
+    def killed(self) -> bool:
+        code = self.popen.poll()
+        return code is not None and code < 0
 
     def kill(self) -> None:
         if self.popen.poll() is None:

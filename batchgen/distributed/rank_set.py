@@ -169,18 +169,24 @@ class RankSet:
         while len(hellos) < world:
             for r, proc in processes.items():
                 if r not in hellos and proc.done():
+                    # killed (by a signal, or its Ray actor lost): a restart may outlive it; an
+                    # exit code (an error while starting) would repeat
                     raise RankFailedError(
                         f"rank {r} ({proc.name}) {proc.describe()} before connecting",
                         [r],
+                        recoverable=proc.killed(),
                     )
             now = time.monotonic()
             missing = sorted(set(range(world)) - set(hellos))
             if now - start > timeout:
+                # silent, like a rank that stops heartbeating: a restart may help when this
+                # frontend started them (it cannot restart ranks started elsewhere)
                 raise RankFailedError(
                     f"ranks {missing} did not connect within {timeout:.0f} s "
                     f"(distributed_timeout_s) to {self._listener.address[0]}:"
                     f"{self._listener.address[1]}",
                     missing,
+                    recoverable=all(r in processes for r in missing),
                 )
             if now >= next_log:
                 logger.info(

@@ -86,6 +86,21 @@ class RayRankProcess:
         except Exception as exc:  # noqa: BLE001  (Ray shut down meanwhile, ...)
             return f"its Ray actor ended: {type(exc).__name__}"
 
+    def killed(self) -> bool:
+        """Its actor died of a system failure (killed, its process or node lost), not of an
+        error in its creation task nor by returning an exit code."""
+        import ray
+
+        if not self.wait(0):
+            return False
+        try:
+            ray.get(self.result, timeout=1.0)
+        except ray.exceptions.RayActorError as exc:
+            return not getattr(exc, "actor_init_failed", False)
+        except Exception:  # noqa: BLE001  (Ray shut down meanwhile, a task error, ...)
+            return False
+        return False
+
     def kill(self) -> None:
         import ray
 

@@ -20,10 +20,17 @@ MAX_RECOVERIES = 3
 class ElasticRecovery:
     """Counts and bounds the restarts of one `DPEngineClient`.
 
-    Metrics (`metrics`): ``recoveries``; ``requests_requeued``; ``recovery_seconds`` (from the
-    failure's report to the new ranks taking requests, summed); ``tokens_recomputed`` (prompt
-    and generated tokens the lost ranks had computed for requests that had not finished, from
-    their last heartbeats, so about: up to a second of work is missing).
+    A failure while the ranks start (the first start, or a restart) is a failure like any
+    other: `begin` counts one more restart for it, so a job outlives at most `MAX_RECOVERIES`
+    failures in all, wherever they happen. `begin` ... `end` spans one recovery: from the first
+    failure to the ranks running again, through restarts that failed meanwhile.
+
+    Metrics (`metrics`): ``recoveries`` (restarts of the ranks, the failed ones included);
+    ``requests_requeued`` (requests handed to new ranks, counted once per recovery even when a
+    restart failed in between); ``recovery_seconds`` (from the failure's report to the new
+    ranks taking requests, summed); ``tokens_recomputed`` (prompt and generated tokens the lost
+    ranks had computed for requests that had not finished, from their last heartbeats, so
+    about: up to a second of work is missing).
     """
 
     def __init__(self, parallel: ParallelConfig) -> None:
@@ -32,7 +39,12 @@ class ElasticRecovery:
         self.requests_requeued = 0
         self.recovery_seconds = 0.0
         self.tokens_recomputed = 0
-        self._start = 0.0
+        self._start: float | None = None  # when the recovery under way began
+
+    @property
+    def recovering(self) -> bool:
+        """`begin` was called and `end` not yet (the ranks are being started again)."""
+        return self._start is not None
 
     def begin(
         self, failure: RankFailedError, ranks: list[RankHandle], done_tokens: int, unfinished: int
@@ -40,15 +52,17 @@ class ElasticRecovery:
         """Allow a restart after ``failure`` and count it, or raise.
 
         Args:
-            ranks: the failed set's ranks (their last heartbeat counters).
+            ranks: the failed set's ranks (their last heartbeat counters); none for a set that
+                failed while starting.
             done_tokens: prompt + generated tokens of the outputs those ranks returned.
-            unfinished: requests about to be re-queued.
+            unfinished: requests about to be re-queued (for the log line).
 
         Raises:
             RankFailedError: ``failure`` itself when recovery is off, when the fault is an error
-                raised on a rank (a restart would repeat it), or when some ranks were started
-                elsewhere (this frontend cannot start them again); a new error saying so after
-                `MAX_RECOVERIES` restarts.
+                raised on a rank or a rank's exit with an error code while starting (a restart
+                would repeat either: ``failure.recoverable`` is False), or when some ranks were
+                started elsewhere (this frontend cannot start them again); a new error saying so
+                after `MAX_RECOVERIES` restarts (failed restarts count).
         """
         p = self.parallel
         local = p.data_parallel_size_local in (None, p.data_parallel_size)
@@ -60,14 +74,14 @@ class ElasticRecovery:
                 "ranks)",
                 failure.ranks,
             ) from failure
-        self._start = time.monotonic()
+        if self._start is None:  # else a restart failed: the same recovery goes on
+            self._start = time.monotonic()
         worked = sum(
             r.counters.get("num_prompt_tokens", 0) + r.counters.get("num_generated_tokens", 0)
             for r in ranks
         )
         self.tokens_recomputed += max(0, worked - done_tokens)
         self.recoveries += 1
-        self.requests_requeued += unfinished
         logger.warning(
             "%s; elastic recovery %d of %d: starting the ranks again and re-queuing %d "
             "unfinished request(s)",
@@ -77,10 +91,13 @@ class ElasticRecovery:
             unfinished,
         )
 
-    def end(self, num_ranks: int) -> None:
-        """The new ranks run: count the time since `begin`."""
+    def end(self, num_ranks: int, requeued: int) -> None:
+        """The new ranks run with ``requeued`` requests handed to them: count the time since
+        the recovery's first `begin`."""
         seconds = time.monotonic() - self._start
+        self._start = None
         self.recovery_seconds += seconds
+        self.requests_requeued += requeued
         logger.warning(
             "elastic recovery: %d rank(s) running again after %.1f s", num_ranks, seconds
         )
