@@ -121,7 +121,7 @@ def _frontend(**parallel):
     )
     client.rank_set = _FakeRankSet()
     client._ranks = [RankHandle(r, None, "host", 100 + r) for r in range(2)]
-    client.requests, client._finished = {}, []
+    client.requests, client._finished, client._fatal = {}, [], None
     client.rebalancer = Rebalancer(client)
     client._round_robin = itertools.count()
     client.max_model_len = 1000

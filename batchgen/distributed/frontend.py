@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
+from batchgen.distributed.frontend_metrics import FrontendMetrics
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
@@ -62,11 +63,6 @@ STEP_WAIT_S = 0.5
 SEND_BATCH = 64
 
 __all__ = ["DPEngineClient", "RankFailedError", "aggregate_metrics"]
-
-
-@dataclass
-class _KVUsage:
-    usage: float
 
 
 @dataclass
@@ -91,7 +87,7 @@ class _Request:
         self.remaining, self.computed, self.moving = self.load, 0, False
 
 
-class DPEngineClient:
+class DPEngineClient(FrontendMetrics):
     """Runs requests on ``parallel.data_parallel_size`` ranks (see the module docstring).
 
     Args:
@@ -364,81 +360,6 @@ class DPEngineClient:
                 self.rebalancer.land(rank, message)
 
     # ---- metrics -------------------------------------------------------------------------
-    def get_metrics(self) -> dict:
-        """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals (`aggregate_metrics`:
-        tokens summed, rates over the busiest rank's busy time, tile density over all ranks'
-        expert GEMMs)."""
-        while True:
-            self._check_open()
-            token = next(self._metrics_token)
-            self.rank_set.broadcast(msg.GetMetrics(token))
-            keys = [(token, r.rank) for r in self._ranks]
-            try:
-                while any(k not in self._metrics for k in keys):
-                    self._dispatch(self.rank_set.receive(1.0))
-            except RankFailedError as failure:
-                self._recover(failure)
-                continue
-            ranks = [self._metrics.pop(k) for k in keys]
-            totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
-            totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
-            return {**totals, **self.recovery.metrics(), **self.rebalancer.metrics.as_dict()}
-
-    def _poll(self) -> None:
-        """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
-        waiting; a failure is left for `step` to raise."""
-        if self.rank_set.failure is None and not self.rank_set.closed:
-            try:
-                self._dispatch(self.rank_set.receive(0))
-            except RankFailedError:
-                pass
-
-    @property
-    def stats(self):
-        """`EngineStats` summed over the ranks' last heartbeats (at most a second old)."""
-        from batchgen.engine.llm_engine import EngineStats
-
-        self._poll()
-
-        def total(key: str) -> int:
-            return sum(r.counters.get(key, 0) for r in self._ranks)
-
-        return EngineStats(
-            num_prompt_tokens=total("num_prompt_tokens"),
-            num_generated_tokens=total("num_generated_tokens"),
-            num_preemptions=total("num_preemptions"),
-        )
-
-    @property
-    def kv_cache(self) -> _KVUsage:
-        """``.usage``: the mean KV cache use over the ranks (last heartbeats)."""
-        self._poll()
-        usages = [r.counters.get("kv_cache_usage", 0.0) for r in self._ranks]
-        return _KVUsage(sum(usages) / len(usages) if usages else 0.0)
-
-    def live_metrics(self) -> dict:
-        """Figures from the ranks' last heartbeats, without a round trip (the service reads
-        these every second): ``tile_density`` over all ranks, ``num_running``,
-        ``num_waiting``."""
-        self._poll()
-        rows = sum(r.counters.get("expert_rows", 0) for r in self._ranks)
-        tile_rows = sum(r.counters.get("expert_tile_rows", 0) for r in self._ranks)
-        return {
-            "tile_density": rows / tile_rows if tile_rows else None,
-            "num_running": sum(r.counters.get("num_running", 0) for r in self._ranks),
-            "num_waiting": sum(r.counters.get("num_waiting", 0) for r in self._ranks),
-        }
-
-    def get_partial_texts(self, request_id: str) -> None:
-        """Streaming text is not relayed from the ranks yet: None (a streamed response then
-        carries the whole text in its last chunk)."""
-        return None
-
-    def reset_metrics(self) -> None:
-        self.rank_set.broadcast(msg.ResetMetrics())
-        self._started = time.perf_counter()
-        self.rebalancer.reset_metrics()
-
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the ranks (politely, then by force). Idempotent."""
