@@ -527,3 +527,32 @@ def test_load_balance_method_is_validated():
 def test_gap_threshold_is_a_module_setting(monkeypatch):
     monkeypatch.setattr(rebalance, "MIN_GAP_TOKENS", 1000)
     assert plan_moves([600, 0], [None, None], [_c("a", 0, 100)]) == []
+
+
+@pytest.mark.timeout(300)
+def test_shipped_kv_moves_on_when_its_request_moves_again_before_admission(checkpoint_dir):
+    """A request moved with its K/V is moved again while it still waits on the second engine
+    (its K/V not yet written there): the K/V goes on to the third engine unchanged, nothing is
+    recomputed, and the output is the unmoved one."""
+    path = str(checkpoint_dir("mixtral"))
+    a, b, c = (LLM(path).llm_engine for _ in range(3))
+    rid, prompt, params = _requests()[0]  # greedy, with logprobs
+    reference: dict = {}
+    a.add_request(rid, prompt, params)
+    _finish([a], reference)
+    a.add_request(rid, prompt, params)
+    for _ in range(4):
+        assert not a.step()
+    first = a.release_request(rid, ship_kv=True)
+    assert first.num_shipped_tokens == first.num_computed_tokens > 0
+    b.add_processed_request(rid, b.input_processor.process(prompt, params), params, resume=first)
+    assert b.load_report()[0][2] == first.num_computed_tokens  # held, though not admitted
+    second = b.release_request(rid)  # not asked to ship: what it holds travels anyway
+    assert second.seqs[0].kv is first.seqs[0].kv
+    assert second.num_computed_tokens == second.num_shipped_tokens
+    c.add_processed_request(rid, c.input_processor.process(prompt, params), params, resume=second)
+    done: dict = {}
+    _finish([c], done)
+    _same_output(done[rid], reference[rid])
+    assert done[rid].outputs[0].cumulative_logprob == reference[rid].outputs[0].cumulative_logprob
+    assert c.get_metrics()["kv_imported_tokens"] == first.num_computed_tokens

@@ -345,8 +345,11 @@ class LLMEngine(RequestOutputs):
                     continue
                 room = self.max_model_len - seq.num_tokens
                 left = room if limit is None else min(limit - seq.num_output_tokens, room)
-                remaining += seq.num_tokens - seq.num_computed_tokens + max(0, left)
-                computed += seq.num_computed_tokens
+                held = seq.num_computed_tokens or (
+                    seq.kv_import.num_tokens if seq.kv_import is not None else 0
+                )  # shipped here, not admitted yet: held all the same
+                remaining += seq.num_tokens - held + max(0, left)
+                computed += held
                 running = running or seq.status is SequenceStatus.RUNNING
             out.append((request_id, remaining, computed, running))
         return out

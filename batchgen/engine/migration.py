@@ -182,8 +182,16 @@ def export_request(request: Request, kv_reader: KVReader | None = None) -> Reque
     return RequestState(
         metrics=RequestMetrics(**vars(request.metrics)),
         seqs=[_export_seq(seq, kv_reader) for seq in request.seqs],
-        num_computed_tokens=sum(s.num_computed_tokens for s in request.seqs if not s.is_finished),
+        num_computed_tokens=sum(_held_tokens(s) for s in request.seqs if not s.is_finished),
     )
+
+
+def _held_tokens(seq: SequenceCoroutine) -> int:
+    """Positions whose K/V this engine holds for ``seq``: computed, or shipped here and not
+    yet admitted (``seq.kv_import``)."""
+    if seq.kv_import is not None:
+        return seq.kv_import.num_tokens
+    return seq.num_computed_tokens
 
 
 def _export_seq(seq: SequenceCoroutine, kv_reader: KVReader | None) -> SequenceState:
@@ -202,12 +210,20 @@ def _export_seq(seq: SequenceCoroutine, kv_reader: KVReader | None) -> SequenceS
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         num_preemptions=seq.num_preemptions,
-        kv=(
-            kv_reader(seq.block_table, seq.num_computed_tokens)
-            if kv_reader is not None and seq.num_computed_tokens and not seq.is_finished
-            else None
-        ),
+        kv=_export_kv(seq, kv_reader),
     )
+
+
+def _export_kv(seq: SequenceCoroutine, kv_reader: KVReader | None) -> KVPayload | None:
+    """The K/V ``seq`` takes along: K/V shipped here that it has not used yet (moved again
+    while waiting) goes on as it is; computed K/V is read when ``kv_reader`` is given."""
+    if seq.is_finished:
+        return None
+    if seq.kv_import is not None:
+        return seq.kv_import
+    if kv_reader is not None and seq.num_computed_tokens:
+        return kv_reader(seq.block_table, seq.num_computed_tokens)
+    return None
 
 
 def restore_sequence(seq: SequenceCoroutine, state: SequenceState) -> None:
