@@ -197,8 +197,25 @@ class RayExecutor:
         nodes = placement_group_table(self.pg)["bundles_to_node_id"]
         return [nodes[i] for i in range(self.world)]
 
-    def start(self, address: str, port: int, authkey: bytes) -> dict[int, RayRankProcess]:
-        """One actor per rank, joining the frontend at ``address:port`` with ``authkey``."""
+    def _refresh_nodes(self) -> None:
+        """Re-read where each bundle lives: Ray re-places the bundles of a lost node, so a
+        rank started again may land on another node (and take another ``local_rank``). A
+        bundle not placed yet keeps its last node; its actor waits for the placement."""
+        from ray.util.placement_group import placement_group_table
+
+        try:
+            nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        except Exception as e:  # noqa: BLE001  (the GCS is briefly unreachable)
+            logger.warning("could not re-read the placement group: %s", e)
+            return
+        self.node_of_rank = [nodes.get(i) or n for i, n in enumerate(self.node_of_rank)]
+
+    def start(
+        self, address: str, port: int, authkey: bytes, ranks: list[int] | None = None
+    ) -> dict[int, RayRankProcess]:
+        """One actor per rank (or for ``ranks`` only: started again after a failure, in their
+        own bundles of the placement group, which Ray re-places if their node was lost),
+        joining the frontend at ``address:port`` with ``authkey``."""
         ray = _import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -206,7 +223,11 @@ class RayExecutor:
 
         actor_class = ray.remote(RankActor)
         out: dict[int, RayRankProcess] = {}
+        if ranks is not None:
+            self._refresh_nodes()
         for r, node in enumerate(self.node_of_rank):
+            if ranks is not None and r not in ranks:
+                continue
             same_node = [i for i, n in enumerate(self.node_of_rank) if n == node]
             actor = actor_class.options(
                 num_cpus=self.bundle["CPU"],
@@ -228,7 +249,7 @@ class RayExecutor:
             out[r] = RayRankProcess(actor, actor.run.remote(launch))
             self.processes.append(out[r])
         logger.info(
-            "started %d rank actors on %d Ray node(s)", self.world, len(set(self.node_of_rank))
+            "started %d rank actor(s) on %d Ray node(s)", len(out), len(set(self.node_of_rank))
         )
         return out
 
