@@ -58,33 +58,44 @@ def init_process_groups(
     init_method: str,
     device: torch.device,
     control_timeout_s: float,
+    world_ranks: list[int] | None = None,
 ) -> ProcessGroups:
     """Join the job: the default group on the device's backend, and every expert-parallel
-    group twice, on the device's backend and on gloo with ``control_timeout_s`` (all ranks
-    create all groups, in the same order, as ``torch.distributed.new_group`` requires).
+    group in it twice, on the device's backend and on gloo with ``control_timeout_s`` (all
+    members create all groups, in the same order, as ``torch.distributed.new_group`` requires).
 
     Args:
         init_method: ``tcp://host:port`` (or ``env://`` under torchrun).
         control_timeout_s: timeout of control-group collectives.
+        world_ranks: the global ranks this process's ``torch.distributed`` world holds, in
+            order: its own expert-parallel group (`ParallelLayout.restart_group`), so that a
+            group can be started again while the other groups run on (elastic recovery).
+            None: one world of every rank (under torchrun, whose rendezvous is global).
     Raises:
         RuntimeError / DistNetworkError: the rendezvous failed or timed out.
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    members = list(range(layout.world_size)) if world_ranks is None else list(world_ranks)
+    if rank not in members:
+        raise ValueError(f"rank {rank} is not in its world {members}")
     dist.init_process_group(
         backend,
         init_method=init_method,
-        rank=rank,
-        world_size=layout.world_size,
+        rank=members.index(rank),
+        world_size=len(members),
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
     )
     ep_group = control = None
     if layout.expert_parallel:
         timeout = datetime.timedelta(seconds=control_timeout_s)
         for ranks in layout.all_ep_groups():
-            group = dist.new_group(ranks)
-            gloo = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if not set(ranks) <= set(members):
+                continue  # another world's group
+            local = [members.index(r) for r in ranks]
+            group = dist.new_group(local)
+            gloo = dist.new_group(local, backend="gloo", timeout=timeout)
             if rank in ranks:
                 ep_group, control = group, gloo
     logger.info(

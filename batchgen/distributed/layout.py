@@ -69,6 +69,13 @@ class ParallelLayout:
         """``rank``'s index inside its expert-parallel group."""
         return rank % self.expert_parallel_size
 
+    def restart_group(self, rank: int) -> list[int]:
+        """The ranks that fail and start again together with ``rank`` (elastic recovery), in
+        order: its expert-parallel group, whose collectives break when one member dies; just
+        ``rank`` when experts are replicated (nothing ties it to another rank). Each such group
+        is its own ``torch.distributed`` world (`init_process_groups`)."""
+        return self.ep_group_ranks(rank) if self.expert_parallel else [rank]
+
     def all_ep_groups(self) -> list[list[int]]:
         """Every expert-parallel group (the order every rank creates them in)."""
         ep = self.expert_parallel_size

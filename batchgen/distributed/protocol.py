@@ -43,9 +43,15 @@ class Hello:
 
 @dataclass
 class Setup:
+    """A rank's settings, and where it meets the ranks of its ``torch.distributed`` world:
+    ``init_method`` (``tcp://host:port`` of the world's first rank, or ``env://``) and
+    ``world_ranks`` (the global ranks of that world: the rank's expert-parallel group, or None
+    for one world of every rank, under torchrun)."""
+
     engine: EngineConfig
     parallel: ParallelConfig
     init_method: str
+    world_ranks: list[int] | None = None
 
 
 @dataclass

@@ -85,9 +85,11 @@ class LocalRankProcess:
         return True
 
 
-def start_local_ranks(num_local: int, port: int, authkey: bytes) -> dict[int, LocalRankProcess]:
-    """Ranks 0 .. ``num_local`` - 1 as processes of this machine, joining the frontend at
-    127.0.0.1:``port``.
+def start_local_ranks(
+    num_local: int, port: int, authkey: bytes, ranks: list[int] | None = None
+) -> dict[int, LocalRankProcess]:
+    """Ranks 0 .. ``num_local`` - 1 (or only ``ranks`` of them, started again after a
+    failure) as processes of this machine, joining the frontend at 127.0.0.1:``port``.
 
     A fresh interpreter per rank (not multiprocessing's spawn, which re-imports the user's main
     module); the key travels in the environment, not on the command line (`ps` shows that).
@@ -101,5 +103,5 @@ def start_local_ranks(num_local: int, port: int, authkey: bytes) -> dict[int, Lo
                 stdin=subprocess.DEVNULL,
             )
         )
-        for r in range(num_local)
+        for r in (range(num_local) if ranks is None else ranks)
     }

@@ -243,6 +243,7 @@ class RankLoop:
             setup.init_method,
             device,
             setup.parallel.distributed_timeout_s,
+            setup.world_ranks,
         )
         link.phase = "loading"
         self.engine = LLMEngine(setup.engine, RankContext(groups, setup.parallel, device))
