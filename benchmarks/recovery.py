@@ -2,9 +2,11 @@
 without the kill, in one run.
 
     python benchmarks/recovery.py [--model DIR] [--requests 256] [--max-tokens 64]
-        [--kill-after 0.5] [--ranks 2]
+        [--kill-after 0.5] [--ranks 2] [--expert-parallel-size E]
 
-Runs the job twice on ``--ranks`` expert-parallel ranks with ``enable_elastic_recovery``: once
+Runs the job twice on ``--ranks`` ranks with ``enable_elastic_recovery`` (one expert-parallel
+group of all of them; ``--expert-parallel-size E`` cuts them into groups of E, 1 replicating
+the experts, so that a kill restarts only the dead rank's group and the others run on): once
 untouched, once with rank 1 killed after ``--kill-after`` of the requests have finished. Prints
 the wall time of both, the time from the kill to the next finished output (the job making
 progress again), the frontend's ``recovery_seconds`` (failure report to ranks running again),
@@ -25,12 +27,12 @@ from batchgen import LLM, SamplingParams
 
 
 def _job(model: str, args, kill: bool) -> dict:
-    llm = LLM(
-        model,
-        data_parallel_size=args.ranks,
-        enable_expert_parallel=True,
-        enable_elastic_recovery=True,
+    layout = (
+        {"enable_expert_parallel": True}
+        if args.expert_parallel_size is None
+        else {"expert_parallel_size": args.expert_parallel_size}
     )
+    llm = LLM(model, data_parallel_size=args.ranks, enable_elastic_recovery=True, **layout)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.requests):
@@ -71,6 +73,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kill-after", type=float, default=0.5, help="share of requests finished")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--expert-parallel-size", type=int, default=None, metavar="E")
     args = p.parse_args()
     model = args.model
     if model is None:

@@ -175,8 +175,8 @@ class _StartFaults:
         self.plan, self.procs, self.now = list(plan), [], None
         real_start, real_wait = rank_set.start_local_ranks, rank_set.RankSet._wait_ready
 
-        def start(num_local, port, authkey):
-            procs = real_start(num_local, port, authkey)
+        def start(num_local, port, authkey, ranks=None):
+            procs = real_start(num_local, port, authkey, ranks)
             self.procs += procs.values()
             self.now = self.plan.pop(0) if self.plan else None
             if self.now in ("before", "exit"):
@@ -188,10 +188,10 @@ class _StartFaults:
                 self.procs.append(procs[1])
             return procs
 
-        def wait_ready(ranks: rank_set.RankSet):
+        def wait_ready(rank_set_: rank_set.RankSet, handles):
             if self.now == "loading":
-                ranks.ranks[1].process.kill()
-            return real_wait(ranks)
+                rank_set_.ranks[1].process.kill()
+            return real_wait(rank_set_, handles)
 
         monkeypatch.setattr(rank_set, "start_local_ranks", start)
         monkeypatch.setattr(rank_set.RankSet, "_wait_ready", wait_ready)

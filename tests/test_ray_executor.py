@@ -191,3 +191,35 @@ def test_killed_actor_is_recovered(checkpoint_dir, one_process):
     finally:
         llm.shutdown()
     assert [[c.token_ids for c in got[f"r{i}"].outputs] for i in range(6)] == one_process
+
+
+@pytest.mark.timeout(300)
+def test_killed_actor_alone_is_replaced_while_the_other_runs_on(checkpoint_dir, one_process):
+    """Replicated experts: each rank is its own restart group, so ``ray.kill`` on rank 1's
+    actor starts one new actor (in rank 1's bundle) and rank 0's actor runs on."""
+    llm = LLM(
+        str(checkpoint_dir(ARCH)),
+        num_gpu_blocks_override=KV_BLOCKS,
+        data_parallel_size=2,
+        distributed_executor_backend="ray",
+        enable_elastic_recovery=True,
+    )
+    try:
+        engine = llm.llm_engine
+        for i, (prompt, params) in enumerate(zip(_prompts(), _params(), strict=True)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        got = {out.request_id: out for out in engine.step()}
+        before = [r.pid for r in engine.rank_set.ranks]
+        ray.kill(engine.rank_set.ranks[1].process.actor)
+        deadline = time.monotonic() + 180
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the job did not finish: a hang"
+            for out in engine.step():
+                assert out.request_id not in got, f"{out.request_id} answered twice"
+                got[out.request_id] = out
+        assert engine.recovery.recoveries == 1
+        after = [r.pid for r in engine.rank_set.ranks]
+        assert after[0] == before[0] and after[1] != before[1]
+    finally:
+        llm.shutdown()
+    assert [[c.token_ids for c in got[f"r{i}"].outputs] for i in range(6)] == one_process

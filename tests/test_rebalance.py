@@ -125,7 +125,6 @@ def _frontend(**parallel):
     client.rebalancer = Rebalancer(client)
     client._round_robin = itertools.count()
     client.max_model_len = 1000
-    client._done_tokens = 0
     return client
 
 

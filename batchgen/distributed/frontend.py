@@ -16,18 +16,19 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   finished output has already been returned, and the other ranks are stopped. Resuming
   (``batchgen run --resume``) re-runs only what did not finish.
 - **Elastic recovery** (``enable_elastic_recovery``): when a rank dies or goes silent (not when
-  it raises an error, which a restart would repeat), the frontend starts a fresh set of ranks
-  (the same layout, so the experts are placed again) and re-queues every request it has not
-  returned yet, up to `MAX_RECOVERIES` times per engine (`ElasticRecovery`). Finished outputs
-  were returned before and are never run again; a re-queued request starts over, and greedy or
-  seeded requests get the same tokens (a request's tokens do not depend on its rank).
-  Survivors restart too: their expert-parallel collectives broke with the dead rank, and a
-  restart of the whole group is the one path that also works when the dead rank's machine is
-  gone for good. Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
-  headless ones). A rank that dies while the ranks start (the first start or a restart:
-  before connecting, or while loading the model) is one more failure: the half-started ranks
-  are stopped and started again, within the same budget; a rank that exits with an error
-  while starting (a bad model, a missing package) ends the job at once.
+  it raises an error, which a restart would repeat), the frontend stops the ranks of its
+  *restart group* (its expert-parallel group, whose collectives broke with it; the rank alone
+  when experts are replicated), starts that group again (the same ranks, so the same experts)
+  and re-queues the requests the group held, up to `MAX_RECOVERIES` times per engine
+  (`ElasticRecovery`). The other groups run on with their requests: each restart group is its
+  own ``torch.distributed`` world. Finished outputs were returned before (or arrived with the
+  failure, and are taken first) and are never run again; a re-queued request starts over, and
+  greedy or seeded requests get the same tokens (a request's tokens do not depend on its
+  rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
+  headless ones). A rank that dies while ranks start (the first start or a restart: before
+  connecting, or while loading the model) is one more failure: every rank is then stopped and
+  started afresh, within the same budget; a rank that exits with an error while starting (a
+  bad model, a missing package) ends the job at once.
 - **Straggler rebalancing** (``straggler_rebalance_interval_steps``): the ranks report their
   load every so many steps, and the frontend moves requests from the most loaded rank to the
   least loaded one while the job runs (`batchgen.distributed.rebalance`: the rule, and how
@@ -133,7 +134,6 @@ class DPEngineClient(FrontendMetrics):
         lockstep = parallel.resolved_expert_parallel_size if self.model_config.is_moe else 1
         self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
-        self._done_tokens = 0  # prompt + generated tokens of outputs from the current ranks
         self._fatal: RankFailedError | None = None  # a failure recovery did not outlive
         self.rank_set = self._start_ranks()
         if self.recovery.recovering:  # the first start failed and was retried
@@ -265,29 +265,54 @@ class DPEngineClient(FrontendMetrics):
                 self.recovery.begin(failure, [], 0, len(self.requests))
 
     def _recover(self, failure: RankFailedError) -> None:
-        """Start fresh ranks and re-queue every unfinished request (module docstring), or
-        raise ``failure`` (see `ElasticRecovery.begin`). A failure while the new ranks start
-        is retried within the same budget (`_start_ranks`).
+        """Outlive ``failure`` (module docstring), or raise it (see `ElasticRecovery.begin`).
+
+        The ranks it stopped (``failure.lost``: the restart groups of the ranks involved, or
+        every rank) start again and get their unfinished requests back; the other ranks run
+        on, with their requests. The outputs that arrived with the failure are taken first,
+        so nothing finished is run twice. When ranks fail again while they start, every rank
+        is started afresh (`_start_ranks`, within the same budget).
 
         Raises:
             RankFailedError: ``failure``, or the new ranks' last failure to start (not
-                recoverable, or past the budget). Every later call raises it again.
+                recoverable, or past the budget). Every later call raises it again, and every
+                rank is stopped.
         """
         try:
-            self.recovery.begin(failure, self._ranks, self._done_tokens, len(self.requests))
-            self.rank_set.shutdown()
-            self.rank_set = self._start_ranks()
+            self._dispatch(self.rank_set.take_held())
+            lost = failure.lost or [r.rank for r in self._ranks]
+            survivors = len(self._ranks) - len(lost)
+            self.recovery.begin(
+                failure,
+                [self._ranks[r] for r in lost],
+                sum(self._ranks[r].done_tokens for r in lost),
+                sum(1 for e in self.requests.values() if e.rank in lost),
+                lost if survivors else None,
+            )
+            if survivors and not self.rank_set.closed:
+                try:
+                    self.rank_set.replace(lost)
+                except RankFailedError as again:
+                    self._dispatch(self.rank_set.take_held())
+                    self.rank_set.shutdown()
+                    lost = [r.rank for r in self._ranks]
+                    self.recovery.begin(again, [], 0, len(self.requests))
+                    self.rank_set = self._start_ranks()
+            else:
+                self.rank_set.shutdown()
+                self.rank_set = self._start_ranks()
         except RankFailedError as fatal:
             self._fatal = fatal
+            self.rank_set.shutdown()
             raise
         self._ranks = self.rank_set.ranks
-        self._done_tokens = 0
-        self.rebalancer.reset()  # moves in flight died with the old ranks
-        requests, self.requests = self.requests, {}
-        for request_id, request in requests.items():
+        self.rebalancer.forget(lost)  # moves from the stopped ranks died with them
+        requeue = [(i, e) for i, e in self.requests.items() if e.rank in lost]
+        for request_id, request in requeue:
+            del self.requests[request_id]
             request.reset()
             self._assign(request_id, request)
-        self.recovery.end(len(self._ranks), len(requests))
+        self.recovery.end(len(lost), len(requeue))
 
     def _flush(self, rank: RankHandle) -> None:
         if rank.pending:
@@ -349,7 +374,7 @@ class DPEngineClient(FrontendMetrics):
                     if entry is not None:  # else aborted meanwhile
                         rank.load -= entry.load
                         self._finished.append(out)
-                        self._done_tokens += len(out.prompt_token_ids or ()) + sum(
+                        rank.done_tokens += len(out.prompt_token_ids or ()) + sum(
                             len(c.token_ids) for c in out.outputs
                         )
             elif isinstance(message, msg.Metrics):

@@ -23,6 +23,9 @@ class RankFailedError(RuntimeError):
         super().__init__(message)
         self.ranks = ranks
         self.recoverable = recoverable
+        # The ranks this failure stopped (set by `RankSet`): every rank, or, when the others
+        # run on for elastic recovery, the restart groups of the ranks involved.
+        self.lost: list[int] = []
 
 
 @dataclass
@@ -44,6 +47,8 @@ class RankHandle:
     pending: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)  # from its last heartbeat
     mailbox: Mailbox | None = None  # sends and receives in background threads, once accepted
+    done_tokens: int = 0  # prompt + generated tokens of the outputs it returned
+    retired: bool = False  # stopped after a failure and replaced (its messages are ignored)
 
     def note(self, message: object) -> None:
         """Called by the mailbox's reader thread for each message, as it arrives."""
@@ -71,3 +76,38 @@ def silence(rank: RankHandle, now: float) -> str:
 def describe_end(rank: RankHandle) -> str:
     """How a rank whose connection closed ended, as far as its `RankProcess` knows."""
     return "its connection closed" if rank.process is None else rank.process.describe()
+
+
+def name_failure(
+    ranks: list[RankHandle],
+    broken: list[RankHandle],
+    failed: list[tuple[RankHandle, str]],
+    stuck_after_s: float,
+) -> tuple[RankFailedError, set[int]]:
+    """The error for a failure: the dead first (``broken``: connections closed, less the
+    ranks that reported `Failed`, which exit by themselves after reporting), then the ranks
+    whose heartbeats are over ``stuck_after_s`` late (stuck), then the ranks that failed on
+    their own (``failed``: rank and its report). It is recoverable when someone died or is
+    stuck (a peer's death seen from a collective is then not the cause).
+
+    Returns:
+        the error (its ``ranks``: the culprits) and every rank involved (the dead, the stuck
+        and the reporting).
+    """
+    reported = {r.rank for r, _ in failed}
+    dead = sorted(
+        {r.rank: r for r in broken if r.rank not in reported}.values(), key=lambda r: r.rank
+    )
+    parts = [f"rank {r.rank} ({where(r)}) died: {describe_end(r)}" for r in dead]
+    now = time.monotonic()
+    culprit_ids = {r.rank for r in dead}
+    stuck = [r for r in ranks if r.rank not in culprit_ids and now - r.last_seen > stuck_after_s]
+    parts += [silence(r, now) for r in stuck]
+    culprit_ids |= {r.rank for r in stuck}
+    for rank, text in failed:
+        if rank.rank not in culprit_ids:
+            first = text.strip().splitlines()[0] if text.strip() else "unknown error"
+            parts.append(f"rank {rank.rank} failed: {first}")
+    culprits = sorted(culprit_ids) or sorted(reported)
+    failure = RankFailedError("; ".join(parts), culprits, recoverable=bool(culprit_ids))
+    return failure, {r.rank for r in broken} | reported | culprit_ids

@@ -12,7 +12,8 @@ way messages come in, and it is where failures are found:
 - a rank silent for ``distributed_timeout_s`` (it heartbeats every `HEARTBEAT_S`, even
   mid-step) is reported stuck, with the step and phase it was last seen in.
 
-Every failure stops the remaining ranks and raises `RankFailedError`.
+Every failure raises `RankFailedError` and stops the remaining ranks, or, for elastic recovery,
+only the restart groups of the ranks at fault (`replace` starts them again).
 """
 
 from __future__ import annotations
@@ -20,29 +21,27 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 import weakref
 from multiprocessing.connection import Listener
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
+from batchgen.distributed.layout import resolve_layout
 from batchgen.distributed.mailbox import CLOSED, Mailbox
+from batchgen.distributed.rank_accept import accept_ranks, start_accepting
 from batchgen.distributed.rank_handle import (
     RankFailedError,
     RankHandle,
-    describe_end,
+    name_failure,
     silence,
-    where,
 )
 from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
 
-# Ranks must connect within max(distributed_timeout_s, this); the wait is logged every
-# CONNECT_LOG_S seconds.
+# Ranks must connect within max(distributed_timeout_s, this).
 MIN_CONNECT_TIMEOUT_S = 60.0
-CONNECT_LOG_S = 10.0
 # A rank whose heartbeat is this late when another rank fails is named stuck.
 STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
 
@@ -59,6 +58,7 @@ class RankSet:
         self.config, self.parallel = config, parallel
         self.ranks: list[RankHandle] = []
         self._inbox: queue.Queue = queue.Queue()  # (RankHandle, message or CLOSED)
+        self._held: list[tuple[RankHandle, object]] = []  # for the next `receive`
         self.failure: RankFailedError | None = None
         self.closed = False
         self._ray = None  # the RayExecutor, under distributed_executor_backend='ray'
@@ -110,143 +110,112 @@ class RankSet:
         listener = Listener((address, p.data_parallel_rpc_port or 0), authkey=authkey)
         return listener, authkey
 
+    def _can_replace(self) -> bool:
+        """Whether a failed group's ranks are stopped alone and may be started again
+        (`replace`) while the others run on: elastic recovery is on and this frontend started
+        every rank (it cannot start ranks of torchrun or of other machines' launchers)."""
+        p = self.parallel
+        return p.enable_elastic_recovery and self._num_local() == p.data_parallel_size
+
+    def _launch(self, ranks: list[int] | None) -> dict[int, RankProcess]:
+        """Start ``ranks`` (None: every local rank) as processes or Ray actors."""
+        _, port = self._listener.address
+        if self._ray is not None:
+            processes = self._ray.start(self._listener.address[0], port, self._authkey, ranks)
+        else:
+            processes = start_local_ranks(self._num_local(), port, self._authkey, ranks)
+        self._processes += processes.values()  # the finalizer's list: killed at the end
+        return processes
+
     def _start(self) -> list[msg.Ready]:
         p = self.parallel
         world, local = p.data_parallel_size, self._num_local()
         address, port = self._listener.address
-        if self._ray is not None:
-            processes = self._ray.start(address, port, self._authkey)
-        else:
-            processes = start_local_ranks(local, port, self._authkey)
+        self._processes: list[RankProcess] = []
         self._finalizer.detach()
         self._finalizer = weakref.finalize(
-            self,
-            RankSet._kill,
-            list(processes.values()),
-            self._listener,
-            self._ray and self._ray.close,
+            self, RankSet._kill, self._processes, self._listener, self._ray and self._ray.close
         )
+        processes = self._launch(None)
         if local < world:
             logger.info(
                 "waiting for %d rank(s) from other machines at %s:%d", world - local, address, port
             )
-        hellos = self._accept(world, processes)
-        init_method = self._init_method(hellos)
-        for rank in self.ranks:
-            rank.last_seen = time.monotonic()
-            rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
-            rank.mailbox.send(msg.Setup(self.config, p, init_method))
-        return self._wait_ready()
+        self._arrived = start_accepting(self._listener)
+        joined = self._accept(set(range(world)), processes)
+        self.ranks.extend(handle for handle, _, _ in joined.values())
+        self.ranks.sort(key=lambda r: r.rank)
+        self._set_up(joined)
+        return self._wait_ready(self.ranks)
 
     def _accept(
-        self, world: int, processes: dict[int, RankProcess]
-    ) -> dict[int, tuple[msg.Hello, str]]:
-        """Accept ``world`` ranks (in a thread: `Listener.accept` has no timeout), watching the
-        ranks this frontend started meanwhile."""
-        arrived: queue.Queue = queue.Queue()
-
-        def accept_all():
-            while True:
-                try:
-                    conn = self._listener.accept()
-                except (OSError, EOFError):
-                    return  # listener closed
-                except Exception as exc:  # multiprocessing.AuthenticationError: another key
-                    logger.warning(
-                        "refused a connection with another key (%s): ranks need the frontend's $%s",
-                        exc,
-                        msg.AUTHKEY_ENV,
-                    )
-                    continue
-                peer = self._listener.last_accepted
-                arrived.put((conn, peer[0] if isinstance(peer, tuple) else "127.0.0.1"))
-
-        threading.Thread(target=accept_all, name="batchgen-accept", daemon=True).start()
-        hellos: dict[int, tuple[msg.Hello, str]] = {}
+        self, expected: set[int], processes: dict[int, RankProcess]
+    ) -> dict[int, tuple[RankHandle, msg.Hello, str]]:
         timeout = max(self.parallel.distributed_timeout_s, MIN_CONNECT_TIMEOUT_S)
-        start = time.monotonic()
-        next_log = start + CONNECT_LOG_S
-        while len(hellos) < world:
-            for r, proc in processes.items():
-                if r not in hellos and proc.done():
-                    # killed (by a signal, or its Ray actor lost): a restart may outlive it; an
-                    # exit code (an error while starting) would repeat
-                    raise RankFailedError(
-                        f"rank {r} ({proc.name}) {proc.describe()} before connecting",
-                        [r],
-                        recoverable=proc.killed(),
-                    )
-            now = time.monotonic()
-            missing = sorted(set(range(world)) - set(hellos))
-            if now - start > timeout:
-                # silent, like a rank that stops heartbeating: a restart may help when this
-                # frontend started them (it cannot restart ranks started elsewhere)
-                raise RankFailedError(
-                    f"ranks {missing} did not connect within {timeout:.0f} s "
-                    f"(distributed_timeout_s) to {self._listener.address[0]}:"
-                    f"{self._listener.address[1]}",
-                    missing,
-                    recoverable=all(r in processes for r in missing),
-                )
-            if now >= next_log:
-                logger.info(
-                    "still waiting for ranks %s at %s:%d (%.0f of %.0f s)",
-                    missing,
-                    *self._listener.address,
-                    now - start,
-                    timeout,
-                )
-                next_log = now + CONNECT_LOG_S
-            try:
-                conn, peer = arrived.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            hello = conn.recv() if conn.poll(5) else None
-            if not isinstance(hello, msg.Hello) or not 0 <= hello.rank < world:
-                logger.warning("refused a connection from %s that is not a rank of this job", peer)
-                conn.close()
-                continue
-            if hello.rank in hellos:
-                logger.warning(
-                    "refused a second process claiming rank %d (pid %d on %s)",
-                    hello.rank,
-                    hello.pid,
-                    hello.host,
-                )
-                conn.close()
-                continue
-            hellos[hello.rank] = (hello, peer)
-            self.ranks.append(
-                RankHandle(
-                    hello.rank,
-                    conn,
-                    hello.host,
-                    hello.pid,
-                    processes.get(hello.rank),
-                    node_id=hello.node_id,
-                )
-            )
-        self.ranks.sort(key=lambda r: r.rank)
-        return hellos
+        return accept_ranks(self._arrived, expected, processes, timeout, self._listener.address)
 
-    @staticmethod
-    def _init_method(hellos: dict[int, tuple[msg.Hello, str]]) -> str:
-        """``env://`` when torchrun started every rank, else rank 0's machine and port."""
-        torchrun = {h.torchrun for h, _ in hellos.values()}
+    def _set_up(self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]) -> None:
+        """Start the mailboxes of the ranks that just joined and send them `Setup`."""
+        worlds = self._worlds(joined)
+        for r, (rank, _, _) in sorted(joined.items()):
+            rank.last_seen = time.monotonic()
+            rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
+            init_method, world_ranks = worlds[r]
+            rank.mailbox.send(msg.Setup(self.config, self.parallel, init_method, world_ranks))
+
+    def _worlds(
+        self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]
+    ) -> dict[int, tuple[str, list[int] | None]]:
+        """Each joined rank's ``torch.distributed`` world: ``env://`` and one world of every
+        rank when torchrun started them all; else its restart group
+        (`ParallelLayout.restart_group`: its expert-parallel group, or itself alone), meeting
+        at the group's first rank's machine and free port (every rank of a group joins
+        together: the first start, or `replace`)."""
+        torchrun = {hello.torchrun for _, hello, _ in joined.values()}
         if torchrun == {True}:
-            return "env://"
+            return {r: ("env://", None) for r in joined}
         if True in torchrun:
             raise ValueError("ranks started by torchrun and by other means cannot be mixed")
-        hello, peer = hellos[0]
-        return f"tcp://{peer}:{hello.store_port}"
+        layout = resolve_layout(self.parallel)
+        out = {}
+        for r in joined:
+            group = layout.restart_group(r)
+            _, hello, peer = joined[group[0]]
+            out[r] = (f"tcp://{peer}:{hello.store_port}", group)
+        return out
 
-    def _wait_ready(self) -> list[msg.Ready]:
+    def _wait_ready(self, ranks: list[RankHandle]) -> list[msg.Ready]:
+        """Wait for `Ready` from ``ranks``; what other ranks send meanwhile is kept for the
+        next `receive`."""
         ready: dict[int, msg.Ready] = {}
-        while len(ready) < len(self.ranks):
-            for rank, message in self.receive(timeout=1.0):
-                if isinstance(message, msg.Ready):
+        waiting = {id(r) for r in ranks}
+        while len(ready) < len(ranks):
+            for rank, message in self._collect(timeout=1.0):
+                if isinstance(message, msg.Ready) and id(rank) in waiting:
                     ready[rank.rank] = message
+                else:
+                    self._held.append((rank, message))
         return [ready[r] for r in sorted(ready)]
+
+    def replace(self, lost: list[int]) -> None:
+        """Start ranks ``lost`` again (whole restart groups, stopped by the failure that
+        `receive` raised) while the other ranks run on, and clear that failure.
+
+        Raises:
+            RankFailedError: a new rank, or a running one, failed meanwhile.
+            RuntimeError: the set was shut down, or it cannot replace ranks (`_can_replace`).
+        """
+        if self.closed or not self._can_replace():
+            raise RuntimeError("these ranks cannot be started again")
+        self.failure = None
+        processes = self._launch(lost)
+        joined = self._accept(set(lost), processes)
+        for r, (handle, _, _) in joined.items():
+            self.ranks[r] = handle
+        self._set_up(joined)
+        for ready in self._wait_ready([self.ranks[r] for r in lost]):
+            self.ready[ready.rank] = ready
+        logger.info("ranks %s joined again; the others ran on", lost)
 
     # ---- messages ------------------------------------------------------------------------
     def send(self, rank: RankHandle, message) -> None:
@@ -258,14 +227,27 @@ class RankSet:
             rank.mailbox.send(message)
 
     def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
-        """Messages that arrive within ``timeout`` seconds (all that are in once one is).
+        """Messages that arrive within ``timeout`` seconds (all that are in once one is),
+        after those kept while ranks started again or while a failure was found.
 
         Raises:
             RankFailedError: a rank's connection closed or its process exited, a rank sent
-                `Failed`, or a rank was silent for ``distributed_timeout_s``.
+                `Failed`, or a rank was silent for ``distributed_timeout_s``. The messages
+                that came with the failure are kept for the next call (`take_held`).
         """
         if self.failure is not None:
             raise self.failure
+        got = self._collect(0 if self._held else timeout)
+        held, self._held = self._held, []
+        return held + got
+
+    def take_held(self) -> list[tuple[RankHandle, object]]:
+        """The messages kept back (see `receive`), e.g. outputs that arrived with a failure."""
+        held, self._held = self._held, []
+        return held
+
+    def _collect(self, timeout: float) -> list[tuple[RankHandle, object]]:
+        """Read the inbox (see `receive`): messages of ranks replaced since are dropped."""
         items = []
         try:
             items.append(
@@ -279,58 +261,89 @@ class RankSet:
         failed: list[tuple[RankHandle, str]] = []
         got: list[tuple[RankHandle, object]] = []
         for rank, message in items:
-            if message is CLOSED:
-                broken.append(rank)
-            elif isinstance(message, msg.Failed):
-                failed.append((rank, message.message))
-            elif not isinstance(message, msg.Heartbeat):
-                got.append((rank, message))
+            self._sort(rank, message, broken, failed, got)
         if broken or failed:
-            self._fail(broken, failed)
+            self._fail(broken, failed, got)
         now = time.monotonic()
         silent = [r for r in self.ranks if now - r.last_seen > self.parallel.distributed_timeout_s]
         if silent:
-            self._fail_silent(silent, now)
+            self._held += got
+            ids = [r.rank for r in silent]
+            text = "; ".join(silence(r, now) for r in silent)
+            self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
         return got
 
-    def _fail(self, broken: list[RankHandle], failed: list[tuple[RankHandle, str]]) -> None:
+    def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
+        if rank.retired:
+            return  # a rank replaced after a failure: its last words were read then
+        if message is CLOSED:
+            broken.append(rank)
+        elif isinstance(message, msg.Failed):
+            failed.append((rank, message.message))
+        elif not isinstance(message, msg.Heartbeat):
+            got.append((rank, message))
+
+    def _fail(
+        self,
+        broken: list[RankHandle],
+        failed: list[tuple[RankHandle, str]],
+        got: list[tuple[RankHandle, object]],
+    ) -> None:
         """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
         down with it, so their `Failed` reports arrive too: wait a moment for the deaths to
         show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
-        ranks that failed on their own."""
+        ranks that failed on their own. The other messages read meanwhile (``got`` and what
+        follows) are kept for the next `receive`: a rank that runs on has forgotten its
+        finished outputs once sent."""
         time.sleep(0.5)
         ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
-        self._read_last_words(broken, failed, ended)
-        reported = {r.rank for r, _ in failed}  # these exit by themselves after reporting
+        self._read_last_words(broken, failed, got, ended)
+        self._held += got
         for rank in self.ranks:
             if rank.rank in ended and rank not in broken:
                 broken.append(rank)
-        dead = sorted(
-            {r.rank: r for r in broken if r.rank not in reported}.values(), key=lambda r: r.rank
-        )
-        parts = [f"rank {r.rank} ({where(r)}) died: {describe_end(r)}" for r in dead]
-        now = time.monotonic()
-        culprit_ids = {r.rank for r in dead}
-        stuck = [
-            r for r in self.ranks if r.rank not in culprit_ids and now - r.last_seen > STUCK_AFTER_S
-        ]
-        parts += [silence(r, now) for r in stuck]
-        culprit_ids |= {r.rank for r in stuck}
-        for rank, text in failed:
-            if rank.rank not in culprit_ids:
-                first = text.strip().splitlines()[0] if text.strip() else "unknown error"
-                parts.append(f"rank {rank.rank} failed: {first}")
-        culprits = sorted(culprit_ids) or [r.rank for r, _ in failed]
-        self.failure = RankFailedError("; ".join(parts), culprits, recoverable=bool(culprit_ids))
-        self.shutdown()
-        raise self.failure
+        failure, involved = name_failure(self.ranks, broken, failed, STUCK_AFTER_S)
+        self._fail_with(failure, involved)
+
+    def _fail_with(self, failure: RankFailedError, involved: set[int]) -> None:
+        """Record ``failure`` and stop what it broke, then raise it. With `_can_replace` and
+        a recoverable failure, only the restart groups of the ``involved`` ranks (dead, stuck
+        or reporting an error) are stopped (``failure.lost``: every rank of those groups), for
+        `replace`; else every rank."""
+        self.failure = failure
+        if failure.recoverable and self._can_replace():
+            layout = resolve_layout(self.parallel)
+            failure.lost = sorted({m for r in involved for m in layout.restart_group(r)})
+            self._retire([self.ranks[r] for r in failure.lost])
+        else:
+            failure.lost = [r.rank for r in self.ranks]
+            self.shutdown()
+        raise failure
+
+    def _retire(self, ranks: list[RankHandle]) -> None:
+        """Stop ``ranks`` at once (their group is broken) and stop listening to them."""
+        for rank in ranks:
+            rank.retired = True
+            if rank.process is not None:
+                rank.process.kill()
+        for rank in ranks:
+            if rank.process is not None:
+                rank.process.wait(10)
+            if rank.mailbox is not None:
+                rank.mailbox.close()
+            else:
+                rank.conn.close()
 
     def _read_last_words(
-        self, broken: list[RankHandle], failed: list[tuple[RankHandle, str]], ended: set[int]
+        self,
+        broken: list[RankHandle],
+        failed: list[tuple[RankHandle, str]],
+        got: list[tuple[RankHandle, object]],
+        ended: set[int],
     ) -> None:
-        """Add what came in meanwhile to ``broken`` and ``failed``, reading until every rank in
-        ``ended`` has closed (at most a second): a peer that reported `Failed` and then
-        exited is not dead, only failed because of the dead one."""
+        """Add what came in meanwhile to ``broken``, ``failed`` and ``got``, reading until
+        every rank in ``ended`` has closed (at most a second): a peer that reported `Failed`
+        and then exited is not dead, only failed because of the dead one."""
         deadline = time.monotonic() + 1.0
         while True:
             waiting = ended - {r.rank for r in broken}
@@ -340,16 +353,7 @@ class RankSet:
                 )
             except queue.Empty:
                 return
-            if message is CLOSED:
-                broken.append(rank)
-            elif isinstance(message, msg.Failed):
-                failed.append((rank, message.message))
-
-    def _fail_silent(self, silent: list[RankHandle], now: float) -> None:
-        parts = [silence(r, now) for r in silent]
-        self.failure = RankFailedError("; ".join(parts), [r.rank for r in silent], recoverable=True)
-        self.shutdown()
-        raise self.failure
+            self._sort(rank, message, broken, failed, got)
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

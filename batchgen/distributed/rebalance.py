@@ -243,9 +243,13 @@ class Rebalancer:
         self.free_kv: dict[int, int] = {}
         self.kv_price = KVPrice()
 
-    def reset(self) -> None:
-        """Forget the round in flight and the loads (the ranks were replaced)."""
-        self.releases, self.free_kv = {}, {}
+    def forget(self, ranks: list[int]) -> None:
+        """Forget what ``ranks`` reported and the releases asked of them (they were stopped
+        after a failure and started again; their requests start over). A release asked of a
+        rank that runs on still lands, on a replaced destination too."""
+        for r in ranks:
+            self.releases.pop(r, None)
+            self.free_kv.pop(r, None)  # its measured rate stays: the same hardware
 
     def reset_metrics(self) -> None:
         self.metrics = RebalanceMetrics()
@@ -308,7 +312,7 @@ class Rebalancer:
         c = self.client
         token, targets, sent_at = self.releases.get(rank.rank, (None, {}, 0.0))
         if token != released.token:
-            return  # from ranks replaced by a recovery
+            return  # from a rank replaced by a recovery
         del self.releases[rank.rank]
         m = self.metrics
         m.rebalance_bytes_shipped += released.state_bytes

@@ -47,15 +47,21 @@ class ElasticRecovery:
         return self._start is not None
 
     def begin(
-        self, failure: RankFailedError, ranks: list[RankHandle], done_tokens: int, unfinished: int
+        self,
+        failure: RankFailedError,
+        ranks: list[RankHandle],
+        done_tokens: int,
+        unfinished: int,
+        only: list[int] | None = None,
     ) -> None:
         """Allow a restart after ``failure`` and count it, or raise.
 
         Args:
-            ranks: the failed set's ranks (their last heartbeat counters); none for a set that
+            ranks: the stopped ranks (their last heartbeat counters); none for a set that
                 failed while starting.
             done_tokens: prompt + generated tokens of the outputs those ranks returned.
             unfinished: requests about to be re-queued (for the log line).
+            only: the ranks started again while the others run on (None: all of them).
 
         Raises:
             RankFailedError: ``failure`` itself when recovery is off, when the fault is an error
@@ -82,18 +88,20 @@ class ElasticRecovery:
         )
         self.tokens_recomputed += max(0, worked - done_tokens)
         self.recoveries += 1
+        which = "the ranks" if only is None else f"ranks {only} (the others run on)"
         logger.warning(
-            "%s; elastic recovery %d of %d: starting the ranks again and re-queuing %d "
-            "unfinished request(s)",
+            "%s; elastic recovery %d of %d: starting %s again and re-queuing %d unfinished "
+            "request(s)",
             failure,
             self.recoveries,
             MAX_RECOVERIES,
+            which,
             unfinished,
         )
 
     def end(self, num_ranks: int, requeued: int) -> None:
-        """The new ranks run with ``requeued`` requests handed to them: count the time since
-        the recovery's first `begin`."""
+        """``num_ranks`` new ranks run, and ``requeued`` requests were handed out again: count
+        the time since the recovery's first `begin`."""
         seconds = time.monotonic() - self._start
         self._start = None
         self.recovery_seconds += seconds
