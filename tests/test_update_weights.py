@@ -232,3 +232,24 @@ def test_data_parallel_engine_raises_not_implemented(paths):
         llm.update_weights(paths[1])
     with pytest.raises(NotImplementedError, match="data_parallel_size > 1"):
         llm.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "qwen2"])
+def test_other_architectures_update_from_a_trainer_state_dict(checkpoint_dir, tmp_path, name):
+    """Shared experts with a gate (Qwen2-MoE), MLA and biased sigmoid routing (DeepSeek-V3),
+    tied embeddings (Qwen2: ``lm_head.weight`` is ignored, as at load time, and not counted)."""
+    arch, overrides = CHECKPOINTS[name]
+    b = make_model(arch, tmp_path / name, seed=4321, **overrides)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+
+    llm = _llm(checkpoint_dir(name))
+    out_a = run(llm)
+    weights = _hf_state_dict(b)
+    tied = name == "qwen2"
+    assert llm.update_weights(weights) == len(weights) - (1 if tied else 0)
+    out_b = run(_llm(b))
+    assert out_b != out_a
+    assert run(llm) == out_b
