@@ -253,3 +253,13 @@ def test_other_architectures_update_from_a_trainer_state_dict(checkpoint_dir, tm
     out_b = run(_llm(b))
     assert out_b != out_a
     assert run(llm) == out_b
+
+
+def test_sglang_names_and_a_round_trip_back_to_a(paths, expected):
+    a, b = paths
+    out_a, out_b = expected
+    llm = _llm(a)
+    assert llm.update_weights_from_tensor(list(_hf_state_dict(b).items())) > 0
+    assert _tokens(llm) == out_b
+    assert llm.update_weights_from_disk(str(a)) > 0
+    assert _tokens(llm) == out_a

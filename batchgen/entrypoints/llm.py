@@ -116,7 +116,8 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix so that no K/V computed before is reused (vLLM's name);
-        False while requests are in flight. `update_weights` does this itself."""
+        False while requests are in flight. `update_weights` does this itself. Raises
+        NotImplementedError for a data-parallel engine."""
         return self._single_engine("reset_prefix_cache").kv_cache.reset_prefix_cache()
 
     def _single_engine(self, what: str) -> LLMEngine:
