@@ -92,6 +92,15 @@ def test_misshaped_tensor_is_named(checkpoint_dir, tmp_path):
         LLM(str(dst), device="cpu", kv_cache_memory_gb=0.01)
 
 
+def test_slice_with_too_few_rows_is_named(checkpoint_dir, tmp_path):
+    """A k_proj of 16 rows used to fill half of its 32 rows in qkv_proj without complaint."""
+    dst = _copy(checkpoint_dir, tmp_path)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    _rewrite(dst, lambda t: t.__setitem__(name, t[name][:16].clone()))
+    with pytest.raises(WeightLoadError, match=r"k_proj\.weight.*shape \(16, 64\), expected \(32"):
+        LLM(str(dst), device="cpu", kv_cache_memory_gb=0.01)
+
+
 def test_unsupported_architecture_lists_supported(checkpoint_dir, tmp_path):
     dst = _copy(checkpoint_dir, tmp_path)
     cfg = json.loads((dst / "config.json").read_text())

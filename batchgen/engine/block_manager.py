@@ -156,3 +156,14 @@ class KVCacheManager:
     def free(self, seq: SequenceCoroutine) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that no K/V computed before now is reused (after a
+        weight update; vLLM's ``reset_prefix_cache``, SGLang's ``flush_cache``).
+
+        Returns False, changing nothing, while a sequence holds blocks. Blocks are shared
+        only between the samples of one request and go back to the free list with their last
+        holder, so once no block is held nothing cached is left: a prefix cache across
+        requests (content-hashed blocks kept after their requests end) must drop its hashes
+        here."""
+        return self.num_free_blocks == self.num_blocks

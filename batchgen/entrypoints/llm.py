@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.weight_update import WeightsLike, update_weights
 from batchgen.entrypoints.openai_protocol import parse_messages
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -72,6 +74,60 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def update_weights(self, weights: WeightsLike) -> int:
+        """Replace some or all of the model's weights in place, between `generate` calls,
+        without reloading the engine (RL rollouts: load each new policy step).
+
+        Args:
+            weights: Hugging Face checkpoint names -> tensors (a state dict such as
+                ``hf_model.state_dict()``, possibly partial: only the named tensors change;
+                or an iterable of ``(name, tensor)`` pairs), or the path of a safetensors
+                checkpoint directory of the same model. Names map to the engine's parameters
+                as at load time (``q_proj``/``k_proj``/``v_proj`` into one projection, per-expert
+                ``w1/w2/w3`` or ``gate_proj/up_proj/down_proj`` and fused
+                ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` into the
+                stacked expert weights). Any floating dtype and device: tensors are converted
+                to the engine's dtype and device.
+        Returns:
+            The number of checkpoint tensors copied (also logged). Afterwards the prefix cache
+            is reset and the CPU MoE kernel's packed weights are rebuilt on the next forward.
+        Raises:
+            ValueError: an unknown name, a wrong shape (the message names the tensor and the
+                expected shape), a non-floating tensor, or a directory of another model; every
+                tensor is checked before any is copied, so nothing has changed then.
+            TypeError: a value that is not a tensor.
+            RuntimeError: requests are in flight (only possible through ``llm_engine``).
+            NotImplementedError: a data-parallel engine (``data_parallel_size > 1``).
+        """
+        return update_weights(self._single_engine("update_weights"), weights)
+
+    def update_weights_from_tensor(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> int:
+        """SGLang's name for `update_weights` with tensors (``[(name, tensor), ...]`` or a
+        state dict). Errors raise, as in `update_weights`, instead of SGLang's
+        ``(success, message)`` pair; the prefix cache is always flushed."""
+        return self.update_weights(named_tensors)
+
+    def update_weights_from_disk(self, model_path: str | os.PathLike) -> int:
+        """SGLang's name for `update_weights` with a checkpoint directory."""
+        return self.update_weights(model_path)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix so that no K/V computed before is reused (vLLM's name);
+        False while requests are in flight. `update_weights` does this itself. Raises
+        NotImplementedError for a data-parallel engine."""
+        return self._single_engine("reset_prefix_cache").kv_cache.reset_prefix_cache()
+
+    def _single_engine(self, what: str) -> LLMEngine:
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise NotImplementedError(
+                f"{what} is not implemented for data-parallel engines (data_parallel_size > 1):"
+                " the weights live in the rank processes; start a new LLM on the new "
+                "checkpoint, or use data_parallel_size=1"
+            )
+        return self.llm_engine
 
     def get_metrics(self) -> dict:
         """Engine metrics since start: prefill/decode/total tokens/s, expert GEMM count, mean

@@ -149,6 +149,32 @@ class Target:
     piece: object
     expert: int | None = None
     row_start: int | None = None
+    rows: int | None = None
+
+
+def find_target(name: str, rules: list[tuple[re.Pattern, object]]) -> tuple[bool, Target | None]:
+    """``(known, target)`` for checkpoint tensor ``name`` under `checkpoint_rules`: ``known``
+    is False when no rule matches; ``target`` is None for a tensor ignored on purpose (rotary
+    caches, the ``lm_head`` of a model with tied embeddings)."""
+    if _IGNORED.search(name):
+        return True, None
+    for pattern, fn in rules:
+        match = pattern.match(name)
+        if match:
+            return True, fn(match)
+    return False, None
+
+
+def target_view(param: torch.Tensor, target: Target, expert: int | None) -> torch.Tensor:
+    """The part of ``param`` (through ``.data``) that ``target`` fills: expert slot ``expert``
+    (dim 0; `Target.expert`, or its held slot under expert parallelism), then the rows
+    ``[row_start, row_start + rows)``."""
+    dest = param.data
+    if expert is not None:
+        dest = dest[expert]
+    if target.row_start is not None:
+        dest = dest.narrow(0, target.row_start, target.rows)
+    return dest
 
 
 def expected_pieces(name: str, param: torch.Tensor, cfg: ModelConfig) -> set:
@@ -178,6 +204,7 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     """
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     qkv_offset = {"q": 0, "k": q, "v": q + kv}
+    qkv_rows = {"q": q, "k": kv, "v": kv}
     up_offset = {
         "mlp": cfg.intermediate_size,
         "experts": cfg.moe_intermediate_size,
@@ -185,13 +212,19 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     }
 
     def qkv(m):
-        return Target(f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}", m[2], row_start=qkv_offset[m[2]])
+        return Target(
+            f"layers.{m[1]}.self_attn.qkv_proj.{m[3]}",
+            m[2],
+            row_start=qkv_offset[m[2]],
+            rows=qkv_rows[m[2]],
+        )
 
     def gate_up(m):
         return Target(
             f"layers.{m[1]}.mlp.gate_up_proj.{m[3]}",
             m[2],
             row_start=0 if m[2] == "gate" else up_offset["mlp"],
+            rows=up_offset["mlp"],
         )
 
     def shared_gate_up(m):
@@ -199,6 +232,7 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
             f"layers.{m[1]}.mlp.shared_experts.gate_up_proj.weight",
             m[2],
             row_start=0 if m[2] == "gate" else up_offset["shared"],
+            rows=up_offset["shared"],
         )
 
     def expert(layer: str, e: int, which: str) -> Target:
@@ -209,6 +243,7 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
             (e, which),
             expert=e,
             row_start=0 if which == "gate" else up_offset["experts"],
+            rows=up_offset["experts"],
         )
 
     w123 = {"1": "gate", "3": "up", "2": "down"}
@@ -303,14 +338,8 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     slot_of = None if held is None else {e: i for i, e in enumerate(held)}
     unexpected: list[str] = []
     for name, read in iter_checkpoint_lazy(files):
-        if _IGNORED.search(name):
-            continue
-        for pattern, fn in rules:
-            match = pattern.match(name)
-            if match:
-                target = fn(match)
-                break
-        else:
+        known, target = find_target(name, rules)
+        if not known:
             unexpected.append(name)
             continue
         if target is None:
@@ -327,12 +356,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
             tensor = _read_experts(read, held)  # a fused [E, ...] tensor: this rank's rows
         else:
             tensor = read()
-        param = params[target.param]
-        dest = param.data
-        if expert is not None:
-            dest = dest[expert]
-        if target.row_start is not None:
-            dest = dest.narrow(0, target.row_start, tensor.shape[0])
+        dest = target_view(params[target.param], target, expert)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightLoadError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
