@@ -27,6 +27,8 @@ MAX_LOGPROBS = 20
 # min_tokens, stop_token_ids): such values meet int64 tensors in the sampler and in rank-to-rank
 # exchanges, so a larger one would fail the whole engine step instead of this request.
 MAX_INT64 = 2**63 - 1
+# OpenAI's range for a `logit_bias` value.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -70,8 +72,8 @@ class SamplingParams:
             None for none. N returns the N most likely tokens (with rank 1 = most likely) plus
             the sampled token with its rank if it is not among them; 0 returns only the sampled
             token. As in vLLM v1, log-probabilities are ``log_softmax`` of the raw model logits,
-            before penalties, temperature and top-k/top-p/min-p, so they do not depend on the
-            sampling settings.
+            before ``logit_bias``, penalties, temperature and top-k/top-p/min-p, so they do not
+            depend on the sampling settings.
         presence_penalty: in [-2, 2], subtracted once from the logit of every token that already
             appears in the generated output (OpenAI's definition; the prompt does not count).
         frequency_penalty: in [-2, 2], subtracted from a token's logit once per occurrence of it
@@ -88,6 +90,14 @@ class SamplingParams:
             ``structured_outputs.<field>``). A constrained sample ends when its grammar is
             complete (``finish_reason`` "stop"); one cut by ``max_tokens`` ends with "length"
             and its text may be incomplete (e.g. unclosed JSON).
+        logit_bias: token id -> bias added to that token's logit before sampling (OpenAI's
+            ``logit_bias``; vLLM applies it the same way): each bias in [-100, 100]; -100 in
+            practice bans the token, +100 forces it. Keys are token ids >= 0, ints or strings of
+            decimal digits (JSON object keys are strings), normalised to ints; they must be below
+            the model's vocabulary size, which the engine checks when it takes the request
+            (`update_from_tokenizer`). None or ``{}``: no bias. The bias is added before the
+            penalties, ``min_tokens``, the grammar mask, temperature, top-k/top-p/min-p and the
+            greedy argmax; returned ``logprobs`` stay those of the raw model (see ``logprobs``).
 
     Every numeric field is range-checked here, so that a value the engine's tensors cannot hold
     (``top_k=2**63``, an integer temperature of 400 digits) fails this request at the boundary
@@ -116,6 +126,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._validate_and_normalise()
@@ -176,6 +187,29 @@ class SamplingParams:
         )
         if self.structured_outputs is not None:
             self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
+
+    def update_from_tokenizer(self, tokenizer: object, vocab_size: int) -> None:
+        """Check the token ids this request names against the model (vLLM's name for the step
+        that needs the tokenizer). Called by the engine when it takes the request
+        (`InputProcessor.process`); idempotent.
+
+        Args:
+            tokenizer: the model's tokenizer (``encode(text, add_special_tokens=False)``).
+            vocab_size: the model's vocabulary size V; token ids must be in ``[0, V)``.
+
+        Raises:
+            ValueError: a ``logit_bias`` id outside ``[0, V)``; the error carries
+                ``code = "invalid_request"`` and ``param = "logit_bias"``.
+        """
+        outside = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if outside:
+            shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+            _raise_field(
+                "logit_bias",
+                f"logit_bias keys must be token ids in [0, {vocab_size}) (the model's "
+                f"vocabulary), got {shown}",
+            )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -212,6 +246,51 @@ def _structured_outputs(spec: object) -> StructuredOutputsParams:
 
     check_spec(spec)
     return spec
+
+
+def _raise_field(param: str, message: str) -> None:
+    """Raise ValueError(message) carrying the OpenAI error ``code`` and the field ``param``."""
+    err = ValueError(message)
+    err.code = "invalid_request"
+    err.param = param
+    raise err
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """``bias`` as ``{token_id: float}``, keys and values checked (see ``logit_bias``)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(
+            "logit_bias must be an object (dict) of token id -> bias in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or None, got {_short(bias)}"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+            token = int(key)
+        elif _is_int(key) and key >= 0:
+            token = int(key)
+        else:
+            token = -1
+        if not 0 <= token <= MAX_INT64:
+            raise ValueError(
+                "logit_bias keys must be token ids: integers >= 0 or strings of decimal digits "
+                f"(as JSON carries them), got {_short(key)}"
+            )
+        number = math.nan
+        if isinstance(value, Real) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.nan
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {_short(value)} for token {_short(key)}"
+            )
+        out[token] = number
+    return out
 
 
 def _is_int(value: object) -> bool:

@@ -22,6 +22,9 @@ Field policy (what a body may contain):
 * vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
   ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
   ``include_stop_str_in_output``, ``skip_special_tokens``.
+* ``logit_bias`` (OpenAI's token id -> bias in [-100, 100]; JSON keys are strings of token
+  ids): checked by `SamplingParams`, ids against the vocabulary when the engine takes the
+  request; an invalid map fails that request alone with ``param`` ``logit_bias``.
 * Structured outputs (`batchgen.entrypoints.structured_body`): OpenAI's ``response_format``
   (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and its older
   ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of them.
@@ -33,7 +36,7 @@ Field policy (what a body may contain):
   ``safety_identifier``.
 * Fields BatchGen cannot honour are accepted only at their no-op value and rejected otherwise
   (code ``unsupported_parameter``): ``stream`` (false), ``echo`` (false), ``suffix``
-  (null/""), ``best_of`` (null or == n), ``logit_bias`` (null/{}),
+  (null/""), ``best_of`` (null or == n),
   ``tools``/``functions`` (null/[]), ``tool_choice``/
   ``function_call`` (null/"none"), ``modalities`` (null/["text"]).
 * Any other field is rejected, like the OpenAI API does, so that a typo (``max_token``) does
@@ -104,6 +107,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "stop_token_ids": ("integer_list", "stop_token_ids"),
     "include_stop_str_in_output": ("boolean", "include_stop_str_in_output"),
     "skip_special_tokens": ("boolean", "skip_special_tokens"),
+    "logit_bias": ("object", "logit_bias"),
 }
 _IGNORED_FIELDS = frozenset(
     {
@@ -120,7 +124,6 @@ _IGNORED_FIELDS = frozenset(
 # Field -> (allowed no-op values, description of them for the error message).
 _NOOP_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stream": ((None, False), "false (results are written to the output, not streamed)"),
-    "logit_bias": ((None, {}), "null or {}"),
     "tools": ((None, []), "null or []"),
     "functions": ((None, []), "null or []"),
     "tool_choice": ((None, "none"), 'null or "none"'),
@@ -271,6 +274,7 @@ _KIND_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "number": ("a number", _is_number),
     "integer": ("an integer", _is_int),
     "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
     "stop": (
         "a string or a list of strings",
         lambda v: (
