@@ -98,6 +98,15 @@ class SamplingParams:
             (`update_from_tokenizer`). None or ``{}``: no bias. The bias is added before the
             penalties, ``min_tokens``, the grammar mask, temperature, top-k/top-p/min-p and the
             greedy argmax; returned ``logprobs`` stay those of the raw model (see ``logprobs``).
+        bad_words: words a sample must not generate (vLLM's ``bad_words``); None is normalised
+            to ``[]``, and every word must hold a non-space character. Each word is tokenized
+            (`update_from_tokenizer`, ``add_special_tokens=False``) without its leading spaces,
+            and again with one leading space, the second form kept only when its first token
+            differs from the first form's and it has as many tokens (how a word reads in the
+            middle of text). A form's last token is banned (logit -inf) at a step when the
+            sample's generated tokens end with the form's other tokens (a one-token form is
+            always banned); the prompt does not count, as in vLLM. Applied first among the
+            logits processors; returned ``logprobs`` stay the raw model's.
 
     Every numeric field is range-checked here, so that a value the engine's tensors cannot hold
     (``top_k=2**63``, an integer temperature of 400 digits) fails this request at the boundary
@@ -127,9 +136,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._validate_and_normalise()
+        # Token-id forms of `bad_words`, set by `update_from_tokenizer` (vLLM keeps them alike).
+        self._bad_words_token_ids: list[list[int]] | None = None if self.bad_words else []
 
     def _validate_and_normalise(self) -> None:
         self.n = _int(self.n, "n", minimum=1)
@@ -188,6 +200,7 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = _structured_outputs(self.structured_outputs)
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.bad_words = _bad_words(self.bad_words)
 
     def update_from_tokenizer(self, tokenizer: object, vocab_size: int) -> None:
         """Check the token ids this request names against the model (vLLM's name for the step
@@ -199,8 +212,9 @@ class SamplingParams:
             vocab_size: the model's vocabulary size V; token ids must be in ``[0, V)``.
 
         Raises:
-            ValueError: a ``logit_bias`` id outside ``[0, V)``; the error carries
-                ``code = "invalid_request"`` and ``param = "logit_bias"``.
+            ValueError: a ``logit_bias`` id outside ``[0, V)``, or a bad word that the tokenizer
+                turns into no token or into ids outside ``[0, V)``; the error carries
+                ``code = "invalid_request"`` and ``param`` ``"logit_bias"`` or ``"bad_words"``.
         """
         outside = sorted(t for t in self.logit_bias or () if t >= vocab_size)
         if outside:
@@ -210,6 +224,31 @@ class SamplingParams:
                 f"logit_bias keys must be token ids in [0, {vocab_size}) (the model's "
                 f"vocabulary), got {shown}",
             )
+        forms: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain or not all(_is_int(t) and 0 <= t < vocab_size for t in plain + spaced):
+                _raise_field(
+                    "bad_words",
+                    f"bad_words entry {_short(word)} must tokenize to token ids in "
+                    f"[0, {vocab_size}), got {_short(plain)}",
+                )
+            forms.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                forms.append(spaced)
+        self._bad_words_token_ids = forms
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token-id forms of ``bad_words`` (see there), ``[]`` when there are none.
+
+        Raises:
+            RuntimeError: ``bad_words`` is set and `update_from_tokenizer` has not run.
+        """
+        if self._bad_words_token_ids is None:
+            raise RuntimeError("bad_words need update_from_tokenizer(tokenizer) before sampling")
+        return self._bad_words_token_ids
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -254,6 +293,18 @@ def _raise_field(param: str, message: str) -> None:
     err.code = "invalid_request"
     err.param = param
     raise err
+
+
+def _bad_words(words: object) -> list[str]:
+    if words is None:
+        return []
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise ValueError(f"bad_words must be a list of strings or None, got {_short(words)}")
+    if any(not w.strip() for w in words):
+        raise ValueError(
+            f"bad_words entries must contain a non-space character, got {_short(list(words))}"
+        )
+    return list(words)
 
 
 def _logit_bias(bias: object) -> dict[int, float] | None:

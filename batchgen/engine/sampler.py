@@ -6,7 +6,8 @@ The semantics follow vLLM v1 (`vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/p
 
 1. log-probabilities come from the *raw* logits (vLLM v1's default ``logprobs_mode``);
 2. all processing runs in float32 on a copy of the logits;
-3. the per-request logits processors (`batchgen.engine.logits_processors`: ``logit_bias``),
+3. the per-request logits processors (`batchgen.engine.logits_processors`: ``bad_words``,
+   then ``logit_bias``),
    then repetition penalty (prompt and output tokens), then frequency and presence penalties
    (output tokens only), then the ``min_tokens`` mask, then the structured-output grammar
    masks (one ``[B, ceil(V / 32)]`` int32 bitmask for the batch, `apply_token_bitmask`);
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.logits_processors import apply_logit_bias
+from batchgen.engine.logits_processors import apply_bad_words, apply_logit_bias
 from batchgen.sampling_params import SamplingParams
 
 # Floor for returned log-probabilities: -inf is not JSON and breaks sums (OpenAI uses -9999).
@@ -329,13 +330,18 @@ class Sampler:
         penalised = [b for b, row in enumerate(rows) if row.params.has_penalties]
         min_tokens = any(row.min_tokens_active for row in rows)
         biased = any(row.params.logit_bias for row in rows)
+        banned = any(row.params.bad_words for row in rows)
 
         masked = token_bitmask is not None
-        if all(greedy) and not penalised and not min_tokens and not masked and not biased:
+        processors = biased or banned
+        if all(greedy) and not penalised and not min_tokens and not masked and not processors:
             sampled = raw.argmax(dim=-1)  # [B] greedy fast path
         else:
-            copy = penalised or min_tokens or masked or biased
+            copy = penalised or min_tokens or masked or processors
             processed = raw.clone() if copy else raw  # [B, V]
+            if banned:
+                forms = [row.params.bad_words_token_ids for row in rows]
+                apply_bad_words(processed, forms, [row.output_token_ids for row in rows])
             if biased:
                 apply_logit_bias(processed, [row.params.logit_bias for row in rows])
             if penalised:

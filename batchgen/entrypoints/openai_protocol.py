@@ -21,7 +21,7 @@ Field policy (what a body may contain):
   means "default", except ``max_tokens: null`` which means "until ``max_model_len``".
 * vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
   ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-  ``include_stop_str_in_output``, ``skip_special_tokens``.
+  ``include_stop_str_in_output``, ``skip_special_tokens``, ``bad_words``.
 * ``logit_bias`` (OpenAI's token id -> bias in [-100, 100]; JSON keys are strings of token
   ids): checked by `SamplingParams`, ids against the vocabulary when the engine takes the
   request; an invalid map fails that request alone with ``param`` ``logit_bias``.
@@ -108,6 +108,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "include_stop_str_in_output": ("boolean", "include_stop_str_in_output"),
     "skip_special_tokens": ("boolean", "skip_special_tokens"),
     "logit_bias": ("object", "logit_bias"),
+    "bad_words": ("string_list", "bad_words"),
 }
 _IGNORED_FIELDS = frozenset(
     {
@@ -275,6 +276,10 @@ _KIND_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "integer": ("an integer", _is_int),
     "boolean": ("a boolean", lambda v: isinstance(v, bool)),
     "object": ("an object", lambda v: isinstance(v, dict)),
+    "string_list": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+    ),
     "stop": (
         "a string or a list of strings",
         lambda v: (
