@@ -74,6 +74,14 @@ class SamplingParams:
             token. As in vLLM v1, log-probabilities are ``log_softmax`` of the raw model logits,
             before ``logit_bias``, penalties, temperature and top-k/top-p/min-p, so they do not
             depend on the sampling settings.
+        prompt_logprobs: number of log-probabilities to return per prompt token, in [0, 20], or
+            None for none (vLLM's ``prompt_logprobs``): for each prompt token after the first,
+            the N most likely tokens at that position plus the actual prompt token with its
+            rank (``RequestOutput.prompt_logprobs``; the first prompt token has None). Raw model
+            distribution, like ``logprobs``. Such a request computes every prompt position itself:
+            it takes no shared or cached prompt K/V until its prompt log-probabilities are known
+            (a position read from another sequence's cache has no logits), so with ``n`` > 1 its
+            other samples share the prompt only once the first has prefilled it.
         presence_penalty: in [-2, 2], subtracted once from the logit of every token that already
             appears in the generated output (OpenAI's definition; the prompt does not count).
         frequency_penalty: in [-2, 2], subtracted from a token's logit once per occurrence of it
@@ -130,6 +138,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -187,6 +196,13 @@ class SamplingParams:
                     f"got {self.logprobs!r}"
                 )
             self.logprobs = int(self.logprobs)
+        if self.prompt_logprobs is not None:
+            if not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                    f"got {_short(self.prompt_logprobs)}"
+                )
+            self.prompt_logprobs = int(self.prompt_logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(
                 self, name, _float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)

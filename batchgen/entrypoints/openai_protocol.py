@@ -22,7 +22,9 @@ Field policy (what a body may contain):
   means "default", except ``max_tokens: null`` which means "until ``max_model_len``".
 * vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
   ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-  ``include_stop_str_in_output``, ``skip_special_tokens``, ``bad_words``.
+  ``include_stop_str_in_output``, ``skip_special_tokens``, ``bad_words``,
+  ``prompt_logprobs`` (returned as vLLM's server does: in each completions choice, at the top
+  of a chat completion).
 * ``logit_bias`` (OpenAI's token id -> bias in [-100, 100]; JSON keys are strings of token
   ids): checked by `SamplingParams`, ids against the vocabulary when the engine takes the
   request; an invalid map fails that request alone with ``param`` ``logit_bias``.
@@ -115,6 +117,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("boolean", "skip_special_tokens"),
     "logit_bias": ("object", "logit_bias"),
     "bad_words": ("string_list", "bad_words"),
+    "prompt_logprobs": ("integer", "prompt_logprobs"),
 }
 _IGNORED_FIELDS = frozenset(
     {

@@ -135,8 +135,10 @@ def completion_response_body(
     """The OpenAI ``text_completion`` object of a finished request (one choice per sample).
 
     ``created`` is a Unix time in seconds (default: now). Choices carry vLLM's extra
-    ``stop_reason`` (the stop string or token id that ended the sample, else null).
+    ``stop_reason`` (the stop string or token id that ended the sample, else null) and, when
+    the request asked for them, vLLM's ``prompt_logprobs`` (`prompt_logprobs_json`).
     """
+    prompt = prompt_logprobs_json(output)
     choices = [
         {
             "index": sample.index,
@@ -147,6 +149,9 @@ def completion_response_body(
         }
         for sample in output.outputs
     ]
+    if prompt is not None:
+        for choice in choices:
+            choice["prompt_logprobs"] = prompt
     return _response_body("cmpl", "text_completion", output, model, choices, created)
 
 
@@ -162,6 +167,8 @@ def chat_response_body(
 
     ``top_logprobs``: the number of alternatives per token in ``logprobs`` (the request's
     ``SamplingParams.logprobs``); None when not asked. ``created``: Unix seconds (default now).
+    When the request asked for them, vLLM's ``prompt_logprobs`` sit at the top of the object
+    (`prompt_logprobs_json`), as vLLM's server puts them.
     """
     choices = [
         {
@@ -175,7 +182,32 @@ def chat_response_body(
         }
         for sample in output.outputs
     ]
-    return _response_body("chatcmpl", "chat.completion", output, model, choices, created)
+    body = _response_body("chatcmpl", "chat.completion", output, model, choices, created)
+    prompt = prompt_logprobs_json(output)
+    if prompt is not None:
+        body["prompt_logprobs"] = prompt
+    return body
+
+
+def prompt_logprobs_json(output: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """``output.prompt_logprobs`` as vLLM's server writes them: per prompt token None (the
+    first) or ``{"<token_id>": {"logprob", "rank", "decoded_token"}}``, the top-N by rank then
+    the actual token; logprobs finite (-inf as ``MIN_LOGPROB``). None when not asked for."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(token_id): {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in step.items()
+        }
+        for step in output.prompt_logprobs
+    ]
 
 
 def _response_body(
