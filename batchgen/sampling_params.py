@@ -72,8 +72,8 @@ class SamplingParams:
             None for none. N returns the N most likely tokens (with rank 1 = most likely) plus
             the sampled token with its rank if it is not among them; 0 returns only the sampled
             token. As in vLLM v1, log-probabilities are ``log_softmax`` of the raw model logits,
-            before ``logit_bias``, penalties, temperature and top-k/top-p/min-p, so they do not
-            depend on the sampling settings.
+            before ``bad_words``, ``logit_bias``, penalties, temperature and top-k/top-p/min-p,
+            so they do not depend on the sampling settings.
         prompt_logprobs: number of log-probabilities to return per prompt token, in [0, 20], or
             None for none (vLLM's ``prompt_logprobs``): for each prompt token after the first,
             the N most likely tokens at that position plus the actual prompt token with its
