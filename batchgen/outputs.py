@@ -82,6 +82,10 @@ class RequestOutput:
             ``max_model_len``); the other requests are unaffected.
         metrics: the request's timestamps (`RequestMetrics`); None for a request that never
             entered the engine.
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` is set, one entry per prompt
+            token: None for the first, then ``{token_id: Logprob}`` of the top-N tokens the model
+            predicted at that position (ranks 1..N) plus the actual prompt token with its rank
+            (vLLM's field); raw model distribution, floored at -9999. None otherwise.
     """
 
     request_id: str
@@ -91,6 +95,7 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -27,6 +27,8 @@ MAX_LOGPROBS = 20
 # min_tokens, stop_token_ids): such values meet int64 tensors in the sampler and in rank-to-rank
 # exchanges, so a larger one would fail the whole engine step instead of this request.
 MAX_INT64 = 2**63 - 1
+# OpenAI's range for a `logit_bias` value.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -70,8 +72,16 @@ class SamplingParams:
             None for none. N returns the N most likely tokens (with rank 1 = most likely) plus
             the sampled token with its rank if it is not among them; 0 returns only the sampled
             token. As in vLLM v1, log-probabilities are ``log_softmax`` of the raw model logits,
-            before penalties, temperature and top-k/top-p/min-p, so they do not depend on the
-            sampling settings.
+            before ``bad_words``, ``logit_bias``, penalties, temperature and top-k/top-p/min-p,
+            so they do not depend on the sampling settings.
+        prompt_logprobs: number of log-probabilities to return per prompt token, in [0, 20], or
+            None for none (vLLM's ``prompt_logprobs``): for each prompt token after the first,
+            the N most likely tokens at that position plus the actual prompt token with its
+            rank (``RequestOutput.prompt_logprobs``; the first prompt token has None). Raw model
+            distribution, like ``logprobs``. Such a request computes every prompt position itself:
+            it takes no shared or cached prompt K/V until its prompt log-probabilities are known
+            (a position read from another sequence's cache has no logits), so with ``n`` > 1 its
+            other samples share the prompt only once the first has prefilled it.
         presence_penalty: in [-2, 2], subtracted once from the logit of every token that already
             appears in the generated output (OpenAI's definition; the prompt does not count).
         frequency_penalty: in [-2, 2], subtracted from a token's logit once per occurrence of it
@@ -88,6 +98,23 @@ class SamplingParams:
             ``structured_outputs.<field>``). A constrained sample ends when its grammar is
             complete (``finish_reason`` "stop"); one cut by ``max_tokens`` ends with "length"
             and its text may be incomplete (e.g. unclosed JSON).
+        logit_bias: token id -> bias added to that token's logit before sampling (OpenAI's
+            ``logit_bias``; vLLM applies it the same way): each bias in [-100, 100]; -100 in
+            practice bans the token, +100 forces it. Keys are token ids >= 0, ints or strings of
+            decimal digits (JSON object keys are strings), normalised to ints; they must be below
+            the model's vocabulary size, which the engine checks when it takes the request
+            (`update_from_tokenizer`). None or ``{}``: no bias. The bias is added before the
+            penalties, ``min_tokens``, the grammar mask, temperature, top-k/top-p/min-p and the
+            greedy argmax; returned ``logprobs`` stay those of the raw model (see ``logprobs``).
+        bad_words: words a sample must not generate (vLLM's ``bad_words``); None is normalised
+            to ``[]``, and every word must hold a non-space character. Each word is tokenized
+            (`update_from_tokenizer`, ``add_special_tokens=False``) without its leading spaces,
+            and again with one leading space, the second form kept only when its first token
+            differs from the first form's and it has as many tokens (how a word reads in the
+            middle of text). A form's last token is banned (logit -inf) at a step when the
+            sample's generated tokens end with the form's other tokens (a one-token form is
+            always banned); the prompt does not count, as in vLLM. Applied first among the
+            logits processors; returned ``logprobs`` stay the raw model's.
 
     Every numeric field is range-checked here, so that a value the engine's tensors cannot hold
     (``top_k=2**63``, an integer temperature of 400 digits) fails this request at the boundary
@@ -111,14 +138,19 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._validate_and_normalise()
+        # Token-id forms of `bad_words`, set by `update_from_tokenizer` (vLLM keeps them alike).
+        self._bad_words_token_ids: list[list[int]] | None = None if self.bad_words else []
 
     def _validate_and_normalise(self) -> None:
         self.n = _int(self.n, "n", minimum=1)
@@ -164,6 +196,13 @@ class SamplingParams:
                     f"got {self.logprobs!r}"
                 )
             self.logprobs = int(self.logprobs)
+        if self.prompt_logprobs is not None:
+            if not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                    f"got {_short(self.prompt_logprobs)}"
+                )
+            self.prompt_logprobs = int(self.prompt_logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(
                 self, name, _float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)
@@ -176,6 +215,56 @@ class SamplingParams:
         )
         if self.structured_outputs is not None:
             self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.bad_words = _bad_words(self.bad_words)
+
+    def update_from_tokenizer(self, tokenizer: object, vocab_size: int) -> None:
+        """Check the token ids this request names against the model (vLLM's name for the step
+        that needs the tokenizer). Called by the engine when it takes the request
+        (`InputProcessor.process`); idempotent.
+
+        Args:
+            tokenizer: the model's tokenizer (``encode(text, add_special_tokens=False)``).
+            vocab_size: the model's vocabulary size V; token ids must be in ``[0, V)``.
+
+        Raises:
+            ValueError: a ``logit_bias`` id outside ``[0, V)``, or a bad word that the tokenizer
+                turns into no token or into ids outside ``[0, V)``; the error carries
+                ``code = "invalid_request"`` and ``param`` ``"logit_bias"`` or ``"bad_words"``.
+        """
+        outside = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if outside:
+            shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
+            _raise_field(
+                "logit_bias",
+                f"logit_bias keys must be token ids in [0, {vocab_size}) (the model's "
+                f"vocabulary), got {shown}",
+            )
+        forms: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain or not all(_is_int(t) and 0 <= t < vocab_size for t in plain + spaced):
+                _raise_field(
+                    "bad_words",
+                    f"bad_words entry {_short(word)} must tokenize to token ids in "
+                    f"[0, {vocab_size}), got {_short(plain)}",
+                )
+            forms.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                forms.append(spaced)
+        self._bad_words_token_ids = forms
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token-id forms of ``bad_words`` (see there), ``[]`` when there are none.
+
+        Raises:
+            RuntimeError: ``bad_words`` is set and `update_from_tokenizer` has not run.
+        """
+        if self._bad_words_token_ids is None:
+            raise RuntimeError("bad_words need update_from_tokenizer(tokenizer) before sampling")
+        return self._bad_words_token_ids
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -212,6 +301,63 @@ def _structured_outputs(spec: object) -> StructuredOutputsParams:
 
     check_spec(spec)
     return spec
+
+
+def _raise_field(param: str, message: str) -> None:
+    """Raise ValueError(message) carrying the OpenAI error ``code`` and the field ``param``."""
+    err = ValueError(message)
+    err.code = "invalid_request"
+    err.param = param
+    raise err
+
+
+def _bad_words(words: object) -> list[str]:
+    if words is None:
+        return []
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise ValueError(f"bad_words must be a list of strings or None, got {_short(words)}")
+    if any(not w.strip() for w in words):
+        raise ValueError(
+            f"bad_words entries must contain a non-space character, got {_short(list(words))}"
+        )
+    return list(words)
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """``bias`` as ``{token_id: float}``, keys and values checked (see ``logit_bias``)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(
+            "logit_bias must be an object (dict) of token id -> bias in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or None, got {_short(bias)}"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+            token = int(key)
+        elif _is_int(key) and key >= 0:
+            token = int(key)
+        else:
+            token = -1
+        if not 0 <= token <= MAX_INT64:
+            raise ValueError(
+                "logit_bias keys must be token ids: integers >= 0 or strings of decimal digits "
+                f"(as JSON carries them), got {_short(key)}"
+            )
+        number = math.nan
+        if isinstance(value, Real) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.nan
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {_short(value)} for token {_short(key)}"
+            )
+        out[token] = number
+    return out
 
 
 def _is_int(value: object) -> bool:

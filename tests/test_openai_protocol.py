@@ -233,7 +233,6 @@ def test_wrong_fields_name_the_field(field, value, words):
         ("echo", True),
         ("suffix", "tail"),
         ("best_of", 3),
-        ("logit_bias", {"50256": -100}),
         ("tools", [{"type": "function"}]),
     ],
 )

@@ -161,9 +161,11 @@ class StageExecutor:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSeq], local_prefill: bool = False
-    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Run a step. Returns the entries that sample a token (row order) and their logits
-        ``[B, V]`` float32. ``local_prefill``: see the module docstring."""
+    ) -> tuple[list[ScheduledSeq], torch.Tensor, list[tuple[ScheduledSeq, torch.Tensor]]]:
+        """Run a step. Returns the entries that sample a token (row order), their logits
+        ``[B, V]`` float32, and for each entry with ``prompt_logits`` positions the final hidden
+        states there (``[len(prompt_logits), H]``; the caller turns them into logits chunk by
+        chunk). ``local_prefill``: see the module docstring."""
         groups = []
         for entries in self.form_groups(scheduled):
             input_ids, meta, ordered, sample_indices = self.runner.prepare(entries)
@@ -174,15 +176,21 @@ class StageExecutor:
         self.run_stages(groups, local_prefill)
         sampling: list[ScheduledSeq] = []
         rows = []
+        prompt_rows: list[tuple[ScheduledSeq, torch.Tensor]] = []
         for group in groups:
             sampling.extend(e for e in group.entries if e.samples_next_token)
             rows.append(group.hidden.index_select(0, group.sample_indices))
+            offset = 0  # flat index of the entry's first token (entries are in flat order)
             for e in group.entries:
                 e.seq.group = None
+                if e.prompt_logits:
+                    first = offset + e.prompt_logits.start - e.seq.num_computed_tokens
+                    prompt_rows.append((e, group.hidden[first : first + len(e.prompt_logits)]))
+                offset += e.num_new_tokens
         t0 = self._clock()
         logits = self.model.compute_logits(torch.cat(rows))  # [B, V]
         self.metrics.stage_seconds["lm_head"] += self._clock() - t0
-        return sampling, logits
+        return sampling, logits, prompt_rows
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

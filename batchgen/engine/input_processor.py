@@ -114,11 +114,14 @@ class InputProcessor:
         Raises:
             ValueError: empty prompt, prompt of ``max_model_len`` tokens or more (or a text
                 longer than `prompt_bound` allows, refused before tokenizing), ids outside
-                the vocabulary, text that cannot be tokenized, or (with
-                ``max_tokens_must_fit``) prompt plus ``max_tokens`` beyond ``max_model_len``.
+                the vocabulary, text that cannot be tokenized, (with
+                ``max_tokens_must_fit``) prompt plus ``max_tokens`` beyond ``max_model_len``,
+                or a sampling field naming ids outside the vocabulary
+                (`SamplingParams.update_from_tokenizer`: ``param`` ``"logit_bias"``).
                 Length errors carry ``code = "context_length_exceeded"`` (OpenAI's code) and
                 the completion-length one ``param = "max_tokens"``.
         """
+        params.update_from_tokenizer(self.tokenizer, self.vocab_size)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")

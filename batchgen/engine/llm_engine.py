@@ -54,6 +54,7 @@ from batchgen.engine.migration import (
     restore_sequence,
 )
 from batchgen.engine.model_runner import ModelRunner, kv_cache_bytes_per_token
+from batchgen.engine.prompt_logprobs import prompt_logit_positions
 from batchgen.engine.request_outputs import RequestOutputs
 from batchgen.engine.sampler import Sampler, make_generator
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -281,6 +282,8 @@ class LLMEngine(RequestOutputs):
         request = Request(request_id, text, ids, params, self._arrivals)
         if resume is not None:
             request.metrics = RequestMetrics(**vars(resume.metrics))
+            if resume.prompt_logprobs is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs = list(resume.prompt_logprobs)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self._arrivals += 1
@@ -460,13 +463,17 @@ class LLMEngine(RequestOutputs):
         if sched.block_copies:
             self.runner.copy_blocks(sched.block_copies)
         m.shared_prefix_tokens += sched.num_shared_prefix_tokens
+        for entry in sched.scheduled:
+            entry.prompt_logits = prompt_logit_positions(entry.seq, entry.num_new_tokens)
         if local_prefill:
             self.expert_parallel.begin_streamed_step()
         try:
             if local_prefill:
-                sampling, logits = self.executor.execute(sched.scheduled, local_prefill=True)
+                sampling, logits, prompt_rows = self.executor.execute(
+                    sched.scheduled, local_prefill=True
+                )
             else:
-                sampling, logits = self.executor.execute(sched.scheduled)
+                sampling, logits, prompt_rows = self.executor.execute(sched.scheduled)
         except Exception as exc:
             if self.expert_parallel is not None:
                 # The other ranks of the group are inside this step's collectives: failing the
@@ -491,6 +498,8 @@ class LLMEngine(RequestOutputs):
         finished: list[Request] = []
         # request id -> why it failed in this step (or, for a grammar, before it)
         failed: dict[str, str] = self._take_grammar_failures()
+        if prompt_rows:
+            self._add_prompt_logprobs(prompt_rows, failed)
         if sampling:
             finished = self._sample_isolated(sampling, logits, failed)
         self.scheduler.remove_finished()

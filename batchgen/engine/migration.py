@@ -155,6 +155,9 @@ class RequestState:
     metrics: RequestMetrics
     seqs: list[SequenceState] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # The prompt log-probabilities known so far (`Request.prompt_logprobs`), when asked for:
+    # shipped K/V of the prompt would otherwise leave the receiver without their logits.
+    prompt_logprobs: list | None = None
 
     @property
     def started(self) -> bool:
@@ -183,6 +186,7 @@ def export_request(request: Request, kv_reader: KVReader | None = None) -> Reque
         metrics=RequestMetrics(**vars(request.metrics)),
         seqs=[_export_seq(seq, kv_reader) for seq in request.seqs],
         num_computed_tokens=sum(_held_tokens(s) for s in request.seqs if not s.is_finished),
+        prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
     )
 
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from batchgen.engine.prompt_logprobs import add_prompt_logprobs
 from batchgen.engine.sampler import SamplerOutput, SamplingRow
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Request, SequenceCoroutine
@@ -66,6 +67,30 @@ class RequestOutputs:
             if seq.is_finished and request.is_finished:
                 finished.append(request)
         return finished
+
+    def _add_prompt_logprobs(
+        self, prompt_rows: list[tuple[ScheduledSeq, torch.Tensor]], failed: dict[str, str]
+    ) -> None:
+        """Prompt log-probabilities of the positions this step computed (`execute`'s
+        ``prompt_rows``); a request whose entries raise fails alone."""
+        t0 = time.perf_counter()
+        compute_logits = self.runner.model.compute_logits
+        for entry, hidden in prompt_rows:
+            request = entry.seq.request
+            if request.request_id in failed:
+                continue
+            try:
+                with torch.inference_mode():
+                    add_prompt_logprobs(
+                        entry.seq,
+                        entry.prompt_logits,
+                        hidden,
+                        compute_logits,
+                        self.tokenizer.decode,
+                    )
+            except Exception as exc:
+                self._fail_request(request, exc, failed)
+        self.metrics.stage_seconds["lm_head"] += time.perf_counter() - t0
 
     def _sample_per_request(
         self,
@@ -231,6 +256,7 @@ class RequestOutputs:
             outputs,
             finished=True,
             metrics=metrics,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
 

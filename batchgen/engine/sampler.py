@@ -1,12 +1,14 @@
-"""One batched sampler: penalties, min_tokens, structured-output token masks, temperature,
-top-k / top-p / min-p, per-sample seeded sampling and log-probabilities.
+"""One batched sampler: logit bias, penalties, min_tokens, structured-output token masks,
+temperature, top-k / top-p / min-p, per-sample seeded sampling and log-probabilities.
 
 The semantics follow vLLM v1 (`vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/penalties.py`,
 `vllm/v1/sample/ops/topk_topp_sampler.py`):
 
 1. log-probabilities come from the *raw* logits (vLLM v1's default ``logprobs_mode``);
 2. all processing runs in float32 on a copy of the logits;
-3. repetition penalty (prompt and output tokens), then frequency and presence penalties
+3. the per-request logits processors (`batchgen.engine.logits_processors`: ``bad_words``,
+   then ``logit_bias``),
+   then repetition penalty (prompt and output tokens), then frequency and presence penalties
    (output tokens only), then the ``min_tokens`` mask, then the structured-output grammar
    masks (one ``[B, ceil(V / 32)]`` int32 bitmask for the batch, `apply_token_bitmask`);
 4. greedy rows take the argmax of these processed logits;
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.logits_processors import apply_bad_words, apply_logit_bias
 from batchgen.sampling_params import SamplingParams
 
 # Floor for returned log-probabilities: -inf is not JSON and breaks sums (OpenAI uses -9999).
@@ -326,13 +329,21 @@ class Sampler:
         greedy = [row.params.is_greedy for row in rows]
         penalised = [b for b, row in enumerate(rows) if row.params.has_penalties]
         min_tokens = any(row.min_tokens_active for row in rows)
+        biased = any(row.params.logit_bias for row in rows)
+        banned = any(row.params.bad_words for row in rows)
 
         masked = token_bitmask is not None
-        if all(greedy) and not penalised and not min_tokens and not masked:
+        processors = biased or banned
+        if all(greedy) and not penalised and not min_tokens and not masked and not processors:
             sampled = raw.argmax(dim=-1)  # [B] greedy fast path
         else:
-            copy = penalised or min_tokens or masked
+            copy = penalised or min_tokens or masked or processors
             processed = raw.clone() if copy else raw  # [B, V]
+            if banned:
+                forms = [row.params.bad_words_token_ids for row in rows]
+                apply_bad_words(processed, forms, [row.output_token_ids for row in rows])
+            if biased:
+                apply_logit_bias(processed, [row.params.logit_bias for row in rows])
             if penalised:
                 self._apply_penalties(processed, rows, penalised)
             if min_tokens:

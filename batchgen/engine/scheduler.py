@@ -14,7 +14,11 @@ the same prompt, so only the first one admitted prefills it. Its siblings stay w
 is in prefill (later waiting sequences are admitted past them), then each is admitted with the
 K/V of the first ``prompt_len - 1`` positions shared from a running sibling
 (`KVCacheManager.share_prefix`) and computes only the last prompt token itself, which yields
-its own first-token logits. vLLM gets the same effect from prefix caching.
+its own first-token logits. vLLM gets the same effect from prefix caching. A request that asked
+for ``prompt_logprobs`` shares nothing while some are unknown (`Request.needs_prompt_logits`):
+shared positions were computed elsewhere and have no logits here. In practice its first sample
+computes them all, its siblings wait as usual and then share; the rule is what any cache of
+prompt K/V must follow (cost: such a request always prefills its whole prompt once).
 
 A sequence moved from another engine with its K/V (``seq.kv_import``, straggler rebalancing)
 is admitted like any waiting one, with those positions counted as computed: it allocates their
@@ -37,8 +41,13 @@ _DEFER = object()  # `Scheduler._prefix_source`: wait for a sibling's prefill
 
 @dataclass
 class ScheduledSeq:
+    """``num_new_tokens`` of ``seq`` to compute in this step, from ``seq.num_computed_tokens``.
+    ``prompt_logits``: the positions among them whose hidden states the step keeps for the
+    request's prompt log-probabilities (set by the engine, `batchgen.engine.prompt_logprobs`)."""
+
     seq: SequenceCoroutine
     num_new_tokens: int
+    prompt_logits: range = range(0)
 
     @property
     def samples_next_token(self) -> bool:
@@ -179,7 +188,7 @@ class Scheduler:
             ):
                 continue
             if sibling.num_computed_tokens >= need:
-                return sibling
+                return None if seq.request.needs_prompt_logits else sibling
             prefilling = True
         return _DEFER if prefilling else None
 
@@ -229,6 +238,7 @@ class Scheduler:
             or seq.status is not SequenceStatus.RUNNING
             or seq.request.params.n == 1
             or seq.num_prompt_tokens < 2
+            or seq.request.needs_prompt_logits
         ):
             return None
         for sibling in seq.request.seqs:

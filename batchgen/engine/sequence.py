@@ -146,7 +146,12 @@ class SequenceCoroutine:
 @dataclass(eq=False)
 class Request:
     """A user request: one prompt, one `SamplingParams`, ``params.n`` sequences, and its
-    timestamps (`RequestMetrics`, filled in by the engine)."""
+    timestamps (`RequestMetrics`, filled in by the engine).
+
+    ``prompt_logprobs``: when the request asked for them, the entries known so far, in prompt
+    order (``[None]`` for the first token at the start; complete at ``num_prompt_tokens``
+    entries); filled by whichever sample computes the positions (`batchgen.engine.prompt_logprobs`).
+    """
 
     request_id: str
     prompt: str | None
@@ -155,7 +160,20 @@ class Request:
     arrival_index: int
     seqs: list[SequenceCoroutine] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    prompt_logprobs: list[dict | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while some prompt log-probabilities are missing: then no sample of this request
+        may take prompt positions it did not compute (shared or cached K/V carry no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )

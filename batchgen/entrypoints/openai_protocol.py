@@ -4,8 +4,9 @@ Shared by ``batchgen run`` (OpenAI Batch API files) and the HTTP service. Two la
 
 * **Bodies** (`parse_request_body`): the JSON body of a ``/v1/completions`` or
   ``/v1/chat/completions`` request -> `ApiRequest` (prompt or messages + `SamplingParams`).
-  `completion_response_body` / `chat_response_body` turn a finished `RequestOutput` back into
-  the OpenAI ``text_completion`` / ``chat.completion`` object.
+  `completion_response_body` / `chat_response_body` (in `batchgen.entrypoints.openai_responses`,
+  re-exported here) turn a finished `RequestOutput` back into the OpenAI ``text_completion`` /
+  ``chat.completion`` object.
 * **Batch lines** (`parse_batch_line`): one line of an OpenAI Batch input file, either the
   envelope ``{"custom_id", "method": "POST", "url", "body"}`` or a plain body such as
   ``{"prompt": "..."}`` (a completion; with ``"messages"`` a chat completion) whose
@@ -21,7 +22,12 @@ Field policy (what a body may contain):
   means "default", except ``max_tokens: null`` which means "until ``max_model_len``".
 * vLLM's extra sampling fields are accepted with vLLM's names: ``top_k``, ``min_p``,
   ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-  ``include_stop_str_in_output``, ``skip_special_tokens``.
+  ``include_stop_str_in_output``, ``skip_special_tokens``, ``bad_words``,
+  ``prompt_logprobs`` (returned as vLLM's server does: in each completions choice, at the top
+  of a chat completion).
+* ``logit_bias`` (OpenAI's token id -> bias in [-100, 100]; JSON keys are strings of token
+  ids): checked by `SamplingParams`, ids against the vocabulary when the engine takes the
+  request; an invalid map fails that request alone with ``param`` ``logit_bias``.
 * Structured outputs (`batchgen.entrypoints.structured_body`): OpenAI's ``response_format``
   (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and its older
   ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of them.
@@ -33,7 +39,7 @@ Field policy (what a body may contain):
   ``safety_identifier``.
 * Fields BatchGen cannot honour are accepted only at their no-op value and rejected otherwise
   (code ``unsupported_parameter``): ``stream`` (false), ``echo`` (false), ``suffix``
-  (null/""), ``best_of`` (null or == n), ``logit_bias`` (null/{}),
+  (null/""), ``best_of`` (null or == n),
   ``tools``/``functions`` (null/[]), ``tool_choice``/
   ``function_call`` (null/"none"), ``modalities`` (null/["text"]).
 * Any other field is rejected, like the OpenAI API does, so that a typo (``max_token``) does
@@ -48,22 +54,29 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import sys
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.detokenizer import token_bytes
+from batchgen.entrypoints.openai_responses import (  # noqa: F401  (re-exported)
+    MIN_LOGPROB,
+    chat_logprobs,
+    chat_response_body,
+    completion_logprobs,
+    completion_response_body,
+    dumps_line,
+    error_line,
+    response_body,
+    success_line,
+    usage,
+)
 from batchgen.entrypoints.structured_body import (
     STRUCTURED_BODY_FIELDS,
     BodyFieldError,
     param_for,
     parse_structured_fields,
 )
-from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
@@ -83,8 +96,6 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 REQUEST_FAILED = "request_failed"
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI clamps -inf log-probabilities the same way (vLLM does too): JSON has no infinity.
-MIN_LOGPROB = -9999.0
 
 # OpenAI name -> (JSON kind, SamplingParams name). Kinds are checked here; ranges by
 # SamplingParams, whose messages name the field.
@@ -104,6 +115,9 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "stop_token_ids": ("integer_list", "stop_token_ids"),
     "include_stop_str_in_output": ("boolean", "include_stop_str_in_output"),
     "skip_special_tokens": ("boolean", "skip_special_tokens"),
+    "logit_bias": ("object", "logit_bias"),
+    "bad_words": ("string_list", "bad_words"),
+    "prompt_logprobs": ("integer", "prompt_logprobs"),
 }
 _IGNORED_FIELDS = frozenset(
     {
@@ -120,7 +134,6 @@ _IGNORED_FIELDS = frozenset(
 # Field -> (allowed no-op values, description of them for the error message).
 _NOOP_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stream": ((None, False), "false (results are written to the output, not streamed)"),
-    "logit_bias": ((None, {}), "null or {}"),
     "tools": ((None, []), "null or []"),
     "functions": ((None, []), "null or []"),
     "tool_choice": ((None, "none"), 'null or "none"'),
@@ -271,6 +284,11 @@ _KIND_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "number": ("a number", _is_number),
     "integer": ("an integer", _is_int),
     "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "string_list": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+    ),
     "stop": (
         "a string or a list of strings",
         lambda v: (
@@ -716,238 +734,7 @@ def _parse_envelope(obj: dict[str, Any], line: int) -> tuple[str, str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Responses
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-def _token_text(token_id: int, logprob: Logprob | None, tokenizer: Any) -> str:
-    if logprob is not None and logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return tokenizer.decode([token_id])
-
-
-def _by_rank(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    # Unranked entries (should not happen) sort last.
-    return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
-
-
-def completion_logprobs(sample: CompletionOutput, tokenizer: Any) -> dict[str, Any] | None:
-    """OpenAI completions ``logprobs``: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
-
-    ``top_logprobs[i]`` maps token text -> logprob for the top-N tokens plus the sampled one
-    (so up to N+1 entries, as OpenAI documents), most likely first. Different tokens can
-    decode to the same text (e.g. lone bytes of a multi-byte character all decode to U+FFFD);
-    such a text keeps the highest of their logprobs, so the sampled token's text is always a
-    key, with at least its own logprob. ``text_offset[i]`` is the character offset of
-    token i in the generated text (0 = start of the completion). Log-probabilities are natural
-    logs, -inf clamped to ``MIN_LOGPROB``. None when the request did not ask for logprobs.
-    """
-    if sample.logprobs is None:
-        return None
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, step in zip(sample.token_ids, sample.logprobs, strict=True):
-        chosen = step.get(token_id)
-        text = _token_text(token_id, chosen, tokenizer)
-        tokens.append(text)
-        token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
-        top_logprobs.append(_top_logprobs_by_text(step, tokenizer))
-        text_offset.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
-def _top_logprobs_by_text(step: dict[int, Logprob], tokenizer: Any) -> dict[str, float]:
-    """Token text -> logprob, by rank; a text that several tokens decode to keeps the highest."""
-    top: dict[str, float] = {}
-    for token_id, lp in _by_rank(step):
-        text, logprob = _token_text(token_id, lp, tokenizer), _finite(lp.logprob)
-        if text not in top or logprob > top[text]:
-            top[text] = logprob
-    return top
-
-
-def _chat_token(token_id: int, lp: Logprob | None, tokenizer: Any) -> dict[str, Any]:
-    text = _token_text(token_id, lp, tokenizer)
-    # The token's own bytes (half a multi-byte character stays half), as OpenAI reports.
-    raw = (
-        token_bytes(tokenizer, token_id)
-        if tokenizer is not None
-        else text.encode("utf-8", errors="replace")
-    )
-    return {
-        "token": text,
-        "logprob": MIN_LOGPROB if lp is None else _finite(lp.logprob),
-        "bytes": list(raw),
-    }
-
-
-def chat_logprobs(
-    sample: CompletionOutput, tokenizer: Any, top_logprobs: int
-) -> dict[str, Any] | None:
-    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
-
-    ``top_logprobs`` of each token lists exactly the ``top_logprobs`` most likely tokens (by
-    rank), each ``{token, logprob, bytes}`` with ``bytes`` the token's raw bytes (`token_bytes`).
-    None when the request did not ask for logprobs.
-    """
-    if sample.logprobs is None:
-        return None
-    content = []
-    for token_id, step in zip(sample.token_ids, sample.logprobs, strict=True):
-        chosen = step.get(token_id)
-        entry = _chat_token(token_id, chosen, tokenizer)
-        entry["top_logprobs"] = [
-            _chat_token(t, lp, tokenizer) for t, lp in _by_rank(step)[:top_logprobs]
-        ]
-        content.append(entry)
-    return {"content": content}
-
-
-def usage(output: RequestOutput) -> dict[str, int]:
-    """OpenAI ``usage``: prompt tokens (once per request), generated tokens over all samples."""
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = output.num_generated_tokens
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_response_body(
-    output: RequestOutput, *, model: str, tokenizer: Any, created: int | None = None
-) -> dict[str, Any]:
-    """The OpenAI ``text_completion`` object of a finished request (one choice per sample).
-
-    ``created`` is a Unix time in seconds (default: now). Choices carry vLLM's extra
-    ``stop_reason`` (the stop string or token id that ended the sample, else null).
-    """
-    choices = [
-        {
-            "index": sample.index,
-            "text": sample.text,
-            "logprobs": completion_logprobs(sample, tokenizer),
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
-        }
-        for sample in output.outputs
-    ]
-    return _response_body("cmpl", "text_completion", output, model, choices, created)
-
-
-def chat_response_body(
-    output: RequestOutput,
-    *,
-    model: str,
-    tokenizer: Any,
-    top_logprobs: int | None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """The OpenAI ``chat.completion`` object of a finished request (one choice per sample).
-
-    ``top_logprobs``: the number of alternatives per token in ``logprobs`` (the request's
-    ``SamplingParams.logprobs``); None when not asked. ``created``: Unix seconds (default now).
-    """
-    choices = [
-        {
-            "index": sample.index,
-            "message": {"role": "assistant", "content": sample.text},
-            "logprobs": None
-            if top_logprobs is None
-            else chat_logprobs(sample, tokenizer, top_logprobs),
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
-        }
-        for sample in output.outputs
-    ]
-    return _response_body("chatcmpl", "chat.completion", output, model, choices, created)
-
-
-def _response_body(
-    id_prefix: str,
-    obj: str,
-    output: RequestOutput,
-    model: str,
-    choices: list[dict[str, Any]],
-    created: int | None,
-) -> dict[str, Any]:
-    return {
-        "id": f"{id_prefix}-{uuid.uuid4().hex}",
-        "object": obj,
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": sorted(choices, key=lambda c: c["index"]),
-        "usage": usage(output),
-    }
-
-
-def response_body(
-    request: ApiRequest, output: RequestOutput, *, model: str, tokenizer: Any
-) -> dict[str, Any]:
-    """`completion_response_body` or `chat_response_body`, as ``request.url`` asks."""
-    if request.is_chat:
-        return chat_response_body(
-            output,
-            model=model,
-            tokenizer=tokenizer,
-            top_logprobs=request.sampling_params.logprobs,
-        )
-    return completion_response_body(output, model=model, tokenizer=tokenizer)
-
-
-def success_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A batch output line for a request that completed (HTTP status 200)."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": {"status_code": 200, "request_id": request_id, "body": body},
-        "error": None,
-    }
-
-
-def error_line(
-    custom_id: str | None,
-    code: str,
-    message: str,
-    *,
-    line: int,
-    param: str | None = None,
-) -> dict[str, Any]:
-    """A batch output line for a request that failed.
-
-    Both shapes clients look for are filled: ``response`` carries HTTP 400 with an OpenAI
-    error body ``{"error": {message, type, param, code}}`` (what OpenAI and vLLM write for a
-    request the API rejected), and ``error`` is ``{code, message, param, line}`` (the keys of
-    OpenAI's batch errors). ``line`` is the 1-based input line number, which lets ``--resume``
-    recognise lines that had no usable custom_id; it is required, so that no error line of any
-    path (parsing, admission, engine failure, cancel) goes out without it.
-    """
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": {
-            "status_code": 400,
-            "request_id": f"req_{uuid.uuid4().hex}",
-            "body": {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": param,
-                    "code": code,
-                }
-            },
-        },
-        "error": {"code": code, "message": message, "param": param, "line": line},
-    }
+# Errors
 
 
 def rejected_error(request: ApiRequest, err: Exception) -> tuple[str, str]:
@@ -972,17 +759,3 @@ def rejected_error(request: ApiRequest, err: Exception) -> tuple[str, str]:
 def error_line_from(err: BatchLineError) -> dict[str, Any]:
     """The output line of a batch line that failed to parse."""
     return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)
-
-
-def dumps_line(obj: dict[str, Any]) -> str:
-    """Compact JSON text of one output line (no newline), safe to encode as UTF-8.
-
-    Non-ASCII text is kept as is; should text contain a lone surrogate (not encodable), the
-    line falls back to ``\\u`` escapes.
-    """
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(obj, separators=(",", ":"))
-    return text

@@ -196,13 +196,14 @@ def parse_online_body(raw: bytes, url: str, limits: PromptLimits | None) -> Onli
         api = parse_request_body(url, body)
     except ProtocolError as err:
         raise APIError(400, str(err), param=err.param, code=err.code) from None
-    if stream and api.sampling_params.logprobs is not None:
-        raise APIError(
-            400,
-            "'logprobs' cannot be combined with 'stream' in BatchGen",
-            param="logprobs",
-            code=UNSUPPORTED_PARAMETER,
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if stream and getattr(api.sampling_params, name) is not None:
+            raise APIError(
+                400,
+                f"'{name}' cannot be combined with 'stream' in BatchGen",
+                param=name,
+                code=UNSUPPORTED_PARAMETER,
+            )
     if limits is not None and api.prompt is not None:
         try:
             check_prompt_size(api.prompt, limits.max_model_len, limits.bound)
