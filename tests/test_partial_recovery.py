@@ -132,7 +132,9 @@ def _rank_set(world: int, ep: int):
     import queue
 
     from batchgen.config import ParallelConfig
+    from batchgen.distributed.layout import resolve_layout
     from batchgen.distributed.rank_handle import RankHandle
+    from batchgen.distributed.rank_join import Joining
     from batchgen.distributed.rank_set import RankSet
 
     rank_set = object.__new__(RankSet)
@@ -142,6 +144,7 @@ def _rank_set(world: int, ep: int):
     rank_set.ranks = [RankHandle(r, _Conn(), "host", 100 + r) for r in range(world)]
     rank_set._inbox, rank_set._held = queue.Queue(), []
     rank_set.failure, rank_set.closed = None, False
+    rank_set._joining = Joining(resolve_layout(rank_set.parallel))
     return rank_set
 
 
@@ -200,3 +203,148 @@ def test_each_restart_group_is_its_own_world():
         0: ("tcp://127.0.0.1:6000", [0]),
         1: ("tcp://127.0.0.1:6001", [1]),
     }
+
+
+class _HelloConn(_Conn):
+    def __init__(self, hello) -> None:
+        self.hello = hello
+
+    def poll(self, timeout: float) -> bool:
+        return True
+
+    def recv(self):
+        return self.hello
+
+
+class _Proc:
+    name, ended = "pid 7", False
+
+    def done(self) -> bool:
+        return self.ended
+
+    def killed(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "killed by SIGKILL"
+
+
+def test_joining_ranks_are_set_up_by_whole_groups_and_a_death_before_connecting_fails():
+    """`Joining.poll` never waits: it takes what connected, hands over a restart group only
+    once all of its ranks connected, and reports a replacement that died before connecting."""
+    import queue
+
+    from batchgen.config import ParallelConfig
+    from batchgen.distributed import protocol as msg
+    from batchgen.distributed.layout import resolve_layout
+    from batchgen.distributed.rank_join import Joining
+    from batchgen.distributed.rank_set import RankFailedError
+
+    layout = resolve_layout(ParallelConfig(data_parallel_size=4, expert_parallel_size=2))
+    joining, arrived = Joining(layout), queue.Queue()
+    procs = {r: _Proc() for r in (2, 3)}
+    joining.add([2, 3], procs)
+    address = ("127.0.0.1", 1)
+    assert joining.active and joining.poll(arrived, 60, address) == []
+    arrived.put((_HelloConn(msg.Hello(3, 13, "host", False, 5003)), "127.0.0.1"))
+    arrived.put((_HelloConn(msg.Hello(0, 10, "host", False, 5000)), "127.0.0.1"))  # not asked
+    assert joining.poll(arrived, 60, address) == []  # rank 2 is not in yet
+    arrived.put((_HelloConn(msg.Hello(2, 12, "host", False, 5002)), "127.0.0.1"))
+    (group,) = joining.poll(arrived, 60, address)
+    assert sorted(group) == [2, 3] and group[2][0].pid == 12 and group[2][0].process is procs[2]
+    assert not joining.active
+    joining.add([2, 3], procs)
+    procs[2].ended = True
+    with pytest.raises(RankFailedError) as caught:
+        joining.poll(arrived, 60, address)
+    assert caught.value.ranks == [2] and caught.value.recoverable
+    assert "before connecting" in str(caught.value)
+    joining.drop([2, 3])
+    assert not joining.active
+
+
+@pytest.mark.timeout(300)
+def test_outputs_flow_from_the_survivor_while_the_replacement_starts(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """The frontend does not wait for a replacement: with rank 1's new process held back
+    for 8 s before it even starts Python's site setup, rank 0's outputs are returned while
+    rank 1 is still joining, then rank 1 takes its re-queued requests, and every request is
+    answered once with one process's tokens."""
+    prompts = [f"survivor prompt {i} " * (1 + i % 4) for i in range(24)]
+    reference = LLM(str(checkpoint_dir("mixtral"))).generate(
+        prompts, [_greedy(4 + i) for i in range(24)], use_tqdm=False
+    )
+    llm = LLM(
+        str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
+    )
+    engine = llm.llm_engine
+    try:
+        # A replacement started from now on sleeps first (the first ranks are running).
+        (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(8)\n")
+        path = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+        for i in range(4):  # rank 1's: still running when it is killed
+            engine.add_request(f"r{i}", prompts[i], _greedy(200), data_parallel_rank=1)
+        for i in range(4, 24):  # rank 0's: short and staggered, so they finish one by one
+            engine.add_request(f"r{i}", prompts[i], _greedy(4 + i), data_parallel_rank=0)
+        deadline = time.monotonic() + 240
+        got, while_joining = {}, []
+        killed = False
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the job did not finish: a hang"
+            outs = engine.step()
+            if not killed and outs:
+                os.kill(engine._ranks[1].pid, signal.SIGKILL)
+                killed = True
+            for out in outs:
+                got[out.request_id] = out.outputs[0].token_ids
+                if engine._ranks[1].joining:
+                    while_joining.append(out.request_id)
+        assert killed and while_joining, "no output came back while rank 1 was joining"
+        assert all(int(i[1:]) >= 4 for i in while_joining)  # rank 0's
+        assert not engine._ranks[1].joining
+        for i in range(4):  # rank 1's requests ran again, with the tokens of max_tokens=200
+            assert len(got[f"r{i}"]) == 200
+        ref200 = LLM(str(checkpoint_dir("mixtral"))).generate(
+            prompts[:4], _greedy(200), use_tqdm=False
+        )
+        assert [got[f"r{i}"] for i in range(4)] == [o.outputs[0].token_ids for o in ref200]
+        assert {i: got[f"r{i}"] for i in range(4, 24)} == {
+            i: reference[i].outputs[0].token_ids for i in range(4, 24)
+        }
+        metrics = llm.get_metrics()
+        assert metrics["recoveries"] == 1 and metrics["requests_requeued"] == 4
+        assert metrics["recovery_seconds"] >= 8
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_shutdown_while_a_replacement_starts_does_not_wait_for_it(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """`LLM.shutdown` while rank 1's replacement is still starting stops it at once (it has
+    no results to wait for) and leaves no process behind."""
+    llm = LLM(
+        str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
+    )
+    engine = llm.llm_engine
+    try:
+        (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(30)\n")
+        path = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+        engine.add_request("a", "hello there", _greedy(400), data_parallel_rank=1)
+        engine.step()
+        os.kill(engine._ranks[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not engine._ranks[1].joining:
+            assert time.monotonic() < deadline
+            engine.step()
+        replacement = engine._ranks[1].process
+        started = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - started < 10
+        assert replacement.done()
+    finally:
+        llm.shutdown()

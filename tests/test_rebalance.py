@@ -95,7 +95,7 @@ def test_balanced_or_unmovable_loads_give_no_moves():
 class _FakeRankSet:
     def __init__(self) -> None:
         self.sent: list[tuple[int, object]] = []
-        self.failure, self.closed = None, False
+        self.failure, self.closed, self.joining = None, False, False
 
     def send(self, rank, message) -> None:
         self.sent.append((rank.rank, message))
@@ -114,6 +114,7 @@ def _frontend(**parallel):
     from batchgen.distributed.frontend import DPEngineClient
     from batchgen.distributed.rank_handle import RankHandle
     from batchgen.distributed.rebalance import Rebalancer
+    from batchgen.distributed.recovery import ElasticRecovery
 
     client = object.__new__(DPEngineClient)
     client.parallel = ParallelConfig(
@@ -123,6 +124,7 @@ def _frontend(**parallel):
     client._ranks = [RankHandle(r, None, "host", 100 + r) for r in range(2)]
     client.requests, client._finished, client._fatal = {}, [], None
     client.rebalancer = Rebalancer(client)
+    client.recovery = ElasticRecovery(client.parallel)
     client._round_robin = itertools.count()
     client.max_model_len = 1000
     return client

@@ -21,7 +21,8 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   when experts are replicated), starts that group again (the same ranks, so the same experts)
   and re-queues the requests the group held, up to `MAX_RECOVERIES` times per engine
   (`ElasticRecovery`). The other groups run on with their requests: each restart group is its
-  own ``torch.distributed`` world. Finished outputs were returned before (or arrived with the
+  own ``torch.distributed`` world, and the frontend does not wait for the new ranks (their
+  requests wait in their ``pending`` until they are ready, `RankSet.replace`). Finished outputs were returned before (or arrived with the
   failure, and are taken first) and are never run again; a re-queued request starts over, and
   greedy or seeded requests get the same tokens (a request's tokens do not depend on its
   rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
@@ -135,6 +136,8 @@ class DPEngineClient(FrontendMetrics):
         self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
         self._fatal: RankFailedError | None = None  # a failure recovery did not outlive
+        self._requeued: set[str] = set()  # by the recovery under way
+        self._restarted: set[int] = set()  # ranks started again by it
         self.rank_set = self._start_ranks()
         if self.recovery.recovering:  # the first start failed and was retried
             self.recovery.end(len(self.rank_set.ranks), 0)
@@ -290,14 +293,7 @@ class DPEngineClient(FrontendMetrics):
                 lost if survivors else None,
             )
             if survivors and not self.rank_set.closed:
-                try:
-                    self.rank_set.replace(lost)
-                except RankFailedError as again:
-                    self._dispatch(self.rank_set.take_held())
-                    self.rank_set.shutdown()
-                    lost = [r.rank for r in self._ranks]
-                    self.recovery.begin(again, [], 0, len(self.requests))
-                    self.rank_set = self._start_ranks()
+                self.rank_set.replace(lost)  # returns at once: the new ranks join as they load
             else:
                 self.rank_set.shutdown()
                 self.rank_set = self._start_ranks()
@@ -312,10 +308,21 @@ class DPEngineClient(FrontendMetrics):
             del self.requests[request_id]
             request.reset()
             self._assign(request_id, request)
-        self.recovery.end(len(lost), len(requeue))
+        self._requeued.update(i for i, _ in requeue)
+        self._restarted.update(lost)
+        self._check_recovered()
+
+    def _check_recovered(self) -> None:
+        """End the recovery under way once no rank started again is still joining (its
+        figures: the ranks started and the requests re-queued, each once)."""
+        if self.recovery.recovering and not self.rank_set.joining:
+            self.recovery.end(len(self._restarted), len(self._requeued))
+            self._requeued, self._restarted = set(), set()
 
     def _flush(self, rank: RankHandle) -> None:
-        if rank.pending:
+        """Send what is queued for ``rank`` (kept while it is started again after a failure
+        and not ready yet)."""
+        if rank.pending and not rank.joining:
             self.rank_set.send(rank, msg.AddRequests(rank.pending))
             rank.pending = []
 
@@ -366,6 +373,7 @@ class DPEngineClient(FrontendMetrics):
 
     def _dispatch(self, messages: list[tuple[RankHandle, object]]) -> None:
         """File finished outputs for `step` and metrics for `get_metrics`."""
+        self._check_recovered()
         for rank, message in messages:
             if isinstance(message, msg.Outputs):
                 rank.unfinished = message.num_unfinished

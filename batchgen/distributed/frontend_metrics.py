@@ -31,7 +31,8 @@ class FrontendMetrics:
             self._check_open()
             token = next(self._metrics_token)
             self.rank_set.broadcast(msg.GetMetrics(token))
-            keys = [(token, r.rank) for r in self._ranks]
+            # not ranks started again and still loading (`RankSet.broadcast` skips them)
+            keys = [(token, r.rank) for r in self._ranks if not r.joining]
             try:
                 while any(k not in self._metrics for k in keys):
                     self._dispatch(self.rank_set.receive(1.0))

@@ -65,38 +65,19 @@ def accept_ranks(
     Returns:
         rank -> (its new `RankHandle`, its `Hello`, the host it connected from).
     Raises:
-        RankFailedError: a started rank ended before connecting (recoverable if it was killed,
-            not if it exited with a code), or ranks did not connect within ``timeout``
-            (recoverable if this frontend started them all).
+        RankFailedError: see `check_started`.
     """
     got: dict[int, tuple[RankHandle, msg.Hello, str]] = {}
     start = time.monotonic()
     next_log = start + CONNECT_LOG_S
     while len(got) < len(expected):
-        for r, proc in processes.items():
-            if r not in got and proc.done():
-                # killed (by a signal, or its Ray actor lost): a restart may outlive it; an
-                # exit code (an error while starting) would repeat
-                raise RankFailedError(
-                    f"rank {r} ({proc.name}) {proc.describe()} before connecting",
-                    [r],
-                    recoverable=proc.killed(),
-                )
+        waiting = {r: start for r in expected if r not in got}
+        check_started(waiting, processes, timeout, address)
         now = time.monotonic()
-        missing = sorted(expected - set(got))
-        if now - start > timeout:
-            # silent, like a rank that stops heartbeating: a restart may help when this
-            # frontend started them (it cannot restart ranks started elsewhere)
-            raise RankFailedError(
-                f"ranks {missing} did not connect within {timeout:.0f} s "
-                f"(distributed_timeout_s) to {address[0]}:{address[1]}",
-                missing,
-                recoverable=all(r in processes for r in missing),
-            )
         if now >= next_log:
             logger.info(
                 "still waiting for ranks %s at %s:%d (%.0f of %.0f s)",
-                missing,
+                sorted(waiting),
                 *address,
                 now - start,
                 timeout,
@@ -106,27 +87,77 @@ def accept_ranks(
             conn, peer = arrived.get(timeout=0.2)
         except queue.Empty:
             continue
-        hello = conn.recv() if conn.poll(5) else None
-        if not isinstance(hello, msg.Hello) or hello.rank not in expected:
-            logger.warning("refused a connection from %s that is not a rank expected now", peer)
-            conn.close()
-            continue
-        if hello.rank in got:
-            logger.warning(
-                "refused a second process claiming rank %d (pid %d on %s)",
-                hello.rank,
-                hello.pid,
-                hello.host,
-            )
-            conn.close()
-            continue
-        handle = RankHandle(
-            hello.rank,
-            conn,
-            hello.host,
-            hello.pid,
-            processes.get(hello.rank),
-            node_id=hello.node_id,
-        )
-        got[hello.rank] = (handle, hello, peer)
+        take_hello(conn, peer, expected, got, processes)
     return got
+
+
+def check_started(
+    waiting: dict[int, float],
+    processes: dict[int, RankProcess],
+    timeout: float,
+    address: tuple[str, int],
+) -> None:
+    """Raise if a rank in ``waiting`` (rank -> when its wait began, `time.monotonic`) cannot
+    connect any more.
+
+    Raises:
+        RankFailedError: a started rank ended before connecting (recoverable if it was killed,
+            not if it exited with a code), or ranks did not connect within ``timeout`` seconds
+            (recoverable if this frontend started them all).
+    """
+    for r in sorted(waiting):
+        proc = processes.get(r)
+        if proc is not None and proc.done():
+            # killed (by a signal, or its Ray actor lost): a restart may outlive it; an
+            # exit code (an error while starting) would repeat
+            raise RankFailedError(
+                f"rank {r} ({proc.name}) {proc.describe()} before connecting",
+                [r],
+                recoverable=proc.killed(),
+            )
+    now = time.monotonic()
+    late = sorted(r for r, since in waiting.items() if now - since > timeout)
+    if late:
+        # silent, like a rank that stops heartbeating: a restart may help when this
+        # frontend started them (it cannot restart ranks started elsewhere)
+        raise RankFailedError(
+            f"ranks {late} did not connect within {timeout:.0f} s "
+            f"(distributed_timeout_s) to {address[0]}:{address[1]}",
+            late,
+            recoverable=all(r in processes for r in late),
+        )
+
+
+def take_hello(
+    conn,
+    peer: str,
+    expected: set[int],
+    got: dict[int, tuple[RankHandle, msg.Hello, str]],
+    processes: dict[int, RankProcess],
+) -> None:
+    """Read a new connection's `Hello` and add it to ``got`` (rank -> its new `RankHandle`,
+    the `Hello`, the host it connected from), or refuse it: not a rank in ``expected``, or a
+    second process claiming a rank."""
+    hello = conn.recv() if conn.poll(5) else None
+    if not isinstance(hello, msg.Hello) or hello.rank not in expected:
+        logger.warning("refused a connection from %s that is not a rank expected now", peer)
+        conn.close()
+        return
+    if hello.rank in got:
+        logger.warning(
+            "refused a second process claiming rank %d (pid %d on %s)",
+            hello.rank,
+            hello.pid,
+            hello.host,
+        )
+        conn.close()
+        return
+    handle = RankHandle(
+        hello.rank,
+        conn,
+        hello.host,
+        hello.pid,
+        processes.get(hello.rank),
+        node_id=hello.node_id,
+    )
+    got[hello.rank] = (handle, hello, peer)

@@ -31,10 +31,12 @@ class RankFailedError(RuntimeError):
 @dataclass
 class RankHandle:
     """The frontend's view of one rank: its connection and process, what its heartbeats say,
-    and the requests queued for it (``load``: their estimated tokens)."""
+    and the requests queued for it (``load``: their estimated tokens). A rank started again
+    after a failure is ``joining`` until it is ready: first without a connection (``conn``
+    None), then set up and loading; what is queued for it waits in ``pending``."""
 
     rank: int
-    conn: Connection
+    conn: Connection | None
     host: str
     pid: int
     process: RankProcess | None = None  # a rank this frontend started
@@ -49,6 +51,7 @@ class RankHandle:
     mailbox: Mailbox | None = None  # sends and receives in background threads, once accepted
     done_tokens: int = 0  # prompt + generated tokens of the outputs it returned
     retired: bool = False  # stopped after a failure and replaced (its messages are ignored)
+    joining: bool = False  # started again after a failure, not ready yet
 
     def note(self, message: object) -> None:
         """Called by the mailbox's reader thread for each message, as it arrives."""

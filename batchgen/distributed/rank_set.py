@@ -13,7 +13,8 @@ way messages come in, and it is where failures are found:
   mid-step) is reported stuck, with the step and phase it was last seen in.
 
 Every failure raises `RankFailedError` and stops the remaining ranks, or, for elastic recovery,
-only the restart groups of the ranks at fault (`replace` starts them again).
+only the restart groups of the ranks at fault (`replace` starts them again, and `receive` takes
+them in as they connect and load, while the others run on).
 """
 
 from __future__ import annotations
@@ -30,23 +31,18 @@ from batchgen.distributed import protocol as msg
 from batchgen.distributed.layout import resolve_layout
 from batchgen.distributed.mailbox import CLOSED, Mailbox
 from batchgen.distributed.rank_accept import accept_ranks, start_accepting
-from batchgen.distributed.rank_handle import (
-    RankFailedError,
-    RankHandle,
-    name_failure,
-    silence,
-)
+from batchgen.distributed.rank_failures import RankFailures, close
+from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence, where
+from batchgen.distributed.rank_join import Joining
 from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
 
 # Ranks must connect within max(distributed_timeout_s, this).
 MIN_CONNECT_TIMEOUT_S = 60.0
-# A rank whose heartbeat is this late when another rank fails is named stuck.
-STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
 
 
-class RankSet:
+class RankSet(RankFailures):
     """Start ``parallel.data_parallel_size`` ranks and hand them ``config``.
 
     Raises:
@@ -62,6 +58,7 @@ class RankSet:
         self.failure: RankFailedError | None = None
         self.closed = False
         self._ray = None  # the RayExecutor, under distributed_executor_backend='ray'
+        self._joining = Joining(resolve_layout(parallel))  # ranks started again (`replace`)
         if parallel.distributed_executor_backend == "ray":
             from batchgen.distributed.ray_executor import RayExecutor
 
@@ -148,11 +145,15 @@ class RankSet:
         self._set_up(joined)
         return self._wait_ready(self.ranks)
 
+    def _connect_timeout(self) -> float:
+        return max(self.parallel.distributed_timeout_s, MIN_CONNECT_TIMEOUT_S)
+
     def _accept(
         self, expected: set[int], processes: dict[int, RankProcess]
     ) -> dict[int, tuple[RankHandle, msg.Hello, str]]:
-        timeout = max(self.parallel.distributed_timeout_s, MIN_CONNECT_TIMEOUT_S)
-        return accept_ranks(self._arrived, expected, processes, timeout, self._listener.address)
+        return accept_ranks(
+            self._arrived, expected, processes, self._connect_timeout(), self._listener.address
+        )
 
     def _set_up(self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]) -> None:
         """Start the mailboxes of the ranks that just joined and send them `Setup`."""
@@ -199,32 +200,71 @@ class RankSet:
 
     def replace(self, lost: list[int]) -> None:
         """Start ranks ``lost`` again (whole restart groups, stopped by the failure that
-        `receive` raised) while the other ranks run on, and clear that failure.
+        `receive` raised) and clear that failure; returns at once. Until a new rank is ready
+        its `RankHandle` is ``joining`` (what is queued for it waits in its ``pending``);
+        `receive` takes the new ranks in as they connect (`_take_joining`) and load.
 
         Raises:
-            RankFailedError: a new rank, or a running one, failed meanwhile.
             RuntimeError: the set was shut down, or it cannot replace ranks (`_can_replace`).
         """
         if self.closed or not self._can_replace():
             raise RuntimeError("these ranks cannot be started again")
         self.failure = None
         processes = self._launch(lost)
-        joined = self._accept(set(lost), processes)
-        for r, (handle, _, _) in joined.items():
-            self.ranks[r] = handle
-        self._set_up(joined)
-        for ready in self._wait_ready([self.ranks[r] for r in lost]):
-            self.ready[ready.rank] = ready
-        logger.info("ranks %s joined again; the others ran on", lost)
+        for r in lost:
+            self.ranks[r] = RankHandle(r, None, "", 0, processes.get(r), joining=True)
+        self._joining.add(lost, processes)
+        logger.info("starting ranks %s again; the others run on", lost)
+
+    @property
+    def joining(self) -> bool:
+        """Ranks started again are not all ready yet."""
+        return any(r.joining for r in self.ranks)
+
+    def _take_joining(self) -> None:
+        """Set up the replacement ranks whose restart group has connected (`Joining.poll`);
+        the requests queued for them meanwhile stay in their ``pending``.
+
+        Raises:
+            RankFailedError: a replacement rank died before connecting or did not connect in
+                time (its restart group is stopped again, see `_fail_with`).
+        """
+        try:
+            groups = self._joining.poll(
+                self._arrived, self._connect_timeout(), self._listener.address
+            )
+        except RankFailedError as failure:
+            self._fail_with(failure, set(failure.ranks))
+        for joined in groups:
+            for r, (handle, _, _) in joined.items():
+                waiting = self.ranks[r]
+                handle.pending, handle.load, handle.joining = waiting.pending, waiting.load, True
+                self.ranks[r] = handle
+            self._set_up(joined)
+
+    def _joined_again(self, rank: RankHandle, ready: msg.Ready) -> None:
+        rank.joining = False
+        self.ready[rank.rank] = ready
+        logger.info("rank %d joined again (%s); the others ran on", rank.rank, where(rank))
 
     # ---- messages ------------------------------------------------------------------------
     def send(self, rank: RankHandle, message) -> None:
-        """Queue ``message`` for ``rank``; never blocks (see `Mailbox`)."""
+        """Queue ``message`` for ``rank``; never blocks (see `Mailbox`).
+
+        Raises:
+            RuntimeError: ``rank`` is started again and not connected yet (queue requests in
+                its ``pending`` instead).
+        """
+        if rank.mailbox is None:
+            raise RuntimeError(f"rank {rank.rank} is not connected yet")
         rank.mailbox.send(message)
 
     def broadcast(self, message) -> None:
+        """Send ``message`` to every running rank (not to ranks started again and not ready
+        yet)."""
         for rank in self.ranks:
-            rank.mailbox.send(message)
+            if not rank.joining and not rank.retired:
+                rank.mailbox.send(message)
 
     def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
         """Messages that arrive within ``timeout`` seconds (all that are in once one is),
@@ -248,6 +288,8 @@ class RankSet:
 
     def _collect(self, timeout: float) -> list[tuple[RankHandle, object]]:
         """Read the inbox (see `receive`): messages of ranks replaced since are dropped."""
+        if self._joining.active:
+            self._take_joining()
         items = []
         try:
             items.append(
@@ -265,7 +307,12 @@ class RankSet:
         if broken or failed:
             self._fail(broken, failed, got)
         now = time.monotonic()
-        silent = [r for r in self.ranks if now - r.last_seen > self.parallel.distributed_timeout_s]
+        timeout = self.parallel.distributed_timeout_s
+        silent = [
+            r
+            for r in self.ranks
+            if r.conn is not None and not r.retired and now - r.last_seen > timeout
+        ]
         if silent:
             self._held += got
             ids = [r.rank for r in silent]
@@ -280,80 +327,10 @@ class RankSet:
             broken.append(rank)
         elif isinstance(message, msg.Failed):
             failed.append((rank, message.message))
+        elif isinstance(message, msg.Ready) and rank.joining:
+            self._joined_again(rank, message)
         elif not isinstance(message, msg.Heartbeat):
             got.append((rank, message))
-
-    def _fail(
-        self,
-        broken: list[RankHandle],
-        failed: list[tuple[RankHandle, str]],
-        got: list[tuple[RankHandle, object]],
-    ) -> None:
-        """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
-        down with it, so their `Failed` reports arrive too: wait a moment for the deaths to
-        show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
-        ranks that failed on their own. The other messages read meanwhile (``got`` and what
-        follows) are kept for the next `receive`: a rank that runs on has forgotten its
-        finished outputs once sent."""
-        time.sleep(0.5)
-        ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
-        self._read_last_words(broken, failed, got, ended)
-        self._held += got
-        for rank in self.ranks:
-            if rank.rank in ended and rank not in broken:
-                broken.append(rank)
-        failure, involved = name_failure(self.ranks, broken, failed, STUCK_AFTER_S)
-        self._fail_with(failure, involved)
-
-    def _fail_with(self, failure: RankFailedError, involved: set[int]) -> None:
-        """Record ``failure`` and stop what it broke, then raise it. With `_can_replace` and
-        a recoverable failure, only the restart groups of the ``involved`` ranks (dead, stuck
-        or reporting an error) are stopped (``failure.lost``: every rank of those groups), for
-        `replace`; else every rank."""
-        self.failure = failure
-        if failure.recoverable and self._can_replace():
-            layout = resolve_layout(self.parallel)
-            failure.lost = sorted({m for r in involved for m in layout.restart_group(r)})
-            self._retire([self.ranks[r] for r in failure.lost])
-        else:
-            failure.lost = [r.rank for r in self.ranks]
-            self.shutdown()
-        raise failure
-
-    def _retire(self, ranks: list[RankHandle]) -> None:
-        """Stop ``ranks`` at once (their group is broken) and stop listening to them."""
-        for rank in ranks:
-            rank.retired = True
-            if rank.process is not None:
-                rank.process.kill()
-        for rank in ranks:
-            if rank.process is not None:
-                rank.process.wait(10)
-            if rank.mailbox is not None:
-                rank.mailbox.close()
-            else:
-                rank.conn.close()
-
-    def _read_last_words(
-        self,
-        broken: list[RankHandle],
-        failed: list[tuple[RankHandle, str]],
-        got: list[tuple[RankHandle, object]],
-        ended: set[int],
-    ) -> None:
-        """Add what came in meanwhile to ``broken``, ``failed`` and ``got``, reading until
-        every rank in ``ended`` has closed (at most a second): a peer that reported `Failed`
-        and then exited is not dead, only failed because of the dead one."""
-        deadline = time.monotonic() + 1.0
-        while True:
-            waiting = ended - {r.rank for r in broken}
-            try:
-                rank, message = self._inbox.get(
-                    timeout=max(0.0, deadline - time.monotonic()) if waiting else 0
-                )
-            except queue.Empty:
-                return
-            self._sort(rank, message, broken, failed, got)
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -364,8 +341,12 @@ class RankSet:
         with_mail = [r for r in self.ranks if r.mailbox is not None]
         for rank in with_mail:
             rank.mailbox.send(msg.Shutdown())
+        self._joining.drop(list(self._joining.since))
+        for rank in self.ranks:  # started again and not ready: nothing of theirs to wait for
+            if rank.joining and rank.process is not None:
+                rank.process.kill()
         for rank in self.ranks:
-            if rank.mailbox is None:  # accepted, never set up
+            if rank.mailbox is None and rank.conn is not None:  # accepted, never set up
                 try:
                     rank.conn.send(msg.Shutdown())
                 except OSError:
@@ -384,10 +365,7 @@ class RankSet:
                 rank.process.wait(max(0.1, deadline - time.monotonic()))
         self._finalizer()  # kills what is left, closes the listener (and Ray's placement group)
         for rank in self.ranks:
-            if rank.mailbox is not None:
-                rank.mailbox.close()
-            else:
-                rank.conn.close()
+            close(rank)
 
     @staticmethod
     def _kill(processes: list[RankProcess], listener: Listener | None, close_executor) -> None:
@@ -402,3 +380,4 @@ class RankSet:
                 pass
         if close_executor is not None:
             close_executor()
+

@@ -276,7 +276,8 @@ class Rebalancer:
         for request_id, entry in c.requests.items():
             loads[entry.rank] += entry.remaining
             busy.add(entry.rank)
-            if entry.pinned is None and not entry.moving:
+            # a rank started again after a failure holds its requests until it is ready
+            if entry.pinned is None and not entry.moving and not c._ranks[entry.rank].joining:
                 candidates.append(
                     Candidate(
                         request_id,

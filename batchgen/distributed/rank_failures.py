@@ -1,0 +1,102 @@
+"""How `RankSet` names and contains a rank failure (a mixin of `RankSet`): wait a moment for
+the deaths to show, name the dead, then the stuck, then the ranks that failed on their own
+(`name_failure`), and stop what the failure broke: with elastic recovery the restart groups of
+the ranks at fault (the others run on), else every rank.
+
+It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
+``_sort``, ``_can_replace`` and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from batchgen.distributed import protocol as msg
+from batchgen.distributed.layout import resolve_layout
+from batchgen.distributed.rank_handle import RankFailedError, RankHandle, name_failure
+
+# A rank whose heartbeat is this late when another rank fails is named stuck.
+STUCK_AFTER_S = 3 * msg.HEARTBEAT_S
+
+
+class RankFailures:
+    """`RankSet`'s failure handling (see the module docstring)."""
+
+    def _fail(
+        self,
+        broken: list[RankHandle],
+        failed: list[tuple[RankHandle, str]],
+        got: list[tuple[RankHandle, object]],
+    ) -> None:
+        """Report the ranks at fault. A rank that dies or stalls takes its peers' collectives
+        down with it, so their `Failed` reports arrive too: wait a moment for the deaths to
+        show, then name the dead first, then ranks whose heartbeats stopped (stuck), then the
+        ranks that failed on their own. The other messages read meanwhile (``got`` and what
+        follows) are kept for the next `receive`: a rank that runs on has forgotten its
+        finished outputs once sent."""
+        time.sleep(0.5)
+        ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
+        self._read_last_words(broken, failed, got, ended)
+        self._held += got
+        for rank in self.ranks:
+            if rank.rank in ended and rank not in broken:
+                broken.append(rank)
+        failure, involved = name_failure(self.ranks, broken, failed, STUCK_AFTER_S)
+        self._fail_with(failure, involved)
+
+    def _fail_with(self, failure: RankFailedError, involved: set[int]) -> None:
+        """Record ``failure`` and stop what it broke, then raise it. With `_can_replace` and
+        a recoverable failure, only the restart groups of the ``involved`` ranks (dead, stuck
+        or reporting an error) are stopped (``failure.lost``: every rank of those groups), for
+        `replace`; else every rank."""
+        self.failure = failure
+        if failure.recoverable and self._can_replace():
+            layout = resolve_layout(self.parallel)
+            failure.lost = sorted({m for r in involved for m in layout.restart_group(r)})
+            self._retire([self.ranks[r] for r in failure.lost])
+        else:
+            failure.lost = [r.rank for r in self.ranks]
+            self.shutdown()
+        raise failure
+
+    def _retire(self, ranks: list[RankHandle]) -> None:
+        """Stop ``ranks`` at once (their group is broken) and stop listening to them."""
+        self._joining.drop([r.rank for r in ranks])
+        for rank in ranks:
+            rank.retired = True
+            if rank.process is not None:
+                rank.process.kill()
+        for rank in ranks:
+            if rank.process is not None:
+                rank.process.wait(10)
+            close(rank)
+
+    def _read_last_words(
+        self,
+        broken: list[RankHandle],
+        failed: list[tuple[RankHandle, str]],
+        got: list[tuple[RankHandle, object]],
+        ended: set[int],
+    ) -> None:
+        """Add what came in meanwhile to ``broken``, ``failed`` and ``got``, reading until
+        every rank in ``ended`` has closed (at most a second): a peer that reported `Failed`
+        and then exited is not dead, only failed because of the dead one."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            waiting = ended - {r.rank for r in broken}
+            try:
+                rank, message = self._inbox.get(
+                    timeout=max(0.0, deadline - time.monotonic()) if waiting else 0
+                )
+            except queue.Empty:
+                return
+            self._sort(rank, message, broken, failed, got)
+
+
+def close(rank: RankHandle) -> None:
+    """Close ``rank``'s mailbox, or its bare connection (accepted, never set up)."""
+    if rank.mailbox is not None:
+        rank.mailbox.close()
+    elif rank.conn is not None:
+        rank.conn.close()
