@@ -340,3 +340,37 @@ def test_running_sequences_are_marked_running():
     assert b.status is SequenceStatus.RUNNING
     assert b.block_table[:4] == a.block_table[:4]
     assert all(kv.allocator.ref_count(x) == 2 for x in a.block_table[:4])
+
+
+def test_shipped_kv_composes_with_the_cache(checkpoint_dir):
+    """A request moved with its K/V (straggler rebalancing) to an engine that has its prompt
+    cached: the shipped K/V goes into fresh blocks, the output is the unmoved one, and the
+    receiver's cache still serves the prompt correctly afterwards."""
+    path = str(checkpoint_dir("mixtral"))
+    kw = dict(device="cpu", block_size=16, kv_cache_memory_gb=0.05)
+    prompt = {"prompt_token_ids": DOCS[0] + QUESTIONS[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = LLM(path, enable_prefix_caching=False, **kw).generate(prompt, params, use_tqdm=False)
+    want = want[0].outputs[0].token_ids
+    a, b = LLM(path, **kw), LLM(path, **kw)
+    assert b.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    src = a.llm_engine
+    src.add_request("r", prompt, params)
+    for _ in range(3):  # the prefill and two decodes
+        assert not src.step()
+    state = src.release_request("r", ship_kv=True)
+    assert state.num_shipped_tokens == 133 + 2
+    dst = b.llm_engine
+    hits = dst.get_metrics()["prefix_cache_hits"]
+    processed = dst.input_processor.process(prompt, params)
+    dst.add_processed_request("r", processed, params, resume=state)
+    done = []
+    while dst.has_unfinished_requests():
+        done += dst.step()
+    assert done[0].outputs[0].token_ids == want
+    assert dst.get_metrics()["kv_imported_tokens"] == 135
+    assert dst.get_metrics()["prefix_cache_hits"] == hits  # shipped K/V takes no hit
+    again = b.generate(prompt, params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == want
+    assert dst.get_metrics()["prefix_cache_hits"] == hits + 128
+    assert dst.kv_cache.num_free_blocks == dst.kv_cache.num_blocks

@@ -10,8 +10,9 @@ writes only later positions, into blocks of its own.
 
 Why sha256 rather than Python's ``hash`` of a tuple: the builtin is a 64-bit non-cryptographic
 hash, and a collision would silently give a request another prompt's K/V; sha256 makes that
-negligible at about 1 us per block (a 2,000-token prompt hashes in about 0.2 ms, once: hashes
-are memoized on the sequence). Both are stable within a process, which is all that is needed:
+negligible at about 2 us per 16-token block against 0.5 us for the builtin (measured on a
+loaded 2-core machine; a 2,000-token prompt hashes in about 0.25 ms, once: hashes are memoized
+on the sequence). Both are stable within a process, which is all that is needed:
 each engine (each rank) has its own cache and nothing crosses processes.
 
 No extra key enters the hash: nothing but the weights changes a block's K/V in this engine
