@@ -90,6 +90,7 @@ class PrefixCache:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks whose content is registered, held or free."""
         return len(self._hash_of)
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -97,6 +98,7 @@ class PrefixCache:
         return self._block_of.get(block_hash)
 
     def is_cached(self, block: int) -> bool:
+        """Whether ``block``'s content is registered."""
         return block in self._hash_of
 
     def register(self, block: int, block_hash: bytes) -> bool:
