@@ -238,6 +238,8 @@ SETTINGS = {
     "roomy": dict(kv_cache_memory_gb=0.05),
     # 20 blocks hold two 150-token sequences: preemption, eviction, 32-token prefill chunks.
     "pressure": dict(num_gpu_blocks_override=20, max_num_batched_tokens=32),
+    # The n samples of a request find their prompt through the cache alone.
+    "no_sharing": dict(kv_cache_memory_gb=0.05, enable_prefix_sharing=False),
 }
 
 
@@ -247,6 +249,7 @@ SETTINGS = {
         ("mixtral", "roomy", "coalesce"),
         ("mixtral", "pressure", "coalesce"),
         ("mixtral", "pressure", "lockstep"),
+        ("mixtral", "no_sharing", "coalesce"),
         ("deepseek_v3", "roomy", "coalesce"),
         ("deepseek_v3", "pressure", "lockstep"),
         ("mistral_sliding", "pressure", "coalesce"),
