@@ -165,6 +165,22 @@ def test_scheduler_followers_wait_for_a_running_prefill_then_hit():
     assert kv.prefix_cache.stats.queries == 17 + 10 + 2 * 17
 
 
+def test_a_short_shared_prefix_is_not_worth_waiting_for():
+    """A waiting prompt sharing only its first block (a system prompt) with a running prefill
+    is admitted at once: it would wait to save less than half its work."""
+    kv = KVCacheManager(64, BS, enable_caching=True)
+    sched = Scheduler(kv, 8, 64)
+    system = [1, 2, 3, 4]
+    a = make_seq(system + list(range(10, 22)))  # 4 blocks
+    b = make_seq(system + list(range(30, 42)), 1)  # same first block only
+    c = make_seq(system + list(range(10, 18)) + [99, 98, 97, 96], 2)  # 3 of a's 4 blocks
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [e.seq for e in out.scheduled] == [a, b]  # c waits for a's blocks, b does not
+    assert list(sched.waiting) == [c]
+
+
 def test_prompt_logprobs_requests_take_no_hit():
     kv = KVCacheManager(64, BS, enable_caching=True)
     sched = Scheduler(kv, 8, 64)
