@@ -127,6 +127,14 @@ class EngineConfig:
             "prefilled once, not n times"
         ),
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=meta(
+            "automatic prefix caching across requests (vLLM's): full KV blocks are kept by "
+            "content after their requests end, and a prompt that starts with cached blocks "
+            "skips their prefill; requests with prompt_logprobs never take a hit"
+        ),
+    )
     tile_size: int = field(default=64, metadata=meta("GEMM tile rows for the tile-density metric"))
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=meta("force the number of KV blocks (testing preemption)")

@@ -525,3 +525,16 @@ def test_output_to_dev_null_or_a_pipe_runs_without_fsync(tmp_path):
         os.close(write_fd)
         (line,) = reader.read().decode().splitlines()
     assert (summary.succeeded, json.loads(line)["custom_id"]) == (1, "a")
+
+
+def test_summary_reports_the_engine_prefix_cache(tmp_path):
+    """`batchgen run`'s summary line says how many prompt tokens the prefix cache served (an
+    engine without `get_metrics`, as `FakeEngine`, leaves it out)."""
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a"), completion_line("b")])
+    summary = run(FakeEngine(), src, tmp_path / "out.jsonl")
+    assert "prefix cache" not in summary.describe()
+    engine = FakeEngine()
+    engine.get_metrics = lambda: {"prefix_cache_queries": 400, "prefix_cache_hits": 300}
+    summary = run(engine, src, tmp_path / "out2.jsonl")
+    assert (summary.prefix_cache_queries, summary.prefix_cache_hits) == (400, 300)
+    assert "prefix cache: 300 of 400 prompt tokens cached (75.0%)" in summary.describe()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from batchgen.bench.runner import format_table, run
-from batchgen.bench.workloads import make_workloads
+from batchgen.bench.workloads import make_shared_docs, make_workloads
 
 
 def test_workloads_follow_their_definitions():
@@ -29,6 +29,31 @@ def test_workloads_follow_their_definitions():
     )  # deterministic
     with pytest.raises(ValueError, match="rollouts_requests must be >= 1, got 0"):
         make_workloads(512, quick=True, rollouts_requests=0)
+
+
+def test_shared_docs_workload_runs_with_the_prefix_cache_on_and_off(checkpoint_dir):
+    docs = make_shared_docs(512, quick=True)
+    assert len(docs.requests) == 2 * 16
+    assert all(16 <= r.output_len <= 64 for r in docs.requests)
+    first, same_doc, next_doc = (docs.requests[i].prompt_token_ids for i in (0, 15, 16))
+    shared = next(i for i, (a, b) in enumerate(zip(first, same_doc)) if a != b)
+    assert 1000 <= shared <= 2000  # a 1,000-2,000-token document, then the question
+    assert next_doc[:shared] != first[:shared]
+    assert make_shared_docs(512, quick=True) == docs  # deterministic
+    record = run(
+        quick=True,
+        device="cpu",
+        modes=("coalesce",),
+        workloads=("shared-docs",),
+        model=str(checkpoint_dir("mixtral")),
+    )
+    r = record["workloads"]["shared-docs"]["coalesce"]
+    off = r["extra"]["without_prefix_caching"]
+    assert off["same_greedy_tokens"]
+    # Each document is prefilled once with the cache, 16 times without.
+    assert r["extra"]["prefill_tokens"] < off["prefill_tokens"] / 4
+    assert r["extra"]["prefix_cache_hit_rate"] > 0.8
+    assert "prefix caching shared-docs/coalesce" in format_table(record)
 
 
 def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):

@@ -22,6 +22,7 @@ def _generate(path, sharing: bool, policy: str, **kw) -> tuple[list, dict, LLM]:
         device="cpu",
         block_size=16,
         enable_prefix_sharing=sharing,
+        enable_prefix_caching=False,  # sharing alone (tests/test_prefix_caching.py: both)
         scheduler_policy=policy,
         **kw,
     )

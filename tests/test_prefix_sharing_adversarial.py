@@ -58,6 +58,7 @@ def test_samples_that_stop_at_their_first_token_do_not_serialize(checkpoint_dir,
             max_num_seqs=4,
             scheduler_policy=policy,
             enable_prefix_sharing=sharing,
+            enable_prefix_caching=False,  # the baseline prefills every sample
         )
         eng = llm.llm_engine
         greedy = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))

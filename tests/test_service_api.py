@@ -610,7 +610,9 @@ def test_online_request_errors(server, sdk):
 
 def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
     # Its own completed batch, so that the counters below are not left to earlier tests.
-    lines = [completion_line(f"m-{i}", "Metrics", max_tokens=4, temperature=0.0) for i in range(2)]
+    # One long prompt twice: the second finds the first one's full KV blocks cached.
+    prompt = "Metrics " * 40
+    lines = [completion_line(f"m-{i}", prompt, max_tokens=4, temperature=0.0) for i in range(2)]
     file = _upload(sdk, tmp_path, "".join(line + "\n" for line in lines))
     batch = _wait(
         sdk,
@@ -641,6 +643,7 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
             samples.get(("batchgen_generation_tokens_total", ()), 0),
             samples.get(finished_ok, 0),
             samples.get(("batchgen_tile_density", ()), 0),
+            samples.get(("batchgen_prefix_cache_hits_total", ()), 0),
         ]
         if all(value > 0 for value in seen) or time.monotonic() > deadline:
             break
@@ -659,6 +662,9 @@ def test_models_health_and_metrics(server, sdk, tiny_model, tmp_path):
         assert (name, ()) in samples, name
     assert 0.0 <= samples[("batchgen_kv_cache_usage_ratio", ())] <= 1.0
     assert 0.0 < samples[("batchgen_tile_density", ())] <= 1.0  # a Mixtral ran expert GEMMs
+    hits = samples[("batchgen_prefix_cache_hits_total", ())]
+    assert 0 < hits < samples[("batchgen_prefix_cache_queries_total", ())]
+    assert samples[("batchgen_prefix_cache_evictions_total", ())] >= 0
     # Per-request latency histograms (vLLM's, batchgen_ for vllm:), from RequestMetrics.
     batch = (("source", "batch"),)
     finished = samples[("batchgen_e2e_request_latency_seconds_count", batch)]

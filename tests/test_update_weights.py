@@ -103,6 +103,7 @@ def test_update_to_b_generates_like_a_fresh_engine_on_b(paths, expected, source,
     original = kv_cache.reset_prefix_cache
     monkeypatch.setattr(kv_cache, "reset_prefix_cache", lambda: resets.append(1) or original())
     shared_before = llm.get_metrics()["shared_prefix_tokens"]
+    assert kv_cache.prefix_cache.num_cached_blocks > 0  # PROMPTS[0]'s first block
     if source == "state_dict":
         weights = _hf_state_dict(b)
         expected_count = len(weights)  # one per tensor, lm_head included (not tied)
@@ -116,7 +117,12 @@ def test_update_to_b_generates_like_a_fresh_engine_on_b(paths, expected, source,
     assert n == expected_count
     assert resets == [1]
     assert all(blk._packed is None for blk in blocks)  # dropped, packed again on first use
+    assert kv_cache.prefix_cache.num_cached_blocks == 0  # no K/V of A can be hit
 
+    hits_before = llm.get_metrics()["prefix_cache_hits"]
+    first = llm.generate(PROMPTS, PARAMS[0], use_tqdm=False)  # nothing cached: no hit
+    assert llm.get_metrics()["prefix_cache_hits"] == hits_before
+    assert [[c.token_ids for c in o.outputs] for o in first] == out_b[0]
     assert _tokens(llm) == out_b
     for blk, old in zip(blocks, old_packed, strict=True):  # rebuilt from the new weights
         assert not torch.equal(blk._packed[1], old)

@@ -41,7 +41,8 @@ def add_arguments(p) -> None:
         "--workloads",
         default=None,
         help="comma-separated: rollouts,extraction,search,extraction-json (structured outputs: "
-        "constrained against unconstrained)",
+        "constrained against unconstrained),shared-docs (only when named: 16 questions per "
+        "document, the BatchGen modes with the prefix cache on and off)",
     )
     p.add_argument(
         "--expert-coalesce-threshold",

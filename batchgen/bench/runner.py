@@ -38,7 +38,7 @@ from batchgen.bench.flops import (
     measure_peak_gflops,
     sequence_flops,
 )
-from batchgen.bench.workloads import Workload, make_workloads
+from batchgen.bench.workloads import Workload, make_shared_docs, make_workloads
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +184,13 @@ def run_batchgen(
     profile: bool = False,
     kv_cache_gb: float = KV_CACHE_GB,
     progress: bool = False,
+    enable_prefix_caching: bool = True,
 ) -> tuple[ModeResult, list[list[int]]]:
     from batchgen import LLM, SamplingParams
 
     llm = LLM(
         path,
+        enable_prefix_caching=enable_prefix_caching,
         dtype=dtype,
         device=device,
         scheduler_policy=policy,
@@ -268,6 +270,8 @@ def run_batchgen(
             "decode_only_stage_time_share": m["decode_only_stage_time_share"],
             "shared_prefix_tokens": m["shared_prefix_tokens"],
             "prefill_tokens": m["prefill_tokens"],
+            "prefix_cache_hits": m["prefix_cache_hits"],
+            "prefix_cache_hit_rate": m["prefix_cache_hit_rate"],
         },
     )
     if sampled is not None:
@@ -448,7 +452,10 @@ def run(
             hf_cache.append(_hf_model(path, torch_dtype, str(dev)))
         return hf_cache[0]
 
-    for workload in make_workloads(cfg.vocab_size, quick, rollouts_requests=rollouts_requests):
+    chosen = make_workloads(cfg.vocab_size, quick, rollouts_requests=rollouts_requests)
+    if workloads and "shared-docs" in workloads:  # only when named
+        chosen.append(make_shared_docs(cfg.vocab_size, quick))
+    for workload in chosen:
         if workloads and workload.name not in workloads:
             continue
         flops = _workload_flops(cfg, workload)
@@ -540,9 +547,19 @@ def _run_mode(
 ) -> dict:
     """One mode on one workload: the `ModeResult` as a dict (MFU filled in later)."""
     if mode in ("lockstep", "coalesce"):
-        res, _ = run_batchgen(
+        res, greedy = run_batchgen(
             path, workload, mode, dtype, device, threshold, profile, kv_gb, progress
         )
+        if workload.name == "shared-docs":  # the same mode again without the prefix cache
+            off, greedy_off = run_batchgen(
+                path, workload, mode, dtype, device, threshold, False, kv_gb, progress, False
+            )
+            res.extra["without_prefix_caching"] = {
+                "tokens_per_s": off.tokens_per_s,
+                "seconds": off.seconds,
+                "prefill_tokens": off.extra["prefill_tokens"],
+                "same_greedy_tokens": greedy_off == greedy,
+            }
         mode_flops = flops
     else:
         hf = hf_model()
@@ -626,6 +643,19 @@ def format_table(record: dict) -> str:
                 lines.append(
                     f"decode-only {name}/{mode}: {extra['decode_only_tokens']} tokens in "
                     f"{extra['decode_only_seconds']:.1f} s (stage shares: {stages})"
+                )
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            extra = w.get(mode, {}).get("extra", {})
+            off = extra.get("without_prefix_caching")
+            if off:
+                lines.append(
+                    f"prefix caching {name}/{mode}: {w[mode]['tokens_per_s']:.1f} tok/s on "
+                    f"({extra['prefill_tokens']} prefill tokens, hit rate "
+                    f"{extra['prefix_cache_hit_rate']:.2f}) against {off['tokens_per_s']:.1f} "
+                    f"off ({off['prefill_tokens']} prefill tokens): "
+                    f"{w[mode]['tokens_per_s'] / off['tokens_per_s']:.2f}x, greedy tokens "
+                    f"{'identical' if off['same_greedy_tokens'] else 'DIFFERENT'}"
                 )
     for name, w in record["workloads"].items():
         for mode in MODES:

@@ -12,6 +12,10 @@
 - ``extraction``: prompts 512-2048 tokens, outputs 16-64 tokens (document extraction).
 - ``search``: 64 prompts with ``n`` = 16 samples each, outputs 16-512 tokens (48 prompts and
   outputs 16-24 in quick mode) (test-time search).
+- ``shared-docs`` (only when named, `make_shared_docs`): documents of 1,000-2,000 tokens with
+  16 questions each (16-64 tokens), outputs 16-64 tokens: every prompt is a document followed by
+  a question, grouped by document (extraction with many questions per document; what the prefix
+  cache is for). 8 documents, 2 in quick mode.
 
 Every request ignores EOS, so every mode does exactly the same useful work: ``output_len``
 tokens per sample. Prompts are random token ids (the model has random weights anyway).
@@ -121,3 +125,18 @@ def make_workloads(
         )
     )
     return out
+
+
+SHARED_DOCS_QUESTIONS = 16
+
+
+def make_shared_docs(vocab_size: int, quick: bool, seed: int = 0) -> Workload:
+    """The ``shared-docs`` workload (see the module docstring); deterministic for a seed."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(2 if quick else 8):
+        doc = _prompt(rng, rng.randint(1000, 2000), vocab_size)
+        for _ in range(SHARED_DOCS_QUESTIONS):
+            question = [rng.randrange(5, vocab_size) for _ in range(_log_uniform(rng, 16, 64))]
+            requests.append(BenchRequest(doc + question, _log_uniform(rng, 16, 64)))
+    return Workload("shared-docs", requests)

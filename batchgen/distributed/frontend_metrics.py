@@ -67,6 +67,9 @@ class FrontendMetrics:
             num_prompt_tokens=total("num_prompt_tokens"),
             num_generated_tokens=total("num_generated_tokens"),
             num_preemptions=total("num_preemptions"),
+            prefix_cache_queries=total("prefix_cache_queries"),
+            prefix_cache_hits=total("prefix_cache_hits"),
+            prefix_cache_evictions=total("prefix_cache_evictions"),
         )
 
     @property

@@ -24,6 +24,9 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
             "all_to_all_bytes",
             "streamed_bytes",
             "dummy_steps",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_cache_evictions",
         )
     }
     rows = sum(s["mean_rows_per_expert_gemm"] * s["num_expert_gemms"] for s in ranks)
@@ -48,6 +51,11 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
         "generated_tokens_per_s": total["generated_tokens"] / busy,
         "total_tokens_per_s": (total["prefill_tokens"] + total["decode_tokens"]) / busy,
         "stage_time_share": shares,
+        "prefix_cache_hit_rate": (
+            total["prefix_cache_hits"] / total["prefix_cache_queries"]
+            if total["prefix_cache_queries"]
+            else 0.0
+        ),
         "tile_density": rows / tile_rows if tile_rows else None,
         "mean_rows_per_expert_gemm": rows / total["num_expert_gemms"]
         if total["num_expert_gemms"]

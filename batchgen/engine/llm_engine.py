@@ -98,6 +98,11 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     num_preemptions: int = 0
+    # Prefix caching (`batchgen.engine.prefix_cache.PrefixCacheStats`): tokens looked up,
+    # tokens found cached, cached blocks evicted.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
 
 class LLMEngine(RequestOutputs):
@@ -163,7 +168,9 @@ class LLMEngine(RequestOutputs):
             max_len = capacity
         self.max_model_len = max_len
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.dtype)  # all layers
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
         self.scheduler = Scheduler(
@@ -209,6 +216,9 @@ class LLMEngine(RequestOutputs):
         self._next_seq_id = 0
         self._arrivals = 0
         self.num_dummy_steps = 0
+        self._prefix_cache_base: dict[str, int] = {}  # counters at the last `reset_metrics`
+        if not config.enable_prefix_caching:
+            logger.info("prefix caching across requests is off")
 
     # ---- requests ---------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -379,12 +389,30 @@ class LLMEngine(RequestOutputs):
         snap["coalescer_holds"] = self.executor.coalescer.num_holds
         snap["routed_expert_bytes"] = self.runner.model.routed_expert_bytes()
         snap["dummy_steps"] = self.num_dummy_steps
+        snap.update(self._prefix_cache_metrics())
         if self.expert_parallel is not None:
             snap.update(self.expert_parallel.metrics())
         return snap
 
+    def _prefix_cache_metrics(self) -> dict:
+        """``prefix_cache_queries`` / ``_hits`` (tokens) / ``_hit_rate`` / ``_evictions``
+        (blocks) since start or `reset_metrics` (zeros with caching off)."""
+        cache = self.kv_cache.prefix_cache
+        now = vars(cache.stats) if cache is not None else {}
+        delta = {k: now.get(k, 0) - self._prefix_cache_base.get(k, 0) for k in _CACHE_COUNTERS}
+        queries = delta["queries"]
+        return {
+            "prefix_cache_enabled": cache is not None,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": delta["hits"],
+            "prefix_cache_hit_rate": delta["hits"] / queries if queries else 0.0,
+            "prefix_cache_evictions": delta["evictions"],
+        }
+
     def reset_metrics(self) -> None:
         self.metrics.reset()
+        cache = self.kv_cache.prefix_cache
+        self._prefix_cache_base = dict(vars(cache.stats)) if cache is not None else {}
         for module in self.runner.model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
@@ -494,7 +522,9 @@ class LLMEngine(RequestOutputs):
                 decode_only = False
             if seq.num_output_tokens == 0:
                 self.stats.num_prompt_tokens += entry.num_new_tokens
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += entry.num_new_tokens
+            self.kv_cache.cache_full_blocks(seq, start)
         finished: list[Request] = []
         # request id -> why it failed in this step (or, for a grammar, before it)
         failed: dict[str, str] = self._take_grammar_failures()
@@ -516,6 +546,11 @@ class LLMEngine(RequestOutputs):
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        cache = self.kv_cache.prefix_cache
+        if cache is not None:
+            self.stats.prefix_cache_queries = cache.stats.queries
+            self.stats.prefix_cache_hits = cache.stats.hits
+            self.stats.prefix_cache_evictions = cache.stats.evictions
         return self._finished_outputs(finished, failed)
 
     def execute_dummy(self) -> None:
@@ -525,6 +560,9 @@ class LLMEngine(RequestOutputs):
         self.executor.execute_dummy()
         self.num_dummy_steps += 1
         self.metrics.busy_seconds += time.perf_counter() - t0
+
+
+_CACHE_COUNTERS = ("queries", "hits", "evictions")  # `PrefixCacheStats` fields
 
 
 def _note_first_scheduled(scheduled: list[ScheduledSeq]) -> None:

@@ -20,6 +20,20 @@ shared positions were computed elsewhere and have no logits here. In practice it
 computes them all, its siblings wait as usual and then share; the rule is what any cache of
 prompt K/V must follow (cost: such a request always prefills its whole prompt once).
 
+Prefix caching across requests (``enable_prefix_caching``, `batchgen.engine.prefix_cache`): a
+sequence admitted with nothing computed (a new one, or one preempted: it may find its own freed
+blocks) takes the longest run of cached full blocks of its tokens, always leaving its last
+token to compute, and its prefill starts after them (chunked like any other). A sequence whose
+next full blocks a running prefill is computing right now waits for them when they are at least
+half of what it would compute (`_worth_waiting`): later waiting sequences are admitted past it,
+as past deferred siblings, and it finds those blocks cached a step or a few later, instead of
+every request over one document computing it in the same step. (Blocks are registered only
+after the step that computes them, so nothing can hit a block of the step it is written in.)
+This wait is the only reordering for the cache: admission otherwise stays first come, first
+served. A request asking for ``prompt_logprobs`` neither looks up the cache nor waits (a cached
+block has no logits), and samples given a prefix by a sibling (above) or K/V shipped from
+another engine (below) do not look it up either.
+
 A sequence moved from another engine with its K/V (``seq.kv_import``, straggler rebalancing)
 is admitted like any waiting one, with those positions counted as computed: it allocates their
 blocks and the engine writes the K/V into them before the step (``SchedulerOutput.kv_imports``).
@@ -34,9 +48,22 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import KVCacheManager
+from batchgen.engine.prefix_cache import block_hashes
 from batchgen.engine.sequence import SequenceCoroutine, SequenceStatus
 
 _DEFER = object()  # `Scheduler._prefix_source`: wait for a sibling's prefill
+
+
+def _worth_waiting(missing: list[bytes], pending: set[bytes]) -> bool:
+    """A sequence whose first uncached blocks (``missing``) a running prefill is computing
+    (``pending``) waits for them when they are at least half of the full blocks it would
+    compute: it then finds them cached instead of computing them a second time."""
+    shared = 0
+    for block_hash in missing:
+        if block_hash not in pending:
+            break
+        shared += 1
+    return shared > 0 and 2 * shared >= len(missing)
 
 
 @dataclass
@@ -133,28 +160,45 @@ class Scheduler:
         # Samples given a shared prefix in this step: their copied block is filled only when
         # the step's copies run, so they must not be the source of another copy now.
         forked: set[int] = set()
+        pending: set[bytes] | None = None  # `_pending_blocks`, once a sequence looks them up
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             copies: list[tuple[int, int]] = []
+            hit: list[int] | None = None  # cached blocks taken, when the cache was looked up
             if seq.kv_import is not None:  # shipped K/V: its positions count as computed
                 seq.num_computed_tokens = seq.kv_import.num_tokens
-            elif self.enable_prefix_sharing and seq.num_computed_tokens == 0:
-                source = self._prefix_source(seq, forked)
-                if source is _DEFER:
-                    deferred.append(seq)
-                    continue
+            elif seq.num_computed_tokens == 0:
+                source = None
+                if self.enable_prefix_sharing:
+                    source = self._prefix_source(seq, forked)
+                    if source is _DEFER:
+                        deferred.append(seq)
+                        continue
                 if source is not None:
                     copies = self.kv_cache.share_prefix(seq, source, seq.num_prompt_tokens - 1)
                     if copies is None:  # no block for the copy
                         self.waiting.appendleft(seq)
                         break
+                elif self._uses_cache(seq):
+                    hit, missing = self.kv_cache.find_cached_prefix(seq)
+                    if pending is None:
+                        pending = self._pending_blocks()
+                    if _worth_waiting(missing, pending):
+                        deferred.append(seq)
+                        continue
+                    self.kv_cache.take_cached_prefix(seq, hit)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
             if not self.kv_cache.allocate_slots(seq, num_new):
                 self.kv_cache.free(seq)  # undo a shared prefix, if any
                 seq.num_computed_tokens = 0
                 self.waiting.appendleft(seq)
                 break
-            if seq.kv_import is not None:
+            if hit is not None:
+                stats = self.kv_cache.prefix_cache.stats
+                stats.queries += seq.num_tokens
+                stats.hits += seq.num_computed_tokens
+                pending.update(missing)  # it computes them now: later ones wait for them
+            elif seq.kv_import is not None:
                 out.kv_imports.append(seq)
                 forked.add(seq.seq_id)  # its blocks are written only when the step runs
             elif seq.num_computed_tokens:
@@ -167,6 +211,26 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _uses_cache(self, seq: SequenceCoroutine) -> bool:
+        """Whether ``seq`` looks up the prefix cache when admitted: caching is on and it does
+        not ask for prompt logprobs (a cached block has no logits to give them)."""
+        return (
+            self.kv_cache.prefix_cache is not None
+            and getattr(seq.params, "prompt_logprobs", None) is None
+        )
+
+    def _pending_blocks(self) -> set[bytes]:
+        """Hashes of the full blocks that running prefills have still to compute (they become
+        cached when computed): a waiting sequence with the same next blocks may wait for
+        them (`_worth_waiting`)."""
+        bs = self.kv_cache.block_size
+        pending: set[bytes] = set()
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                hashes = block_hashes(seq, (seq.num_tokens - 1) // bs, bs)
+                pending.update(hashes[seq.num_computed_tokens // bs :])
+        return pending
 
     def _prefix_source(
         self, seq: SequenceCoroutine, forked: set[int]

@@ -66,6 +66,8 @@ class SequenceCoroutine:
         num_preemptions: how often this sequence was preempted (metric).
         kv_import: K/V of its first positions shipped from another engine (straggler
             rebalancing), written into its blocks when the scheduler admits it.
+        block_hashes: memoized content hashes of its full blocks of tokens, in order
+            (`batchgen.engine.prefix_cache.block_hashes`; tokens are only appended).
         grammar: the sample's structured-output state (`batchgen.structured.matcher
             .SequenceGrammar`) when its request is constrained, else None.
     """
@@ -86,6 +88,7 @@ class SequenceCoroutine:
     num_preemptions: int = 0
     kv_import: Any = None  # `migration.KVPayload` shipped from another engine, until admitted
     grammar: Any = None
+    block_hashes: list[bytes] = field(default_factory=list)
     group: Any = None  # the executor's `CoroutineGroup` while the coroutine is inside a step
 
     @property

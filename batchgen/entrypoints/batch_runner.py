@@ -87,6 +87,8 @@ class BatchRunSummary:
             (generated tokens summed over all ``n`` samples).
         elapsed_s: wall-clock seconds of the run (after counting lines and reading the old
             output).
+        prefix_cache_queries / prefix_cache_hits: the engine's prefix cache over the run
+            (`LLMEngine.get_metrics`): prompt tokens looked up, and those found cached.
     """
 
     total: int = 0
@@ -99,6 +101,8 @@ class BatchRunSummary:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     elapsed_s: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -120,7 +124,28 @@ class BatchRunSummary:
             f"{blank}; "
             f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
             f"{self.elapsed_s:.1f} s ({self.generated_tokens_per_s:.1f} generated tokens/s)"
+            f"{self._prefix_cache_text()}"
         )
+
+    def _prefix_cache_text(self) -> str:
+        if not self.prefix_cache_queries:
+            return ""
+        rate = 100 * self.prefix_cache_hits / self.prefix_cache_queries
+        return (
+            f"; prefix cache: {self.prefix_cache_hits} of {self.prefix_cache_queries} prompt "
+            f"tokens cached ({rate:.1f}%)"
+        )
+
+
+def _note_prefix_cache(summary: BatchRunSummary, engine: Any) -> None:
+    """Copy the engine's prefix-cache counters into ``summary`` (an engine without
+    ``get_metrics``, as in tests, leaves them 0)."""
+    get_metrics = getattr(engine, "get_metrics", None)
+    if get_metrics is None:
+        return
+    metrics = get_metrics()
+    summary.prefix_cache_queries = int(metrics.get("prefix_cache_queries", 0))
+    summary.prefix_cache_hits = int(metrics.get("prefix_cache_hits", 0))
 
 
 @dataclass
@@ -602,6 +627,7 @@ def run_batch_file(
                 logger.warning("could not store the last results in the snapshot: %s", close_err)
             raise
         writer.close(finished=True)
+        _note_prefix_cache(summary, engine)
         summary.restored = restored
         summary.ignored = ignored
     if batch_run.blank.count:

@@ -170,6 +170,9 @@ class LoopStats:
     generated_tokens_total: int = 0
     generated_tokens_per_s: float = 0.0
     tile_density: float | None = None
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_evictions_total: int = 0
     finished: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
@@ -640,6 +643,9 @@ class EngineLoop:
             generated_tokens_total=stats.num_generated_tokens,
             generated_tokens_per_s=(n1 - n0) / (t1 - t0) if t1 > t0 else 0.0,
             tile_density=self._tile_density,
+            prefix_cache_queries_total=getattr(stats, "prefix_cache_queries", 0),
+            prefix_cache_hits_total=getattr(stats, "prefix_cache_hits", 0),
+            prefix_cache_evictions_total=getattr(stats, "prefix_cache_evictions", 0),
             finished=dict(self._counts),
         )
 

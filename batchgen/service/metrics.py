@@ -21,6 +21,11 @@ active_batches                        gauge  in-progress batches feeding the eng
 kv_cache_usage_ratio                  gauge  share of KV cache blocks in use, [0, 1]
 tile_density                          gauge  expert-GEMM tile density (DESIGN.md), [0, 1];
                                              NaN while the engine does not report it
+prefix_cache_queries_total            count  prompt tokens looked up in the prefix cache
+                                             (vLLM's ``vllm:prefix_cache_queries``)
+prefix_cache_hits_total               count  of those, tokens found cached (their prefill
+                                             skipped; ``vllm:prefix_cache_hits``)
+prefix_cache_evictions_total          count  cached KV blocks evicted for new content
 engine_up                             gauge  1 while the engine thread runs
 ====================================  =====  ===================================================
 
@@ -131,6 +136,21 @@ class ServiceCollector(Collector):
         density = math.nan if s.tile_density is None else float(s.tile_density)
         yield GaugeMetricFamily(
             "batchgen_tile_density", "Expert-GEMM tile density (NaN: not reported)", value=density
+        )
+        yield CounterMetricFamily(
+            "batchgen_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_cache_queries_total,
+        )
+        yield CounterMetricFamily(
+            "batchgen_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (prefill skipped)",
+            value=s.prefix_cache_hits_total,
+        )
+        yield CounterMetricFamily(
+            "batchgen_prefix_cache_evictions",
+            "Cached KV blocks evicted for new content",
+            value=s.prefix_cache_evictions_total,
         )
         yield GaugeMetricFamily(
             "batchgen_engine_up", "1 while the engine thread runs", value=int(self._engine_up())
