@@ -192,3 +192,19 @@ def test_bodies_and_batch_output_lines(path, tmp_path):
     assert out["bad"]["error"]["param"] == "prompt_logprobs"
     assert "prompt_logprobs must be an integer in [0, 20]" in out["bad"]["error"]["message"]
     assert "prompt_logprobs" not in out["none"]["response"]["body"]["choices"][0]
+
+
+def test_prompt_logprobs_after_the_prompt_is_in_the_prefix_cache(path, oracle):
+    """With prefix caching on (the default), a prompt cached by an earlier `generate` is
+    computed again for a request asking for its prompt log-probabilities (a cached block has
+    no logits): the entries still equal the oracle's, the request takes no cache hit, and a
+    request without them does hit."""
+    llm = LLM(path, kv_cache_memory_gb=0.05)
+    prompt = [1] + list(range(30, 62))  # two full blocks of 16 cached, one partly filled
+    llm.generate([prompt], greedy(), use_tqdm=False)
+    hits = llm.get_metrics()["prefix_cache_hits"]
+    (out,) = llm.generate([prompt], greedy(prompt_logprobs=K), use_tqdm=False)
+    check(out, oracle)
+    assert llm.get_metrics()["prefix_cache_hits"] == hits
+    llm.generate([prompt], greedy(), use_tqdm=False)
+    assert llm.get_metrics()["prefix_cache_hits"] > hits
