@@ -48,7 +48,12 @@ def _job(model: str, args, kill: bool) -> dict:
             for out in outs:
                 assert out.request_id not in got, f"{out.request_id} answered twice"
                 got[out.request_id] = out.outputs[0].token_ids
-            if kill and killed_at is None and len(got) >= args.kill_after * args.requests:
+            if (
+                kill
+                and killed_at is None
+                and len(got) >= args.kill_after * args.requests
+                and engine.has_unfinished_requests()  # else nothing is left to recover
+            ):
                 os.kill(engine._ranks[1].pid, signal.SIGKILL)
                 killed_at = time.perf_counter()
         wall = time.perf_counter() - start
@@ -58,7 +63,7 @@ def _job(model: str, args, kill: bool) -> dict:
     return {
         "wall_seconds": wall,
         "outputs": got,
-        "kill_to_progress_seconds": None if killed_at is None else resumed_at - killed_at,
+        "kill_to_progress_seconds": None if resumed_at is None else resumed_at - killed_at,
         **{
             k: metrics[k]
             for k in ("recoveries", "requests_requeued", "recovery_seconds", "tokens_recomputed")
@@ -82,6 +87,11 @@ def main() -> int:
         model = bench_model_path()
     clean = _job(model, args, kill=False)
     killed = _job(model, args, kill=True)
+    if killed["kill_to_progress_seconds"] is None:
+        raise SystemExit(
+            "the requests all finished in the step that reached --kill-after, so nothing was "
+            "left to recover: run again, or with a lower --kill-after or more --max-tokens"
+        )
     assert killed["recoveries"] == 1, killed
     same = killed["outputs"] == clean["outputs"]
     print(f"untouched: {clean['wall_seconds']:.1f} s")
