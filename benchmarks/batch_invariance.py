@@ -1,0 +1,67 @@
+"""The cost of the batch-invariant mode: one engine with ``batch_invariant=False`` beside one
+with ``batch_invariant=True``, the same workload alternating between them in one process.
+
+    .venv/bin/python benchmarks/batch_invariance.py [--prompts 64] [--prompt-len 128]
+        [--max-tokens 32] [--rounds 2] [--model PATH | --bench-model]
+
+Default: the embedded model (Mixtral architecture, random weights, hidden 128, 8 experts);
+``--bench-model``: `batchgen bench`'s model (hidden 512, 64 experts, top-8); float32 on CPU. Prints,
+per mode, the median over rounds of the wall time of one ``generate`` call and its generated
+tokens per second (prefill included), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from batchgen import LLM, SamplingParams
+from batchgen.bench.runner import bench_model_path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--bench-model", action="store_true", help="batchgen bench's Mixtral")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    if args.bench_model:
+        args.model = bench_model_path("mixtral")
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(args.prompt_len)]}
+        for _ in range(args.prompts)
+    ]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
+        for i in range(args.prompts)
+    ]
+    common = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.25)
+    engines = {
+        mode: LLM(args.model, batch_invariant=mode == "invariant", **common)
+        for mode in ("default", "invariant")
+    }
+    for llm in engines.values():  # warm-up: kernel builds, weight packing
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    times: dict[str, list[float]] = {mode: [] for mode in engines}
+    for _ in range(args.rounds):
+        for mode, llm in engines.items():
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times[mode].append(time.perf_counter() - t0)
+    tokens = args.prompts * args.max_tokens
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each")
+    for mode, ts in times.items():
+        t = statistics.median(ts)
+        print(f"{mode:10s} {t:7.2f} s  {tokens / t:8.1f} tokens/s  (rounds: {ts})")
+    ratio = statistics.median(times["invariant"]) / statistics.median(times["default"])
+    print(f"invariant / default wall time: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
