@@ -2,8 +2,9 @@
 log-probabilities, bit for bit) whatever it is batched with and in whatever order the batch
 arrives (`EngineConfig.batch_invariant`, docs/batch-invariance.md).
 
-The end-to-end check is the issue's: 16 requests (12 seeded at temperature 1.0, 4 greedy), each
-run alone, then mixed in shuffled order into 200 other requests of other lengths and settings.
+The end-to-end check is the issue's: 16 requests (12 seeded at temperature 1.0, 4 greedy; plus
+one seeded ``n=2`` request), each run alone, then mixed in shuffled order into 200 other
+requests of other lengths and settings.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def test_aligned_chunks_cut_a_prompt_where_its_mates_do_not_matter():
 
 def _workload(seed: int = 0):
     """16 target requests (every 4th greedy, the rest seeded at temperature 1.0; prompts of
-    5-119 tokens) and 200 others (prompts of 3-199 tokens; greedy, seeded and unseeded, top-p
+    5-119 tokens) plus one seeded request with ``n=2``, and 200 others (prompts of 3-199 tokens; greedy, seeded and unseeded, top-p
     or not, 1-15 new tokens)."""
     rng = random.Random(seed)
 
@@ -126,6 +127,9 @@ def _workload(seed: int = 0):
             logprobs=0,
         )
         targets.append((prompt(rng.randrange(5, 120)), sp))
+    # Parallel sampling: the samples share their prompt's K/V (prefix sharing).
+    sp = SamplingParams(n=2, temperature=1.0, seed=77, max_tokens=16, ignore_eos=True, logprobs=0)
+    targets.append((prompt(70), sp))
     others = []
     for i in range(200):
         sp = SamplingParams(
@@ -142,10 +146,14 @@ def _workload(seed: int = 0):
     return targets, mixed
 
 
-def _tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
-    sample = output.outputs[0]
-    ids = list(sample.token_ids)
-    return ids, [lp[t].logprob for lp, t in zip(sample.logprobs, ids, strict=True)]
+def _tokens_and_logprobs(output) -> list[tuple[list[int], list[float]]]:
+    """Per sample of a request: its token ids and their log-probabilities."""
+    samples = []
+    for sample in output.outputs:
+        ids = list(sample.token_ids)
+        logprobs = [lp[t].logprob for lp, t in zip(sample.logprobs, ids, strict=True)]
+        samples.append((ids, logprobs))
+    return samples
 
 
 def _alone_and_mixed(llm: LLM):
@@ -156,8 +164,14 @@ def _alone_and_mixed(llm: LLM):
     in_mix = {
         i: _tokens_and_logprobs(o) for (kind, i, _), o in zip(mixed, outs) if kind == "target"
     }
-    assert llm.llm_engine.scheduler.num_preemptions == 0  # recompute is not covered
+    metrics = llm.get_metrics()
+    ranks = metrics.get("ranks", [metrics])
+    assert sum(r["num_preemptions"] for r in ranks) == 0  # recompute is not covered
     return alone, [in_mix[i] for i in range(len(targets))]
+
+
+def _ids(results) -> list[list[list[int]]]:
+    return [[ids for ids, _ in samples] for samples in results]
 
 
 def _llm(checkpoint_dir, name: str, **kwargs) -> LLM:
@@ -195,8 +209,27 @@ def test_batch_invariant_mode_gives_identical_tokens_alone_and_mixed(
         monkeypatch.setenv("BATCHGEN_CPU_KERNELS", kernels)
     llm = _llm(checkpoint_dir, name, batch_invariant=True, **kwargs)
     alone, mixed = _alone_and_mixed(llm)
-    assert [t for t, _ in mixed] == [t for t, _ in alone]  # token ids
-    assert [lp for _, lp in mixed] == [lp for _, lp in alone]  # and the logits, bit for bit
+    assert _ids(mixed) == _ids(alone)  # token ids
+    assert mixed == alone  # and log-probabilities, bit for bit
+
+
+@pytest.mark.timeout(300)
+def test_batch_invariant_mode_on_two_expert_parallel_ranks(checkpoint_dir):
+    """Data-parallel attention on 2 ranks, experts split between them (all-to-all): which rank
+    serves a request and which rank runs its experts change with the batch."""
+    llm = _llm(
+        checkpoint_dir,
+        "mixtral",
+        batch_invariant=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    try:
+        alone, mixed = _alone_and_mixed(llm)
+    finally:
+        llm.shutdown()
+    assert _ids(mixed) == _ids(alone)
+    assert mixed == alone
 
 
 @pytest.mark.xfail(
@@ -207,5 +240,5 @@ def test_batch_invariant_mode_gives_identical_tokens_alone_and_mixed(
 )
 def test_default_mode_is_not_bitwise_batch_invariant(checkpoint_dir):
     alone, mixed = _alone_and_mixed(_llm(checkpoint_dir, "mixtral"))
-    assert [t for t, _ in mixed] == [t for t, _ in alone]
-    assert [lp for _, lp in mixed] == [lp for _, lp in alone]
+    assert _ids(mixed) == _ids(alone)
+    assert mixed == alone

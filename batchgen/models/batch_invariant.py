@@ -17,7 +17,7 @@ top-k routing (row-wise), the fused MoE kernel (one sequential sum per output,
 call per prompt chunk; the engine fixes where a prompt is cut, `batchgen.engine.scheduler`).
 
 Not covered: MLA attention (DeepSeek: its absorbed decode path multiplies batched einsums over
-all decode tokens), GELU activations, expert parallelism (the routed experts of other ranks).
+all decode tokens), GELU activations. Expert parallelism is tested on 2 local ranks only.
 """
 
 from __future__ import annotations
