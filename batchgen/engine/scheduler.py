@@ -128,7 +128,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self.chunk_tokens(seq, budget)
-            if num_new == 0:  # aligned_chunks: its whole next chunk does not fit
+            if num_new == 0 and self.aligned_chunks:  # its whole next chunk does not fit
                 i += 1
                 continue
             if self._allocate_or_preempt(seq, num_new, out):
@@ -159,7 +159,8 @@ class Scheduler:
                         self.waiting.appendleft(seq)
                         break
             num_new = self.chunk_tokens(seq, budget)
-            if num_new == 0 or not self.kv_cache.allocate_slots(seq, num_new):
+            unfit = num_new == 0 and self.aligned_chunks  # its whole first chunk does not fit
+            if unfit or not self.kv_cache.allocate_slots(seq, num_new):
                 self.kv_cache.free(seq)  # undo a shared prefix, if any
                 seq.num_computed_tokens = 0
                 self.waiting.appendleft(seq)
