@@ -20,7 +20,12 @@ from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kernels import invariant_linear as il
-from batchgen.models.batch_invariant import check_batch_invariant_support, invariant_silu
+from batchgen.models.batch_invariant import (
+    BatchInvariantLinear,
+    check_batch_invariant_support,
+    enable_batch_invariant,
+    invariant_silu,
+)
 from tests.test_scheduler import make_seqs
 
 VOCAB = 512  # the tiny checkpoints' vocabulary
@@ -53,6 +58,22 @@ def test_invariant_linear_row_does_not_depend_on_its_call(monkeypatch, k, n, ker
     torch.testing.assert_close(il.invariant_linear(x, w, bias), expected, rtol=1e-5, atol=5e-6 * k)
     assert il.invariant_linear(x[:0], w).shape == (0, n)
     assert il.invariant_linear(x[:6].view(2, 3, k), w).shape == (2, 3, n)
+
+
+def test_invariant_linear_module_repacks_when_its_weight_changes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 20), torch.nn.Linear(20, 4, bias=False))
+    assert enable_batch_invariant(model) == 2
+    layer = model[0]
+    assert isinstance(layer, BatchInvariantLinear)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # autograd-visible: the version counter moves
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.weight.data.mul_(2)  # invisible to the version counter: needs the invalidation
+    layer.invalidate_packed_weights()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_invariant_silu_does_not_depend_on_the_tensor_size():
