@@ -235,8 +235,10 @@ def test_batch_invariant_mode_gives_identical_tokens_alone_and_mixed(
 
 
 @pytest.mark.timeout(300)
-def test_batch_invariant_mode_on_two_expert_parallel_ranks(checkpoint_dir):
-    """Data-parallel attention on 2 ranks, experts split between them (all-to-all): which rank
+@pytest.mark.parametrize("strategy", ["expert_parallel", "data_parallel_offload"])
+def test_batch_invariant_mode_on_two_expert_parallel_ranks(checkpoint_dir, strategy):
+    """Data-parallel attention on 2 ranks, experts split between them (all-to-all; with
+    ``data_parallel_offload`` a prefill's experts are streamed to its own rank): which rank
     serves a request and which rank runs its experts change with the batch."""
     llm = _llm(
         checkpoint_dir,
@@ -244,6 +246,8 @@ def test_batch_invariant_mode_on_two_expert_parallel_ranks(checkpoint_dir):
         batch_invariant=True,
         data_parallel_size=2,
         enable_expert_parallel=True,
+        prefill_strategy=strategy,
+        prefill_stream_min_tokens=1,  # stream in every step with a prefill
     )
     try:
         alone, mixed = _alone_and_mixed(llm)
