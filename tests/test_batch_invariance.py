@@ -218,6 +218,8 @@ CASES = {
     # Dense float32 layers: Llama's gated MLP; Qwen2-MoE's shared expert and dense layer.
     "llama": ("llama", {}, None),
     "qwen2_moe": ("qwen2_moe", {}, None),
+    # MLA attention (absorbed decode on the torch path), sigmoid routing with correction bias.
+    "deepseek_v3": ("deepseek_v3", {}, None),
 }
 
 

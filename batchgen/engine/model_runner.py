@@ -56,9 +56,10 @@ class ModelRunner:
     Args:
         model: the loaded model.
         num_blocks: KV cache blocks; block_size: tokens per block.
-        batch_invariant: where decode attention runs on the torch path, one bucket per decode
-            row, so a row's gathered context length (and with it SDPA's reduction) depends only
-            on its own context (`EngineConfig.batch_invariant`).
+        batch_invariant: where decode attention runs on the torch path (MLA, or the kernel
+            unavailable), one bucket per decode row, so a row's gathered context length and the
+            shapes of its attention GEMMs depend only on its own context
+            (`EngineConfig.batch_invariant`).
     """
 
     def __init__(

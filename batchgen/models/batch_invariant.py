@@ -15,22 +15,19 @@ of them `invariant_silu`. Already row-independent and left alone: RMSNorm, RoPE,
 top-k routing (row-wise), the fused MoE kernel (one sequential sum per output,
 ``csrc/fused_moe.cpp``), paged decode attention (per sequence), prefill attention (one SDPA
 call per prompt chunk; the engine fixes where a prompt is cut, `batchgen.engine.scheduler`).
+Decode attention on the torch path, MLA's included, runs one sequence per call in this mode
+(`batchgen.engine.model_runner.ModelRunner`).
 
-Not covered: MLA attention (DeepSeek: its absorbed decode path multiplies batched einsums over
-all decode tokens), GELU activations. Expert parallelism is tested on 2 local ranks only.
+Not covered: GELU activations. Expert parallelism is tested on 2 local ranks only.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.invariant_linear import invariant_linear, pack_linear_weight
-
-logger = logging.getLogger(__name__)
 
 
 def invariant_silu(x: torch.Tensor) -> torch.Tensor:
@@ -83,9 +80,8 @@ class BatchInvariantLinear(nn.Linear):
 def enable_batch_invariant(model: nn.Module) -> int:
     """Make ``model``'s per-token results independent of the batch (see the module docstring):
     every ``nn.Linear`` becomes a `BatchInvariantLinear` in place (its class changes, its
-    parameters stay), every module with a ``batch_invariant`` attribute (the MoE blocks) gets
-    it set. Returns the number of linear layers converted. Logs a warning for MLA attention,
-    which stays batch-dependent."""
+    parameters stay), every module with a ``batch_invariant`` attribute (the MoE blocks, the
+    dense MLPs) gets it set. Returns the number of linear layers converted."""
     converted = 0
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -93,11 +89,6 @@ def enable_batch_invariant(model: nn.Module) -> int:
             converted += 1
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = True
-        if type(module).__name__ == "MLAAttention":
-            logger.warning(
-                "batch_invariant: MLA attention (DeepSeek) is not batch-invariant: its decode "
-                "path runs batched einsums over all decode tokens"
-            )
     return converted
 
 
