@@ -130,8 +130,8 @@ def test_aligned_chunks_cut_a_prompt_where_its_mates_do_not_matter():
 
 def _workload(seed: int = 0):
     """16 target requests (every 4th greedy, the rest seeded at temperature 1.0; prompts of
-    5-119 tokens) plus one seeded request with ``n=2``, and 200 others (prompts of 3-199 tokens; greedy, seeded and unseeded, top-p
-    or not, 1-15 new tokens)."""
+    5-119 tokens) plus one seeded request with ``n=2``, and 200 others (prompts of 3-199
+    tokens; greedy, seeded and unseeded, top-p or not, 1-15 new tokens)."""
     rng = random.Random(seed)
 
     def prompt(n: int) -> dict:
