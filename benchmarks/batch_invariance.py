@@ -3,11 +3,14 @@ with ``batch_invariant=True``, the same workload alternating between them in one
 
     .venv/bin/python benchmarks/batch_invariance.py [--prompts 64] [--prompt-len 128]
         [--max-tokens 32] [--rounds 2] [--model PATH | --bench-model]
+    .venv/bin/python benchmarks/batch_invariance.py --gemm   # the GEMM alone against MKL
 
 Default: the embedded model (Mixtral architecture, random weights, hidden 128, 8 experts);
 ``--bench-model``: `batchgen bench`'s model (hidden 512, 64 experts, top-8); float32 on CPU. Prints,
 per mode, the median over rounds of the wall time of one ``generate`` call and its generated
-tokens per second (prefill included), and the ratio.
+tokens per second (prefill included), and the ratio. ``--gemm`` instead times
+`invariant_linear` beside ``F.linear`` (MKL) on two weight shapes at 8 to 2,048 rows, with
+one thread and with torch's thread count (medians of 7 calls, GFLOP/s).
 """
 
 from __future__ import annotations
@@ -17,8 +20,42 @@ import random
 import statistics
 import time
 
+import torch
+import torch.nn.functional as F
+
 from batchgen import LLM, SamplingParams
 from batchgen.bench.runner import bench_model_path
+from batchgen.kernels.invariant_linear import invariant_linear, pack_linear_weight
+
+
+def gemm_bench() -> None:
+    """`invariant_linear` against ``F.linear`` on the same weights, one process."""
+    threads = torch.get_num_threads()
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    for num_threads in sorted({1, threads}):
+        torch.set_num_threads(num_threads)
+        for k, n in ((512, 1536), (1024, 4096)):
+            w = torch.randn(n, k)
+            packed = pack_linear_weight(w)
+            for m in (8, 64, 512, 2048):
+                x = torch.randn(m, k)
+                mkl = median_ms(lambda: F.linear(x, w))
+                inv = median_ms(lambda: invariant_linear(x, w, packed=packed))
+                gf = 2 * m * k * n / 1e6
+                print(
+                    f"threads {num_threads} K {k} N {n} M {m:5d}: MKL {mkl:8.2f} ms "
+                    f"({gf / mkl:4.0f} GFLOP/s), invariant {inv:8.2f} ms ({gf / inv:4.0f})"
+                )
+    torch.set_num_threads(threads)
 
 
 def main() -> None:
@@ -29,7 +66,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--gemm", action="store_true", help="time the GEMM alone against MKL")
     args = p.parse_args()
+    if args.gemm:
+        gemm_bench()
+        return
     if args.bench_model:
         args.model = bench_model_path("mixtral")
     rng = random.Random(0)

@@ -13,7 +13,8 @@
 //
 // Work is cut into tasks of up to kRowBlock rows x kPanelBlock panels, spread over OpenMP
 // threads (joining torch's runtime like the other kernels); a task packs its rows into
-// micro-panels ([K][6] per 6 rows, BLIS's layout) and runs the micro-kernel over its panels.
+// micro-panels ([K][6] per 6 rows, BLIS's layout) and runs the micro-kernel over its panels,
+// K in fixed blocks (the same for every M, so the chains are the same too).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -27,12 +28,19 @@ constexpr int64_t kPanel = 16;       // output columns per packed panel
 constexpr int kMR = 6;               // rows per micro-kernel call
 constexpr int64_t kRowBlock = 96;    // rows per task (16 micro-panels)
 constexpr int64_t kPanelBlock = 16;  // panels per task (256 output columns)
+constexpr int64_t kKBlock = 256;     // reduction steps per pass over a panel block
 
-// c[r * ldc + 0 .. 15] = A[r, :K] . panel for r < MR; A one packed micro-panel ([K][6]).
+// c[r * ldc + 0 .. 15] (+)= A[r, :kc] . panel for r < MR; A one packed micro-panel block
+// ([kc][6]), panel [kc][16]. With `accumulate` the sums continue from c: storing and reloading
+// a float32 accumulator is exact, so a K split into blocks keeps each output's single chain.
 template <int MR>
-inline void micro(const float* a, const float* panel, int64_t k_size, float* c, int64_t ldc) {
+inline void micro(const float* a, const float* panel, int64_t k_size, float* c, int64_t ldc,
+                  bool accumulate) {
   __m256 c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = accumulate ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    c1[r] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
+  }
   for (int64_t k = 0; k < k_size; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel);
     const __m256 b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
@@ -49,14 +57,14 @@ inline void micro(const float* a, const float* panel, int64_t k_size, float* c, 
 }
 
 void micro_rows(int rows, const float* a, const float* panel, int64_t k_size, float* c,
-                int64_t ldc) {
+                int64_t ldc, bool acc) {
   switch (rows) {
-    case 6: micro<6>(a, panel, k_size, c, ldc); break;
-    case 5: micro<5>(a, panel, k_size, c, ldc); break;
-    case 4: micro<4>(a, panel, k_size, c, ldc); break;
-    case 3: micro<3>(a, panel, k_size, c, ldc); break;
-    case 2: micro<2>(a, panel, k_size, c, ldc); break;
-    case 1: micro<1>(a, panel, k_size, c, ldc); break;
+    case 6: micro<6>(a, panel, k_size, c, ldc, acc); break;
+    case 5: micro<5>(a, panel, k_size, c, ldc, acc); break;
+    case 4: micro<4>(a, panel, k_size, c, ldc, acc); break;
+    case 3: micro<3>(a, panel, k_size, c, ldc, acc); break;
+    case 2: micro<2>(a, panel, k_size, c, ldc, acc); break;
+    case 1: micro<1>(a, panel, k_size, c, ldc, acc); break;
     default: break;
   }
 }
@@ -89,12 +97,17 @@ extern "C" int batchgen_invariant_linear_f32(const float* x, const float* wp, fl
         float* dst = a_buf.data() + (r / kMR) * k_size * kMR + r % kMR;
         for (int64_t k = 0; k < k_size; ++k) dst[k * kMR] = src[k];
       }
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = wp + p * k_size * kPanel;
-        for (int64_t i = 0; i < rows; i += kMR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - i));
-          micro_rows(mr, a_buf.data() + i * k_size, panel, k_size,
-                     out + (r0 + i) * n_padded + p * kPanel, n_padded);
+      // K in blocks of kKBlock: a block of one panel (16 KiB) stays in L1 while every
+      // micro-panel of the task's rows passes over it.
+      for (int64_t k0 = 0; k0 < k_size; k0 += kKBlock) {
+        const int64_t kc = std::min(kKBlock, k_size - k0);
+        for (int64_t p = p0; p < p1; ++p) {
+          const float* panel = wp + p * k_size * kPanel + k0 * kPanel;
+          for (int64_t i = 0; i < rows; i += kMR) {
+            const int mr = static_cast<int>(std::min<int64_t>(kMR, rows - i));
+            micro_rows(mr, a_buf.data() + i * k_size + k0 * kMR, panel, kc,
+                       out + (r0 + i) * n_padded + p * kPanel, n_padded, k0 > 0);
+          }
         }
       }
     }
