@@ -60,8 +60,8 @@ from batchgen.engine.sampler import Sampler, make_generator
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, SequenceCoroutine, SequenceStatus
 from batchgen.kernels.cpu_build import kernels_enabled
-from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.batch_invariant import check_batch_invariant_support, enable_batch_invariant
+from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import RequestMetrics, RequestOutput
