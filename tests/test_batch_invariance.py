@@ -26,6 +26,8 @@ from batchgen.models.batch_invariant import (
     enable_batch_invariant,
     invariant_silu,
 )
+from batchgen.models.make_model import make_model
+from tests.conftest import CHECKPOINTS
 from tests.test_scheduler import make_seqs
 
 VOCAB = 512  # the tiny checkpoints' vocabulary
@@ -234,6 +236,24 @@ def test_batch_invariant_mode_gives_identical_tokens_alone_and_mixed(
     alone, mixed = _alone_and_mixed(llm)
     assert _ids(mixed) == _ids(alone)  # token ids
     assert mixed == alone  # and log-probabilities, bit for bit
+
+
+def test_update_weights_reaches_the_packed_weights(checkpoint_dir, tmp_path):
+    """RL rollouts update the policy between generate calls: the mode's packed copies of the
+    linear weights must follow, or the engine would keep generating with the old policy."""
+    arch, overrides = CHECKPOINTS["mixtral"]
+    other = make_model(arch, tmp_path / "mixtral_b", seed=4321, **overrides)
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+
+    def run(llm: LLM):
+        return _tokens_and_logprobs(llm.generate(prompt, sp, use_tqdm=False)[0])
+
+    fresh_b = run(LLM(str(other), device="cpu", batch_invariant=True, kv_cache_memory_gb=0.05))
+    llm = _llm(checkpoint_dir, "mixtral", batch_invariant=True)
+    assert run(llm) != fresh_b
+    llm.update_weights(str(other))
+    assert run(llm) == fresh_b
 
 
 @pytest.mark.timeout(300)
