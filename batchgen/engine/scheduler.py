@@ -24,6 +24,10 @@ A sequence moved from another engine with its K/V (``seq.kv_import``, straggler 
 is admitted like any waiting one, with those positions counted as computed: it allocates their
 blocks and the engine writes the K/V into them before the step (``SchedulerOutput.kv_imports``).
 
+In the batch-invariant mode (``aligned_chunks``) a prompt is cut only at multiples of the chunk
+size and a chunk is scheduled whole or waits for the next step, so where a prompt is cut never
+depends on what else is running (`Scheduler.chunk_tokens`).
+
 Liveness: the engine caps ``max_model_len`` at the KV capacity, so a running sequence alone can
 always allocate; every step schedules at least one token while any sequence is unfinished.
 """
