@@ -132,7 +132,7 @@ class EngineConfig:
         metadata=meta(
             "a greedy or seeded request gets the same tokens whatever it is batched with: "
             "row-independent GEMMs and prompts cut at fixed positions (CPU float32 only; "
-            "slower, docs/batch-invariance.md)"
+            "costs up to a few percent, docs/batch-invariance.md)"
         ),
     )
     tile_size: int = field(default=64, metadata=meta("GEMM tile rows for the tile-density metric"))
