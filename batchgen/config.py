@@ -135,6 +135,14 @@ class EngineConfig:
             "skips their prefill; requests with prompt_logprobs never take a hit"
         ),
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata=meta(
+            "a greedy or seeded request gets the same tokens whatever it is batched with: "
+            "row-independent GEMMs and prompts cut at fixed positions (CPU float32 only; "
+            "costs up to a few percent, docs/batch-invariance.md)"
+        ),
+    )
     tile_size: int = field(default=64, metadata=meta("GEMM tile rows for the tile-density metric"))
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=meta("force the number of KV blocks (testing preemption)")
@@ -155,6 +163,8 @@ class EngineConfig:
                 f"served_model_name must be a non-empty string or None, got "
                 f"{self.served_model_name!r}"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if self.scheduler_policy not in POLICIES:
             raise ValueError(
                 f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}"

@@ -60,6 +60,7 @@ from batchgen.engine.sampler import Sampler, make_generator
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, SequenceCoroutine, SequenceStatus
 from batchgen.kernels.cpu_build import kernels_enabled
+from batchgen.models.batch_invariant import check_batch_invariant_support, enable_batch_invariant
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
@@ -135,6 +136,8 @@ class LLMEngine(RequestOutputs):
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         self.device = rank.device if rank is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, cfg)
+        if config.batch_invariant:
+            check_batch_invariant_support(self.device, self.dtype)
         if self.device.type == "cpu":
             configure_cpu_threads()
             tune_glibc_malloc()
@@ -143,6 +146,8 @@ class LLMEngine(RequestOutputs):
         t0 = time.perf_counter()
         held = rank.held_experts(cfg) if rank is not None else None
         model = load_model(path, cfg, self.device, self.dtype, held)
+        if config.batch_invariant:
+            enable_batch_invariant(model)
         logger.info(
             "loaded %s (%s) on %s in %.1f s",
             path,
@@ -172,13 +177,21 @@ class LLMEngine(RequestOutputs):
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
         self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.dtype)  # all layers
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            batch_invariant=config.batch_invariant,
+        )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_running_seqs,
             config.step_token_budget,
             max_chunk_tokens=config.max_num_batched_tokens,
             enable_prefix_sharing=config.enable_prefix_sharing,
+            aligned_chunks=config.batch_invariant,
         )
         self.metrics = EngineMetrics(tile_size=config.tile_size)
         for module in model.modules():

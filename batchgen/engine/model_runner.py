@@ -56,6 +56,10 @@ class ModelRunner:
     Args:
         model: the loaded model.
         num_blocks: KV cache blocks; block_size: tokens per block.
+        batch_invariant: where decode attention runs on the torch path (MLA, or the kernel
+            unavailable), one bucket per decode row, so a row's gathered context length and the
+            shapes of its attention GEMMs depend only on its own context
+            (`EngineConfig.batch_invariant`).
     """
 
     def __init__(
@@ -65,8 +69,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.device = device
         self.block_size = block_size
         cfg = model.config
@@ -156,6 +162,8 @@ class ModelRunner:
         num_blocks = [-(-n // bs) for n in kv_lens]
         if self.decode_in_place:  # the kernel reads each context in place: one bucket
             plan = [(0, len(decodes))] if decodes else []
+        elif self.batch_invariant:
+            plan = [(i, i + 1) for i in range(len(decodes))]
         else:
             plan = plan_decode_buckets(num_blocks, max_bucket_blocks=self.max_bucket_blocks)
         for start, end in plan:

@@ -38,6 +38,10 @@ A sequence moved from another engine with its K/V (``seq.kv_import``, straggler 
 is admitted like any waiting one, with those positions counted as computed: it allocates their
 blocks and the engine writes the K/V into them before the step (``SchedulerOutput.kv_imports``).
 
+In the batch-invariant mode (``aligned_chunks``) a prompt is cut only at multiples of the chunk
+size and a chunk is scheduled whole or waits for the next step, so where a prompt is cut never
+depends on what else is running (`Scheduler.chunk_tokens`).
+
 Liveness: the engine caps ``max_model_len`` at the KV capacity, so a running sequence alone can
 always allocate; every step schedules at least one token while any sequence is unfinished.
 """
@@ -111,6 +115,9 @@ class Scheduler:
         max_num_batched_tokens: max new tokens scheduled per step.
         max_chunk_tokens: max new tokens of one sequence per step (default: the step budget).
         enable_prefix_sharing: samples of one request share their prompt's KV blocks.
+        aligned_chunks: cut every sequence's prefill at the multiples of ``max_chunk_tokens``
+            only, and schedule a chunk only whole (`chunk_tokens`), so where a prompt is cut
+            never depends on its batch mates (the batch-invariant mode).
     """
 
     def __init__(
@@ -120,13 +127,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_chunk_tokens: int | None = None,
         enable_prefix_sharing: bool = False,
+        aligned_chunks: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
+        self.aligned_chunks = aligned_chunks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # One sequence's tokens per step (a prefill chunk); the coalesce policy sets it to the
         # attention micro-batch size while the step budget spans several micro-batches.
         self.max_chunk_tokens = max_chunk_tokens or max_num_batched_tokens
+        if aligned_chunks:  # a whole chunk must fit an empty step, or nothing would run
+            self.max_chunk_tokens = min(self.max_chunk_tokens, max_num_batched_tokens)
         self.waiting: deque[SequenceCoroutine] = deque()
         self.running: list[SequenceCoroutine] = []
         self.num_preemptions = 0
@@ -147,7 +158,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
+            num_new = self.chunk_tokens(seq, budget)
+            if num_new == 0 and self.aligned_chunks:  # its whole next chunk does not fit
+                i += 1
+                continue
             if self._allocate_or_preempt(seq, num_new, out):
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
@@ -187,8 +201,9 @@ class Scheduler:
                         deferred.append(seq)
                         continue
                     self.kv_cache.take_cached_prefix(seq, hit)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk_tokens)
-            if not self.kv_cache.allocate_slots(seq, num_new):
+            num_new = self.chunk_tokens(seq, budget)
+            unfit = num_new == 0 and self.aligned_chunks  # its whole first chunk does not fit
+            if unfit or not self.kv_cache.allocate_slots(seq, num_new):
                 self.kv_cache.free(seq)  # undo a shared prefix, if any
                 seq.num_computed_tokens = 0
                 self.waiting.appendleft(seq)
@@ -231,6 +246,22 @@ class Scheduler:
                 hashes = block_hashes(seq, (seq.num_tokens - 1) // bs, bs)
                 pending.update(hashes[seq.num_computed_tokens // bs :])
         return pending
+
+    def chunk_tokens(self, seq: SequenceCoroutine, budget: int) -> int:
+        """New tokens of ``seq`` to schedule with ``budget`` tokens left in the step.
+
+        Default: ``min(left, budget, max_chunk_tokens)``. With ``aligned_chunks`` a chunk ends
+        only at the next multiple of ``max_chunk_tokens`` or at the sequence's end, and is
+        scheduled whole or not at all (0): with ``max_chunk_tokens = 4`` a 10-token prompt is
+        always computed as 4 + 4 + 2, whatever else shares its steps. A decode (1 token) always
+        fits a non-empty budget.
+        """
+        left = seq.num_tokens - seq.num_computed_tokens
+        if not self.aligned_chunks:
+            return min(left, budget, self.max_chunk_tokens)
+        to_boundary = self.max_chunk_tokens - seq.num_computed_tokens % self.max_chunk_tokens
+        chunk = min(left, to_boundary)
+        return chunk if chunk <= budget else 0
 
     def _prefix_source(
         self, seq: SequenceCoroutine, forked: set[int]

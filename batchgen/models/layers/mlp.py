@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.models.batch_invariant import invariant_activation
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, "tanh")}
 
 
@@ -28,7 +30,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(hidden_act)
+        # Batch-invariant mode (`batchgen.models.batch_invariant`): an activation whose value
+        # for an element does not depend on the tensor's size.
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(self.act(gate) * up)
+        act = invariant_activation(self.act) if self.batch_invariant else self.act
+        return self.down_proj(act(gate) * up)

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.fused_moe import fused_moe_available, fused_moe_silu, pack_expert_weights
+from batchgen.kernels.invariant_linear import invariant_linear
+from batchgen.models.batch_invariant import invariant_activation
 from batchgen.models.layers.mlp import GatedMLP, get_activation
 from batchgen.models.model_config import RouterConfig
 
@@ -189,6 +191,7 @@ def fused_experts_per_expert(
     stats=None,
     num_workers: int = 1,
     out_dtype: torch.dtype | None = None,
+    linear=F.linear,
 ) -> torch.Tensor:
     """Expert computation without whole-batch sorted intermediates (the CPU path).
 
@@ -215,6 +218,9 @@ def fused_experts_per_expert(
     one process). ``torch.set_num_threads(1)`` is in force for the whole process during the
     call and restored after.
 
+    ``linear``: the GEMM, ``(x [m, K], w [N, K]) -> [m, N]`` (`invariant_linear` in the
+    batch-invariant mode).
+
     Before the slot-order sum, the top-k sums ran in expert order per worker: results then
     depended on the thread count in the last bits (and in bf16 that changed tokens), and
     differed from an expert-parallel rank's.
@@ -236,8 +242,8 @@ def fused_experts_per_expert(
             if start == end:
                 continue
             rows = token_idx[start:end]  # [m]
-            gate, up = F.linear(x.index_select(0, rows), w13[expert]).chunk(2, dim=-1)  # [m, I]
-            y = F.linear(act(gate) * up, w2[expert]).float()  # [m, H]
+            gate, up = linear(x.index_select(0, rows), w13[expert]).chunk(2, dim=-1)  # [m, I]
+            y = linear(act(gate) * up, w2[expert]).float()  # [m, H]
             pairs.index_copy_(0, order[start:end], y.mul_(weights[start:end, None]))
 
     def result() -> torch.Tensor:
@@ -322,6 +328,9 @@ class SparseMoeBlock(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(held, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
         self.stats = None  # the engine injects its `ExpertGemmStats` here
+        # Batch-invariant mode (`batchgen.models.batch_invariant`): GEMMs whose rows do not
+        # depend on each other where the fused kernel does not serve this block.
+        self.batch_invariant = False
         # Under expert parallelism: a callable ``(block, x, local_rows) -> [T, H]`` that routes,
         # dispatches, runs the held experts and combines (`ExpertParallelMoE`).
         self.expert_parallel = None
@@ -340,7 +349,8 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``topk_weights [T, A]`` float32, ``topk_ids [T, A]``."""
         if self.router.scoring_func == "sigmoid":  # DeepSeek-V3 scores in float32
-            router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
+            linear = invariant_linear if self.batch_invariant else F.linear
+            router_logits = linear(x.float(), self.gate.weight.float())  # [T, E]
         else:
             router_logits = self.gate(x)  # [T, E]
         bias = getattr(self.gate, "e_score_correction_bias", None)
@@ -394,6 +404,9 @@ class SparseMoeBlock(nn.Module):
             w13_packed, w2_packed = self.packed_expert_weights()
             return fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
+        if self.batch_invariant:  # one worker: the fallback GEMM's rounding follows threads
+            args = (*args[:5], invariant_activation(self.act), self.stats)
+            return fused_experts_per_expert(*args, out_dtype=out_dtype, linear=invariant_linear)
         if x.device.type == "cpu":
             workers = cpu_expert_workers(x.shape[0], self.top_k, self.w13_weight.shape[0])
             return fused_experts_per_expert(*args, num_workers=workers, out_dtype=out_dtype)
