@@ -348,3 +348,41 @@ def test_shutdown_while_a_replacement_starts_does_not_wait_for_it(
         assert replacement.done()
     finally:
         llm.shutdown()
+
+
+def test_a_replacement_not_connected_yet_is_never_named_stuck():
+    """Rank 0 dies while rank 1's replacement has been starting for 10 s: the failure names
+    rank 0 alone and stops only rank 0 (a placeholder has no heartbeat to be late with; its
+    start is watched by `Joining`). It used to be named stuck, which restarted every rank."""
+    from batchgen.distributed.mailbox import CLOSED
+    from batchgen.distributed.rank_handle import RankHandle
+    from batchgen.distributed.rank_set import RankFailedError
+
+    rank_set = _rank_set(2, 1)
+    joining = RankHandle(1, None, "", 0, joining=True)
+    joining.last_seen -= 10
+    rank_set.ranks[1] = joining
+    rank_set._inbox.put((rank_set.ranks[0], CLOSED))
+    with pytest.raises(RankFailedError) as caught:
+        rank_set.receive(1.0)
+    assert caught.value.ranks == [0] and caught.value.lost == [0]
+    assert "rank 1" not in str(caught.value) and not joining.retired
+
+
+def test_abort_while_a_failure_waits_for_recovery_reaches_the_running_rank():
+    """A failure found by a metrics poll waits for the next `step`; an abort meanwhile still
+    reaches a rank that runs on (it used to be dropped: the rank computed the request to the
+    end and its load never went down)."""
+    from test_rebalance import _add, _frontend
+
+    from batchgen.distributed import protocol as msg
+    from batchgen.distributed.rank_set import RankFailedError
+
+    client = _frontend()
+    _add(client, "a", 50, rank=0)
+    client._flush(client._ranks[0])
+    client.rank_set.failure = RankFailedError("rank 1 died", [1], recoverable=True)
+    client.abort_request("a")
+    assert client._ranks[0].load == 0
+    aborts = client.rank_set.taken(msg.Abort)
+    assert [(r, m.request_ids) for r, m in aborts] == [(0, ["a"])]

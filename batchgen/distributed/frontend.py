@@ -327,18 +327,20 @@ class DPEngineClient(FrontendMetrics):
             rank.pending = []
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request (unknown ids and a failed job are ignored)."""
+        """Drop a request (unknown ids and a failed job are ignored). Also while a failure
+        waits for recovery: a request on a rank that runs on is aborted there, one on a
+        stopped rank is simply not re-queued."""
         entry = self.requests.pop(request_id, None)
-        if entry is None or self.rank_set.failure is not None or self.rank_set.closed:
+        if entry is None or self.rank_set.closed:
             return
         rank = self._ranks[entry.rank]
         rank.load -= entry.load
         before = len(rank.pending)
         rank.pending = [p for p in rank.pending if p[0] != request_id]
-        if len(rank.pending) == before:
+        if len(rank.pending) == before and not rank.retired and not rank.joining:
             try:
                 self.rank_set.send(rank, msg.Abort([request_id]))
-            except OSError:
+            except (OSError, RuntimeError):
                 pass
 
     def has_unfinished_requests(self) -> bool:

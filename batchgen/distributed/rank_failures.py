@@ -42,7 +42,10 @@ class RankFailures:
         for rank in self.ranks:
             if rank.rank in ended and rank not in broken:
                 broken.append(rank)
-        failure, involved = name_failure(self.ranks, broken, failed, STUCK_AFTER_S)
+        # a replacement not connected yet has no heartbeat to be late with (its start is
+        # watched by `Joining`), and a retired rank is stopped already
+        watched = [r for r in self.ranks if r.conn is not None and not r.retired]
+        failure, involved = name_failure(watched, broken, failed, STUCK_AFTER_S)
         self._fail_with(failure, involved)
 
     def _fail_with(self, failure: RankFailedError, involved: set[int]) -> None:
