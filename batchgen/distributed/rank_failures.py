@@ -38,15 +38,42 @@ class RankFailures:
         time.sleep(0.5)
         ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
         self._read_last_words(broken, failed, got, ended)
+        reporting = {r.rank for r, _ in failed}
+        if failed and all(r.rank in reporting for r in broken) and not ended - reporting:
+            self._tell_stuck_from_alive(reporting)  # nobody died: a peer may be stuck
+            self._read_last_words(broken, failed, got, set())
         self._held += got
         for rank in self.ranks:
             if rank.rank in ended and rank not in broken:
                 broken.append(rank)
-        # a replacement not connected yet has no heartbeat to be late with (its start is
-        # watched by `Joining`), and a retired rank is stopped already
-        watched = [r for r in self.ranks if r.conn is not None and not r.retired]
-        failure, involved = name_failure(watched, broken, failed, STUCK_AFTER_S)
+        failure, involved = name_failure(self._watched(), broken, failed, STUCK_AFTER_S)
         self._fail_with(failure, involved)
+
+    def _watched(self) -> list[RankHandle]:
+        """The ranks whose heartbeats tell whether they are stuck: not a replacement that has
+        not connected yet (its start is watched by `Joining`), nor a retired rank."""
+        return [r for r in self.ranks if r.conn is not None and not r.retired]
+
+    def _tell_stuck_from_alive(self, reporting: set[int]) -> None:
+        """Wait until every other watched rank has either heartbeated since now (alive) or is
+        over `STUCK_AFTER_S` late (stuck); at most `STUCK_AFTER_S` + `HEARTBEAT_S` seconds.
+
+        A rank that reports an error from a collective (gloo's timeout, which is
+        ``distributed_timeout_s``) may be the victim of a stopped peer whose heartbeats are not
+        late enough yet to tell: the peer is the one to restart, and naming the reporter would
+        end the job (an error raised on a rank is not retried). Healthy ranks heartbeat every
+        `HEARTBEAT_S`, so this costs about a second when nobody is stuck."""
+        since = time.monotonic()
+        deadline = since + STUCK_AFTER_S + msg.HEARTBEAT_S
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if all(
+                r.last_seen >= since or now - r.last_seen > STUCK_AFTER_S
+                for r in self._watched()
+                if r.rank not in reporting
+            ):
+                return
+            time.sleep(0.1)
 
     def _fail_with(self, failure: RankFailedError, involved: set[int]) -> None:
         """Record ``failure`` and stop what it broke, then raise it. With `_can_replace` and
