@@ -263,6 +263,12 @@ def test_joining_ranks_are_set_up_by_whole_groups_and_a_death_before_connecting_
     assert not joining.active
 
 
+def _rank0_tokens(i: int) -> int:
+    """Staggered lengths (10, 30, ... 390 tokens) so that rank 0's outputs come back one by
+    one over seconds, whatever the machine's speed, not all in one `step`."""
+    return 10 + 20 * max(0, i - 4)
+
+
 @pytest.mark.timeout(300)
 def test_outputs_flow_from_the_survivor_while_the_replacement_starts(
     checkpoint_dir, tmp_path, monkeypatch
@@ -273,7 +279,7 @@ def test_outputs_flow_from_the_survivor_while_the_replacement_starts(
     answered once with one process's tokens."""
     prompts = [f"survivor prompt {i} " * (1 + i % 4) for i in range(24)]
     reference = LLM(str(checkpoint_dir("mixtral"))).generate(
-        prompts, [_greedy(4 + i) for i in range(24)], use_tqdm=False
+        prompts, [_greedy(_rank0_tokens(i)) for i in range(24)], use_tqdm=False
     )
     llm = LLM(
         str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
@@ -286,8 +292,10 @@ def test_outputs_flow_from_the_survivor_while_the_replacement_starts(
         monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
         for i in range(4):  # rank 1's: still running when it is killed
             engine.add_request(f"r{i}", prompts[i], _greedy(200), data_parallel_rank=1)
-        for i in range(4, 24):  # rank 0's: short and staggered, so they finish one by one
-            engine.add_request(f"r{i}", prompts[i], _greedy(4 + i), data_parallel_rank=0)
+        for i in range(4, 24):  # rank 0's: staggered, so they finish one by one
+            engine.add_request(
+                f"r{i}", prompts[i], _greedy(_rank0_tokens(i)), data_parallel_rank=0
+            )
         deadline = time.monotonic() + 240
         got, while_joining = {}, []
         killed = False
@@ -386,3 +394,108 @@ def test_abort_while_a_failure_waits_for_recovery_reaches_the_running_rank():
     assert client._ranks[0].load == 0
     aborts = client.rank_set.taken(msg.Abort)
     assert [(r, m.request_ids) for r, m in aborts] == [(0, ["a"])]
+
+
+def _delay_new_ranks(tmp_path, monkeypatch, seconds: float) -> None:
+    """Rank processes started from now on sleep ``seconds`` before Python's site setup."""
+    (tmp_path / "sitecustomize.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+
+
+def _run_killing(engine, kills, deadline_s: float = 240) -> dict:
+    """Step until done; ``kills``: (condition(engine) -> bool, action(engine)) pairs, each
+    done once, in order, when its condition first holds after a step."""
+    got, kills = {}, list(kills)
+    deadline = time.monotonic() + deadline_s
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the job did not finish: a hang"
+        for out in engine.step():
+            assert out.request_id not in got, f"{out.request_id} answered twice"
+            got[out.request_id] = out.outputs[0].token_ids
+        if kills and kills[0][0](engine):
+            kills.pop(0)[1](engine)
+    assert not kills, "a planned kill never happened"
+    return got
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("second", ["replacement", "survivor"])
+def test_a_second_kill_while_a_replacement_joins(checkpoint_dir, tmp_path, monkeypatch, second):
+    """Rank 1 is killed with requests on it; while its replacement is still starting (held
+    back 5 s), either the replacement itself is killed before it connects, or the survivor,
+    rank 0, with new requests on it, after the replacement has been starting for over 3 s
+    (it must not be named stuck). Both are one more recovery; every request is answered once
+    with one process's tokens."""
+    path = str(checkpoint_dir("mixtral"))
+    prompts = [f"second kill prompt {i} " * (1 + i % 3) for i in range(8)]
+    params = _greedy(160)
+    want = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, data_parallel_size=2, enable_elastic_recovery=True)
+    engine = llm.llm_engine
+    try:
+        _delay_new_ranks(tmp_path, monkeypatch, 5)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params, data_parallel_rank=i % 2)
+        for rank in engine._ranks:
+            engine._flush(rank)
+        os.kill(engine._ranks[1].pid, signal.SIGKILL)  # its requests are unfinished
+        expected = {f"r{i}": want[i] for i in range(8)}
+        joining_since = {}
+
+        def joining_long(e) -> bool:
+            if e._ranks[1].joining:
+                joining_since.setdefault("t", time.monotonic())
+            return time.monotonic() - joining_since.get("t", time.monotonic()) > 3.5
+
+        def kill_busy_survivor(e) -> None:
+            for i in range(4):  # work that rank 0 holds when it dies
+                e.add_request(f"x{i}", prompts[i], params, data_parallel_rank=0)
+                expected[f"x{i}"] = want[i]
+            e._flush(e._ranks[0])
+            os.kill(e._ranks[0].pid, signal.SIGKILL)
+
+        if second == "replacement":
+            then = (lambda e: e._ranks[1].joining, lambda e: e._ranks[1].process.kill())
+        else:
+            then = (joining_long, kill_busy_survivor)
+        got = _run_killing(engine, [then])
+        assert got == expected
+        assert llm.get_metrics()["recoveries"] == 2
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("peer", ["stopped", "alive"])
+def test_a_collective_timeout_waits_to_tell_a_stuck_peer_from_an_alive_one(peer):
+    """Rank 1 reports gloo's timeout while rank 0's last heartbeat is 2 s old, not yet late
+    enough to call it stuck (3 s). The set waits: a stopped rank 0 is then named stuck (a
+    recoverable failure: it used to be rank 1's own error, which ends the job); an alive one
+    heartbeats, and rank 1's report is its own error."""
+    import threading
+
+    from batchgen.distributed import protocol as msg
+    from batchgen.distributed.rank_set import RankFailedError
+
+    rank_set = _rank_set(2, 2)
+    r = rank_set.ranks
+    r[0].last_seen = time.monotonic() - 2.0  # rank 1 was just heard from (its report)
+    done = threading.Event()
+
+    def heartbeats() -> None:  # an alive rank 0, as its mailbox would note them
+        while not done.wait(0.5):
+            r[0].note(msg.Heartbeat(0, 9, "step"))
+
+    if peer == "alive":
+        threading.Thread(target=heartbeats, daemon=True).start()
+    rank_set.shutdown = lambda *a, **k: None  # an error that ends the job stops every rank
+    rank_set._inbox.put((r[1], msg.Failed(1, "RuntimeError: Timed out waiting 4000ms for send")))
+    with pytest.raises(RankFailedError) as caught:
+        rank_set.receive(1.0)
+    done.set()
+    failure = caught.value
+    if peer == "stopped":
+        assert failure.ranks == [0] and failure.recoverable, str(failure)
+        assert "rank 0" in str(failure) and "silent" in str(failure)
+    else:
+        assert failure.ranks == [1] and not failure.recoverable, str(failure)
