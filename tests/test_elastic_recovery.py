@@ -62,8 +62,9 @@ def test_a_silent_rank_is_restarted_and_every_request_answered_once(checkpoint_d
     engine = llm.llm_engine
     stopped = engine._ranks[0].pid
     try:
-        for i, prompt in enumerate(_prompts(12)):
-            engine.add_request(f"r{i}", prompt, _greedy(24))
+        prompts = _prompts(12)
+        for i in range(6):
+            engine.add_request(f"r{i}", prompts[i], _greedy(24))
         got, answered = {}, []
         deadline = time.monotonic() + 180
         while engine.has_unfinished_requests():
@@ -72,6 +73,12 @@ def test_a_silent_rank_is_restarted_and_every_request_answered_once(checkpoint_d
                 answered.append(out.request_id)
                 got[out.request_id] = out.outputs[0].token_ids
             if len(answered) >= 3 and stopped is not None:
+                # a second wave, sent just before the stop, so that some requests are
+                # certainly unfinished (the first wave may all finish in one step)
+                for i in range(6, 12):
+                    engine.add_request(f"r{i}", prompts[i], _greedy(24))
+                for rank in engine._ranks:
+                    engine._flush(rank)
                 os.kill(stopped, signal.SIGSTOP)  # after some results: they must not rerun
                 first = list(answered)
                 stopped_pid, stopped = stopped, None
