@@ -231,15 +231,6 @@ def test_update_while_requests_are_in_flight_is_refused(paths):
     assert llm.update_weights(b) > 0
 
 
-def test_data_parallel_engine_raises_not_implemented(paths):
-    llm = LLM.__new__(LLM)  # a data-parallel LLM without starting its rank processes
-    llm.llm_engine = object()
-    with pytest.raises(NotImplementedError, match="data_parallel_size > 1"):
-        llm.update_weights(paths[1])
-    with pytest.raises(NotImplementedError, match="data_parallel_size > 1"):
-        llm.reset_prefix_cache()
-
-
 @pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "qwen2"])
 def test_other_architectures_update_from_a_trainer_state_dict(checkpoint_dir, tmp_path, name):
     """Shared experts with a gate (Qwen2-MoE), MLA and biased sigmoid routing (DeepSeek-V3),

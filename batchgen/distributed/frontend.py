@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.frontend_metrics import FrontendMetrics
+from batchgen.distributed.frontend_weights import FrontendWeights
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
@@ -89,7 +90,7 @@ class _Request:
         self.remaining, self.computed, self.moving = self.load, 0, False
 
 
-class DPEngineClient(FrontendMetrics):
+class DPEngineClient(FrontendMetrics, FrontendWeights):
     """Runs requests on ``parallel.data_parallel_size`` ranks (see the module docstring).
 
     Args:
@@ -127,8 +128,8 @@ class DPEngineClient(FrontendMetrics):
             ExpertPlacement(self.model_config.num_local_experts, ep)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.requests: dict[str, _Request] = {}  # unfinished, in arrival order
-        self._metrics_token = itertools.count()
-        self._metrics: dict[tuple[int, int], dict] = {}
+        self._answer_token = itertools.count()
+        self._answers: dict[tuple[int, int], object] = {}
         self._finished: list[RequestOutput] = []
         self._started = time.perf_counter()
         self.recovery = ElasticRecovery(parallel)
@@ -388,7 +389,9 @@ class DPEngineClient(FrontendMetrics):
                             len(c.token_ids) for c in out.outputs
                         )
             elif isinstance(message, msg.Metrics):
-                self._metrics[(message.token, rank.rank)] = message.snapshot
+                self._answers[(message.token, rank.rank)] = message.snapshot
+            elif isinstance(message, msg.Reply):
+                self._answers[(message.token, rank.rank)] = message
             elif isinstance(message, msg.Load):
                 self.rebalancer.note_load(rank, message)
             elif isinstance(message, msg.Released):

@@ -29,17 +29,17 @@ class FrontendMetrics:
         expert GEMMs)."""
         while True:
             self._check_open()
-            token = next(self._metrics_token)
+            token = next(self._answer_token)
             self.rank_set.broadcast(msg.GetMetrics(token))
             # not ranks started again and still loading (`RankSet.broadcast` skips them)
             keys = [(token, r.rank) for r in self._ranks if not r.joining]
             try:
-                while any(k not in self._metrics for k in keys):
+                while any(k not in self._answers for k in keys):
                     self._dispatch(self.rank_set.receive(1.0))
             except RankFailedError as failure:
                 self._recover(failure)
                 continue
-            ranks = [self._metrics.pop(k) for k in keys]
+            ranks = [self._answers.pop(k) for k in keys]
             totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
             totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
             return {**totals, **self.recovery.metrics(), **self.rebalancer.metrics.as_dict()}

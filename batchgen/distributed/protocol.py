@@ -3,8 +3,9 @@
 They travel as pickles over `multiprocessing.connection` sockets authenticated with a shared
 key (HMAC challenge on connect, Python's stdlib), local or across machines alike:
 
-    rank -> frontend: Hello, Ready, Outputs, Metrics, Heartbeat, Failed, Load, Released
-    frontend -> rank: Setup, AddRequests, Abort, GetMetrics, ResetMetrics, Shutdown, Release
+    rank -> frontend: Hello, Ready, Outputs, Metrics, Heartbeat, Failed, Load, Released, Reply
+    frontend -> rank: Setup, AddRequests, Abort, GetMetrics, ResetMetrics, Shutdown, Release,
+                      UpdateWeights, ResetPrefixCache
 
 A rank sends `Hello` on connecting, gets `Setup` (the engine and parallel settings and where
 the ranks meet for ``torch.distributed``), answers `Ready` once its engine is built, then
@@ -42,16 +43,51 @@ class Hello:
 
 
 @dataclass
+class UpdateWeights:
+    """Replace weights in place (`batchgen.engine.weight_update.update_weights`), answered by
+    `Reply` with the checkpoint names copied. Exactly one of ``path`` (a safetensors checkpoint
+    directory every rank can read) and ``data`` (tensors serialised by `safetensors.torch.save`:
+    portable across machines, unlike pickled tensors)."""
+
+    token: int
+    path: str | None = None
+    data: bytes | None = None
+
+
+@dataclass
+class ResetPrefixCache:
+    """Drop the rank's cached prefixes; answered by `Reply` with True, or False while the rank
+    holds requests."""
+
+    token: int
+
+
+@dataclass
+class Reply:
+    """The answer to `UpdateWeights` or `ResetPrefixCache` ``token``: ``result``, or
+    ``error`` (the message) and ``error_type`` (the exception's class name) when it raised."""
+
+    rank: int
+    token: int
+    result: object = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+@dataclass
 class Setup:
     """A rank's settings, and where it meets the ranks of its ``torch.distributed`` world:
     ``init_method`` (``tcp://host:port`` of the world's first rank, or ``env://``) and
     ``world_ranks`` (the global ranks of that world: the rank's expert-parallel group, or None
-    for one world of every rank, under torchrun)."""
+    for one world of every rank, under torchrun). ``weight_updates``: the `UpdateWeights`
+    made since the job started, applied in order once the engine is built and before `Ready`
+    (so a rank started again after a failure runs the current weights)."""
 
     engine: EngineConfig
     parallel: ParallelConfig
     init_method: str
     world_ranks: list[int] | None = None
+    weight_updates: list[UpdateWeights] = field(default_factory=list)
 
 
 @dataclass

@@ -59,6 +59,8 @@ class RankSet(RankFailures):
         self.closed = False
         self._ray = None  # the RayExecutor, under distributed_executor_backend='ray'
         self._joining = Joining(resolve_layout(parallel))  # ranks started again (`replace`)
+        # Applied by every rank at setup: the updates made since the start (`frontend_weights`).
+        self.weight_updates: list[msg.UpdateWeights] = []
         if parallel.distributed_executor_backend == "ray":
             from batchgen.distributed.ray_executor import RayExecutor
 
@@ -162,7 +164,11 @@ class RankSet(RankFailures):
             rank.last_seen = time.monotonic()
             rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
             init_method, world_ranks = worlds[r]
-            rank.mailbox.send(msg.Setup(self.config, self.parallel, init_method, world_ranks))
+            rank.mailbox.send(
+                msg.Setup(
+                    self.config, self.parallel, init_method, world_ranks, self.weight_updates
+                )
+            )
 
     def _worlds(
         self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]

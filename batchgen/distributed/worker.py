@@ -225,6 +225,7 @@ class RankLoop:
         from batchgen.distributed.groups import init_process_groups
         from batchgen.distributed.layout import resolve_layout
         from batchgen.distributed.rank import RankContext
+        from batchgen.distributed.rank_weights import apply_update
         from batchgen.engine.llm_engine import LLMEngine, resolve_device
 
         self.rank, self.link, self.launch = launch.rank, link, launch
@@ -247,6 +248,8 @@ class RankLoop:
         )
         link.phase = "loading"
         self.engine = LLMEngine(setup.engine, RankContext(groups, setup.parallel, device))
+        for update in setup.weight_updates:  # a rank started again runs the current weights
+            apply_update(self.engine, update)
         # Ranks step together only when the model has collectives (sharded experts).
         self.control = (
             StepControl(groups.control, layout.ep_group_ranks(launch.rank))
@@ -323,6 +326,10 @@ class RankLoop:
             self.link.send(msg.Metrics(self.rank, message.token, snapshot))
         elif isinstance(message, msg.ResetMetrics):
             engine.reset_metrics()
+        elif isinstance(message, (msg.UpdateWeights, msg.ResetPrefixCache)):
+            from batchgen.distributed.rank_weights import answer
+
+            self.link.send(answer(engine, self.rank, message))
         elif isinstance(message, msg.Shutdown):
             self.shutdown = True
         else:

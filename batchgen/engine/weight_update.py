@@ -10,6 +10,11 @@ per-expert ``w1/w2/w3`` or ``gate_proj/up_proj/down_proj`` into the stacked ``w1
 [E, 2I, H]`` / ``w2_weight [E, H, I]``, transformers 5's fused ``experts.gate_up_proj`` and
 ``experts.down_proj`` onto them whole. A partial update changes only the tensors named.
 
+On an expert-parallel rank (``LLM(data_parallel_size=N, enable_expert_parallel=True)``; the
+frontend sends every rank the same update, `batchgen.distributed.frontend_weights`) only the
+rank's held experts are written: per-expert tensors of other experts are skipped unread and
+fused ``[E, ...]`` tensors are sliced to the held rows, as at load time (`load_weights`).
+
 The update is all or nothing for what can be checked up front: every name, shape and dtype is
 validated before the first byte is copied, so a bad entry raises `ValueError` and leaves the
 model as it was. Afterwards the caches derived from the weights are dropped: the CPU fused-MoE
@@ -31,7 +36,15 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from batchgen.models.loader import checkpoint_files, checkpoint_rules, find_target, target_view
+from batchgen.models.loader import (
+    checkpoint_files,
+    checkpoint_rules,
+    find_target,
+    held_experts,
+    is_expert_param,
+    read_experts,
+    target_view,
+)
 from batchgen.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -48,12 +61,13 @@ _MAX_LISTED = 20
 @dataclass(frozen=True)
 class _Source:
     """One named tensor offered for the update: its shape and dtype (read without loading it)
-    and ``read()`` returning it."""
+    and ``read()`` returning it, ``read(start, stop)`` only rows ``[start, stop)`` of its first
+    dimension."""
 
     name: str
     shape: tuple[int, ...]
     is_float: bool
-    read: Callable[[], torch.Tensor]
+    read: Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -78,22 +92,29 @@ def update_weights(engine: LLMEngine, weights: WeightsLike) -> int:
             floating dtype on any device; they are converted to the engine's dtype and device.
     Raises:
         RuntimeError: requests are in flight (the update happens between `generate` calls).
-        NotImplementedError: the engine is an expert-parallel rank (its experts are a shard).
+        NotImplementedError: an expert-parallel rank that streams the experts it does not hold
+            (``prefill_strategy='data_parallel_offload'``).
         ValueError: names no engine parameter takes, shapes other than expected (the message
             names the tensor, the engine parameter and the expected shape), non-floating
             dtypes, or a directory whose config.json describes another model. Nothing is
             changed then.
         TypeError: a value that is not a tensor.
     """
+    return len(apply_weight_update(engine, weights))
+
+
+def apply_weight_update(engine: LLMEngine, weights: WeightsLike) -> list[str]:
+    """`update_weights`, returning the names of the checkpoint tensors copied (same errors)."""
     if engine.has_unfinished_requests():
         raise RuntimeError(
             f"update_weights: {engine.get_num_unfinished_requests()} requests are in flight; "
             "update the weights between generate calls (finish or abort them first)"
         )
-    if engine.expert_parallel is not None:
+    if engine.expert_parallel is not None and engine.expert_parallel.streamer is not None:
         raise NotImplementedError(
-            "update_weights on an expert-parallel rank: its routed experts are a shard of the "
-            "model (and may be streamed from disk); update weights on a single-process engine"
+            "update_weights with prefill_strategy 'data_parallel_offload': the experts a rank "
+            "does not hold are streamed from the checkpoint files it was started on, which "
+            "the update does not change; use prefill_strategy 'expert_parallel'"
         )
     with ExitStack() as stack:
         if isinstance(weights, (str, os.PathLike)):
@@ -119,13 +140,14 @@ def update_weights(engine: LLMEngine, weights: WeightsLike) -> int:
         len(dict(model.named_parameters())),
         f", {len(ignored)} ignored ({ignored[:3]}...)" if ignored else "",
     )
-    return len(writes)
+    return [w.source.name for w in writes]
 
 
 def _plan_update(
     model: torch.nn.Module, cfg: ModelConfig, sources: list[_Source]
 ) -> tuple[list[_Write], list[str]]:
-    """Map every source to its destination and check it, copying nothing.
+    """Map every source to its destination and check it, copying nothing. A model holding a
+    shard of the routed experts (`held_experts`) takes only its experts' tensors.
 
     Returns:
         ``(writes, ignored)``: the copies to make, and the names ignored on purpose.
@@ -134,6 +156,8 @@ def _plan_update(
     """
     params = dict(model.named_parameters())
     rules = checkpoint_rules(cfg)
+    held = held_experts(model)
+    slot_of = None if held is None else {e: i for i, e in enumerate(held)}
     writes: list[_Write] = []
     ignored: list[str] = []
     problems: list[str] = []
@@ -145,14 +169,34 @@ def _plan_update(
         if not known or target.param not in params:
             problems.append(f"{source.name!r}: no engine parameter takes this name")
             continue
-        dest = target_view(params[target.param], target, target.expert)
-        if source.shape != tuple(dest.shape):
+        expert, expected_lead = target.expert, None
+        if expert is not None and not 0 <= expert < cfg.num_local_experts:
             problems.append(
-                f"{source.name!r} has shape {source.shape}, expected {tuple(dest.shape)} "
+                f"{source.name!r}: expert {expert} does not exist (the model has "
+                f"{cfg.num_local_experts} experts: 0..{cfg.num_local_experts - 1})"
+            )
+            continue
+        if slot_of is not None and expert is not None:
+            if expert not in slot_of:
+                continue  # another rank's expert
+            expert = slot_of[expert]
+        fused = slot_of is not None and target.expert is None and is_expert_param(target.param)
+        dest = target_view(params[target.param], target, expert)
+        expected = tuple(dest.shape)
+        if fused:  # a fused [E, ...] tensor: every expert offered, this rank's rows written
+            expected_lead = (cfg.num_local_experts, *expected[1:])
+        if source.shape != (expected_lead or expected):
+            problems.append(
+                f"{source.name!r} has shape {source.shape}, expected {expected_lead or expected} "
                 f"(engine parameter {target.param!r})"
             )
         elif not source.is_float:
             problems.append(f"{source.name!r} is not a floating-point tensor")
+        elif fused:
+            rows = dataclasses.replace(
+                source, shape=expected, read=lambda s=source: read_experts(s.read, held)
+            )
+            writes.append(_Write(rows, target.param, dest))
         else:
             writes.append(_Write(source, target.param, dest))
     if problems:
@@ -176,7 +220,10 @@ def _tensor_sources(
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
         yield _Source(
-            str(name), tuple(tensor.shape), tensor.is_floating_point(), lambda t=tensor: t
+            str(name),
+            tuple(tensor.shape),
+            tensor.is_floating_point(),
+            lambda start=None, stop=None, t=tensor: t if start is None else t[start:stop],
         )
 
 
@@ -197,7 +244,9 @@ def _directory_sources(path: Path, cfg: ModelConfig, stack: ExitStack) -> Iterat
                 name,
                 tuple(piece.get_shape()),
                 dtype.startswith(("F", "BF")),
-                lambda _f=f, _n=name: _f.get_tensor(_n),
+                lambda start=None, stop=None, _f=f, _n=name: (
+                    _f.get_tensor(_n) if start is None else _f.get_slice(_n)[start:stop]
+                ),
             )
 
 

@@ -98,9 +98,17 @@ class LLM:
                 tensor is checked before any is copied, so nothing has changed then.
             TypeError: a value that is not a tensor.
             RuntimeError: requests are in flight (only possible through ``llm_engine``).
-            NotImplementedError: a data-parallel engine (``data_parallel_size > 1``).
+            NotImplementedError: a data-parallel engine with
+                ``prefill_strategy='data_parallel_offload'``.
+
+        On a data-parallel engine every rank is updated (an expert-parallel rank copies only
+        its experts) and the count is of distinct tensors copied; a rank restarted after a
+        failure applies the updates made since the start before it serves
+        (`batchgen.distributed.frontend_weights`).
         """
-        return update_weights(self._single_engine("update_weights"), weights)
+        if isinstance(self.llm_engine, LLMEngine):
+            return update_weights(self.llm_engine, weights)
+        return self.llm_engine.update_weights(weights)
 
     def update_weights_from_tensor(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -116,18 +124,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix so that no K/V computed before is reused (vLLM's name);
-        False while requests are in flight. `update_weights` does this itself. Raises
-        NotImplementedError for a data-parallel engine."""
-        return self._single_engine("reset_prefix_cache").kv_cache.reset_prefix_cache()
-
-    def _single_engine(self, what: str) -> LLMEngine:
-        if not isinstance(self.llm_engine, LLMEngine):
-            raise NotImplementedError(
-                f"{what} is not implemented for data-parallel engines (data_parallel_size > 1):"
-                " the weights live in the rank processes; start a new LLM on the new "
-                "checkpoint, or use data_parallel_size=1"
-            )
-        return self.llm_engine
+        False while requests are in flight. `update_weights` does this itself. On a
+        data-parallel engine, every rank's cache."""
+        if isinstance(self.llm_engine, LLMEngine):
+            return self.llm_engine.kv_cache.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> dict:
         """Engine metrics since start: prefill/decode/total tokens/s, expert GEMM count, mean

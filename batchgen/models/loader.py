@@ -310,7 +310,7 @@ def checkpoint_rules(cfg: ModelConfig) -> list[tuple[re.Pattern, object]]:
     return [(re.compile(pattern + "$"), fn) for pattern, fn in rules]
 
 
-def _held_experts(model: CausalLM) -> list[int] | None:
+def held_experts(model: CausalLM) -> list[int] | None:
     """The logical experts every MoE layer of ``model`` holds, or None when it holds all."""
     for module in model.modules():
         ids = getattr(module, "expert_ids", None)
@@ -334,7 +334,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     remaining = {n: expected_pieces(n, p, cfg) for n, p in params.items()}
     rules = checkpoint_rules(cfg)
-    held = _held_experts(model)
+    held = held_experts(model)
     slot_of = None if held is None else {e: i for i, e in enumerate(held)}
     unexpected: list[str] = []
     for name, read in iter_checkpoint_lazy(files):
@@ -352,8 +352,8 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
             if expert not in slot_of:
                 continue  # another rank's expert
             expert = slot_of[expert]
-        if slot_of is not None and target.expert is None and _is_expert_param(target.param):
-            tensor = _read_experts(read, held)  # a fused [E, ...] tensor: this rank's rows
+        if slot_of is not None and target.expert is None and is_expert_param(target.param):
+            tensor = read_experts(read, held)  # a fused [E, ...] tensor: this rank's rows
         else:
             tensor = read()
         dest = target_view(params[target.param], target, expert)
@@ -389,7 +389,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         raise WeightLoadError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(parts))
 
 
-def _is_expert_param(param: str) -> bool:
+def is_expert_param(param: str) -> bool:
     return param.endswith("mlp.w13_weight") or param.endswith("mlp.w2_weight")
 
 
@@ -400,7 +400,7 @@ def _slot_piece(target: Target, slot_of: dict[int, int]):
     return slot_of[target.piece]
 
 
-def _read_experts(read: Callable, experts: list[int]) -> torch.Tensor:
+def read_experts(read: Callable, experts: list[int]) -> torch.Tensor:
     """Rows ``experts`` of a fused ``[E, ...]`` expert tensor, reading only contiguous runs."""
     runs: list[torch.Tensor] = []
     start = prev = experts[0]
