@@ -97,7 +97,7 @@ def test_no_tokens_gives_an_empty_result():
 @pytest.mark.parametrize(
     "x_dtype,hidden,inter,act,device",
     [
-        (torch.bfloat16, 32, 16, F.silu, "cpu"),  # only float32
+        (torch.bfloat16, 32, 16, F.silu, "cpu"),  # bf16 activations, float32 weights
         (torch.float32, 24, 16, F.silu, "cpu"),  # H not a multiple of 16
         (torch.float32, 32, 12, F.silu, "cpu"),  # 2I = 24 not a multiple of 16
         (torch.float32, 32, 16, F.gelu, "cpu"),  # only SiLU

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.kernels.fused_moe import PANEL
+from batchgen.kernels.fused_moe import pack_expert_weight_into, packed_expert_shape
 from batchgen.models.loader import checkpoint_files, checkpoint_rules
 from batchgen.models.model_config import ModelConfig
 
@@ -210,7 +210,10 @@ class ExpertWeightStreamer:
             cfg = self.cfg
             h, i2, n = cfg.hidden_size, 2 * cfg.moe_intermediate_size, len(self.experts)
             shapes = (
-                ((n, i2 // PANEL, h, PANEL), (n, h // PANEL, i2 // 2, PANEL))
+                (
+                    (n, *packed_expert_shape(i2, h, self.dtype)),
+                    (n, *packed_expert_shape(h, i2 // 2, self.dtype)),
+                )
                 if self.packed
                 else ((n, i2, h), (n, h, i2 // 2))
             )
@@ -260,14 +263,13 @@ class ExpertWeightStreamer:
                     if dense is None:
                         src = self._piece(*pieces[0][:2])
                         nbytes += src.numel() * src.element_size()
-                        rows = src.shape[0]
-                        dst_full[j].copy_(src.view(rows // PANEL, PANEL, -1).transpose(1, 2))
+                        pack_expert_weight_into(dst_full[j], src)
                         continue
                     for name, idx, row in pieces:
                         src = self._piece(name, idx)
                         nbytes += src.numel() * src.element_size()
                         dense[row : row + src.shape[0]].copy_(src)
-                    dst_full[j].copy_(dense.view(i2 // PANEL, PANEL, h).transpose(1, 2))
+                    pack_expert_weight_into(dst_full[j], dense)
                 else:
                     for name, idx, row in pieces:
                         src = self._piece(name, idx)

@@ -1,20 +1,43 @@
-"""Fused MoE experts for CPU float32 (``csrc/fused_moe.cpp``).
+"""Fused MoE experts for CPU, float32 and bfloat16 (``csrc/fused_moe.cpp``).
 
 One call runs every expert of a layer: per expert, gather its rows, ``silu(x W1^T) * (x W3^T)``,
 times ``W2^T``, weighted by the router; then each token's top-k outputs are summed in slot order.
-The GEMMs use a register-blocked AVX2 micro-kernel on weights packed once (`pack_expert_weights`).
+The GEMMs use a register-blocked micro-kernel on weights packed once (`pack_expert_weights`).
 Against the per-expert torch path (`fused_experts_per_expert`: MKL GEMMs plus about eight small
 ops per expert), on the bench model (E 64, H 512, I 256, top-8, 2 cores, one process, two
-rounds each): 31.6 -> 10.5 ms per layer at 64 tokens, 68 -> 37 at 512, 88 -> 59 at 1,024,
-150 -> 130 at 2,048, 290 -> 260 at 4,096 (`/tmp` scripts of session 5 on issue 4). The GEMM
-alone matches MKL from 128 rows per expert and beats it below (one core: 29 vs 13-15 GFLOP/s
-at 8 rows, 57 vs 51 at 64), where MKL packs the weight on every call.
+rounds each) the AVX2 kernel ran 31.6 -> 10.5 ms per layer at 64 tokens, 68 -> 37 at 512,
+88 -> 59 at 1,024, 150 -> 130 at 2,048, 290 -> 260 at 4,096 (`/tmp` scripts of session 5 on
+issue 4). The GEMM alone matches MKL from 128 rows per expert and beats it below (one core: 29
+vs 13-15 GFLOP/s at 8 rows, 57 vs 51 at 64), where MKL packs the weight on every call.
 
-The result equals `batchgen.models.layers.moe.fused_experts_reference` up to float32 rounding:
+Micro-kernels (`kernel_isa`, logged once per dtype on first use):
+
+- float32, chosen when the library is compiled (``-march=native``): AVX-512F, 12 rows x 32
+  columns in 24 zmm accumulators, where the compiler defines ``__AVX512F__``; else AVX2/FMA,
+  6 x 16. Both run the same FMA chain per output, so their results are bit-identical
+  (``isa="avx2"`` forces the AVX2 one for A/B runs). Measured on one core of a 2-core AVX-512
+  machine under load from other jobs (minimum of 40 alternated calls, E 4, top-1, H 512, I 256):
+  AVX-512 vs AVX2 at 4 tokens 0.25 vs 0.24 ms (weight-bandwidth bound), 64 tokens 90 vs 67
+  GFLOP/s, 256 tokens 96 vs 69, 1,024 tokens 65 vs 49.
+- bfloat16, chosen at run time when the CPU has avx512_bf16: ``vdpbf16ps`` (two k per
+  instruction) on weights packed with pairs of k interleaved, 12 x 32 like the float32 one;
+  float32 accumulation, the SiLU-gated activation rounded once to bf16 before the down GEMM
+  (round to nearest even), router weighting and slot sum in float32, result float32. Same
+  measurement: 17 vs 13 GFLOP/s (AVX-512 float32) at 4 tokens, 41 vs 32 at 16 (half the
+  weight bytes), but 70-72 vs 90-96 at 64-256 tokens and 55 vs 65 at 1,024: where the GEMM is
+  compute-bound, ``vdpbf16ps`` on this CPU does not beat two float32 FMAs per cycle. The fast
+  bf16 path for many rows is AMX (``tdpbf16ps``), which torch's oneDNN already uses for bf16
+  ``F.linear`` here (512 x 512, one core: 761 vs 145 GFLOP/s at 256 rows); not done yet.
+  Without avx512_bf16 a bf16 model's experts take the per-expert torch path.
+
+In float32 the result equals `batchgen.models.layers.moe.fused_experts_reference` up to float32
+rounding:
 the same sums in the same top-k order, but each GEMM output is summed over k in one sequential
 chain (relative error against float64 measured up to 2e-6 at K = 4,096 and 3e-6 at 7,168, 2-7x
 MKL's blocked sums) and SiLU's ``exp`` is glibc's vector one (4.6 ULP worst case against
-torch's 2.3). A token's output does not depend on the other tokens in the call.
+torch's 2.3). In bfloat16 it is within one bf16 rounding of the activation of the float32
+reference on the same bf16 inputs (the bound is derived in ``tests/test_fused_moe_bf16.py``).
+A token's output does not depend on the other tokens in the call, in either dtype.
 
 Memory: the packed weights are a second copy of the expert weights, and the per-(token, slot)
 scratch (`_workspace`) keeps the size of the largest call (T x top-k x H floats) for the life of
@@ -24,6 +47,7 @@ the process.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 
 import torch
@@ -32,23 +56,60 @@ from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
+logger = logging.getLogger(__name__)
+
 PANEL = 16  # output columns per packed weight panel (the micro-kernel's width)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_fn = None
+_lib = None
+_logged: set[str] = set()
+ISAS = {"auto": 0, "avx2": 1}  # `fused_moe_silu`'s ``isa`` values (the kernel's codes)
 
 
-def _function():
-    """The kernel function, or None while unavailable (not built, kernels off, no AVX2/FMA)."""
-    global _fn
-    if _fn is None:
+def _library():
+    """The kernel library with its functions typed, or None while unavailable (not built,
+    kernels off, or neither an AVX2/FMA float32 kernel nor a usable bf16 one)."""
+    global _lib
+    if _lib is None:
         lib = load_library("fused_moe")
-        if lib is None or not lib.batchgen_fused_moe_supported():
+        if lib is None:
             return None
-        fn = lib.batchgen_fused_moe_silu_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr] * 8 + [_i64] * 6
-        _fn = fn
-    return _fn
+        lib.batchgen_fused_moe_silu_f32.argtypes = [_ptr] * 8 + [_i64] * 7
+        lib.batchgen_fused_moe_silu_bf16.argtypes = [_ptr] * 8 + [_i64] * 6
+        for fn in (lib.batchgen_fused_moe_silu_f32, lib.batchgen_fused_moe_silu_bf16):
+            fn.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def kernel_isa(dtype: torch.dtype) -> str | None:
+    """The micro-kernel `fused_moe_silu` runs for ``dtype`` on this CPU: ``"avx512f"`` or
+    ``"avx2"`` (float32, chosen when the library is compiled for this CPU), ``"avx512_bf16"``
+    (bfloat16, chosen at run time from the CPU's flags), or None (the torch path serves it)."""
+    lib = _library()
+    if lib is None:
+        return None
+    if dtype == torch.float32:
+        return {2: "avx512f", 1: "avx2"}.get(lib.batchgen_fused_moe_supported())
+    if dtype == torch.bfloat16 and lib.batchgen_fused_moe_bf16_supported():
+        return "avx512_bf16"
+    return None
+
+
+def _log_once(dtype: torch.dtype) -> None:
+    """Log, once per process and dtype, which expert path serves ``dtype``."""
+    key = str(dtype)
+    if key in _logged:
+        return
+    _logged.add(key)
+    isa = kernel_isa(dtype)
+    if isa is not None:
+        logger.info("fused MoE CPU kernel for %s experts: %s micro-kernel", dtype, isa)
+    else:
+        logger.info(
+            "fused MoE CPU kernel does not serve %s experts on this CPU (bf16 needs "
+            "avx512_bf16); the per-expert torch path runs them",
+            dtype,
+        )
 
 
 _workspace_buffer: torch.Tensor | None = None
@@ -71,29 +132,57 @@ def _workspace(num_floats: int) -> torch.Tensor:
 
 
 def fused_moe_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> bool:
-    """True when `fused_moe_silu` serves this layer: CPU, float32 activations and weights, SiLU,
-    ``2I`` and ``H`` multiples of `PANEL`, and the kernel built for this CPU."""
-    return (
+    """True when `fused_moe_silu` serves this layer: CPU, SiLU, ``2I`` and ``H`` multiples of
+    `PANEL`, activations and weights all float32 (with an AVX2/FMA or AVX-512F build) or all
+    bfloat16 (on a CPU with avx512_bf16). Logs once per dtype which path runs."""
+    if not (
         x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and w13.dtype == torch.float32
-        and w2.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and w13.dtype == x.dtype
+        and w2.dtype == x.dtype
         and act is F.silu
         and w13.shape[1] % PANEL == 0
         and w2.shape[1] % PANEL == 0
         and kernels_enabled("fused_moe")
-        and _function() is not None
-    )
+    ):
+        return False
+    _log_once(x.dtype)
+    return kernel_isa(x.dtype) is not None
+
+
+def packed_expert_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The packed shape of one expert's ``[N, K]`` weight: ``(N / 16, K, 16)`` for float32
+    (16-column panels, k-major), ``(N / 16, K / 2, 16, 2)`` for bfloat16 (pairs of k
+    interleaved per column: vdpbf16ps's operand layout)."""
+    if dtype == torch.bfloat16:
+        return (n // PANEL, k // 2, PANEL, 2)
+    return (n // PANEL, k, PANEL)
+
+
+def pack_expert_weight_into(dst: torch.Tensor, w: torch.Tensor) -> None:
+    """Copy one expert's ``w [N, K]`` into ``dst`` of `packed_expert_shape` (``dst``'s dtype
+    picks the layout; N a multiple of 16, K even for bfloat16)."""
+    n, k = w.shape
+    if dst.dtype == torch.bfloat16:
+        dst.copy_(w.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2))
+    else:
+        dst.copy_(w.view(n // PANEL, PANEL, k).transpose(1, 2))
 
 
 def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:
-    """``w [E, N, K]`` (rows = output features) -> ``[E, N / 16, K, 16]`` float32, contiguous:
-    16-column panels, each stored k-major for the micro-kernel. A copy (N * K floats per
-    expert). Raises ValueError when N is not a multiple of 16."""
+    """``w [E, N, K]`` -> the kernel's packed layout, contiguous, a copy (N * K per expert):
+    bfloat16 stays bfloat16, ``[E, N / 16, K / 2, 16, 2]``; any other dtype becomes float32,
+    ``[E, N / 16, K, 16]`` (see `packed_expert_shape`). Raises ValueError when N is not a
+    multiple of 16 (or K odd for bfloat16)."""
     num_experts, n, k = w.shape
     if n % PANEL:
         raise ValueError(f"expert weight rows must be a multiple of {PANEL}, got {n}")
-    return w.detach().float().view(num_experts, n // PANEL, PANEL, k).transpose(2, 3).contiguous()
+    w = w.detach()
+    if w.dtype == torch.bfloat16:
+        if k % 2:
+            raise ValueError(f"bf16 expert weight columns must be even, got {k}")
+        return w.view(num_experts, n // PANEL, PANEL, k // 2, 2).transpose(2, 3).contiguous()
+    return w.float().view(num_experts, n // PANEL, PANEL, k).transpose(2, 3).contiguous()
 
 
 def fused_moe_silu(
@@ -103,30 +192,36 @@ def fused_moe_silu(
     topk_weights: torch.Tensor,
     order: torch.Tensor,
     counts: list[int],
+    isa: str = "auto",
 ) -> torch.Tensor:
     """Every expert of a SiLU-gated MoE layer in one kernel call.
 
     Args:
-        x: ``[T, H]`` float32 activations.
+        x: ``[T, H]`` activations, float32 or bfloat16 (the packed weights' dtype).
         w13_packed: `pack_expert_weights` of ``w13 [E, 2I, H]`` (gate rows, then up rows).
         w2_packed: `pack_expert_weights` of ``w2 [E, H, I]``.
-        topk_weights: ``[T, A]`` float32 router weights.
+        topk_weights: ``[T, A]`` router weights (used in float32).
         order: ``[T * A]`` int64, the flat (token, slot) indices grouped by expert
             (`batchgen.models.layers.moe.sort_by_expert`).
         counts: rows per expert (length E, summing to T * A).
+        isa: float32 only: ``"auto"`` (the best micro-kernel of this build, `kernel_isa`) or
+            ``"avx2"`` (the AVX2 one, for A/B measurements).
     Returns:
-        ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``.
+        ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
+        top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
+        activation is rounded to bfloat16 once, before the down projection.
     Raises:
-        ValueError: when the arguments' shapes disagree (named in the message).
-        RuntimeError: when the kernel is unavailable or rejects the shapes.
+        ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
+            ``isa`` is not one of `ISAS`.
+        RuntimeError: when the kernel is unavailable for this dtype or rejects the shapes.
     """
-    fn = _function()
-    if fn is None:
-        raise RuntimeError("the fused MoE CPU kernel is not available")
-    _check(x, w13_packed, w2_packed, topk_weights, order, counts)
-    num_tokens, hidden = x.shape
-    num_experts, top_k = len(counts), topk_weights.shape[1]
-    inter = w2_packed.shape[2]
+    if isa not in ISAS or (isa != "auto" and x.dtype != torch.float32):
+        raise ValueError(f"isa must be one of {sorted(ISAS)} (float32 only), got {isa!r}")
+    lib = _library()
+    if lib is None or kernel_isa(x.dtype) is None:
+        raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
+    num_experts, hidden, inter = _check(x, w13_packed, w2_packed, topk_weights, order, counts)
+    num_tokens, top_k = x.shape[0], topk_weights.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     if num_tokens == 0:
         return out
@@ -135,6 +230,9 @@ def fused_moe_silu(
     order = order.to(torch.int64).contiguous()
     starts = torch.zeros(num_experts + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=starts[1:])
+    bf16 = x.dtype == torch.bfloat16
+    fn = lib.batchgen_fused_moe_silu_bf16 if bf16 else lib.batchgen_fused_moe_silu_f32
+    extra = () if bf16 else (ISAS[isa],)
     # The ctypes call is no torch op: name it, so torch.profiler (`batchgen bench --profile`)
     # shows its time instead of losing it.
     with _workspace_lock, record_function("batchgen::fused_moe_silu"):
@@ -154,18 +252,30 @@ def fused_moe_silu(
             top_k,
             num_experts,
             torch.get_num_threads(),
+            *extra,
         )
     if rc != 0:
         raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc})")
     return out
 
 
-def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> None:
-    """ValueError unless the arguments describe one layer consistently (the kernel trusts them:
-    a wrong count would read past the weights or leave stale rows in the workspace)."""
-    if w13_packed.dim() != 4 or w2_packed.dim() != 4:
-        raise ValueError("w13_packed and w2_packed must come from pack_expert_weights (4-D)")
-    num_experts, hidden, inter = w13_packed.shape[0], w13_packed.shape[2], w2_packed.shape[2]
+def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, int, int]:
+    """``(E, H, I)`` of the packed weights; ValueError unless the arguments describe one layer
+    consistently (the kernel trusts them: a wrong count would read past the weights or leave
+    stale rows in the workspace)."""
+    rank = 5 if x.dtype == torch.bfloat16 else 4
+    if w13_packed.dim() != rank or w2_packed.dim() != rank:
+        raise ValueError(
+            f"w13_packed and w2_packed must come from pack_expert_weights ({rank}-D for {x.dtype})"
+        )
+    if w13_packed.dtype != x.dtype or w2_packed.dtype != x.dtype:
+        raise ValueError(
+            f"x ({x.dtype}), w13_packed ({w13_packed.dtype}) and w2_packed ({w2_packed.dtype}) "
+            "must have one dtype"
+        )
+    pair = 2 if rank == 5 else 1  # k per packed row
+    num_experts = w13_packed.shape[0]
+    hidden, inter = w13_packed.shape[2] * pair, w2_packed.shape[2] * pair
     if w2_packed.shape[0] != num_experts or w2_packed.shape[1] * PANEL != hidden:
         raise ValueError(
             f"w2_packed {tuple(w2_packed.shape)} does not match w13_packed "
@@ -189,3 +299,4 @@ def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> None:
             f"order ({order.numel()}) and counts (sum {sum(counts)}) must both cover the "
             f"{rows} (token, slot) rows"
         )
+    return num_experts, hidden, inter

@@ -391,18 +391,19 @@ class SparseMoeBlock(nn.Module):
     ) -> torch.Tensor:
         """The held routed experts: ``x [T, H]``, ``topk_weights [T, A]`` float32 and
         ``topk_ids [T, A]`` *slots* of this block (equal to the logical ids unless the experts
-        are sharded) -> ``[T, H]`` (float32 on the kernel path, else ``out_dtype``, default
-        x's dtype):
-        ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in slot order on the kernel
-        path. The fast path is chosen here, by measurement on CPU (see
-        `batchgen.kernels.fused_moe` and `fused_experts_per_expert`); CUDA keeps the reference
-        until it is measured there."""
+        are sharded) -> ``[T, H]`` of ``out_dtype`` (default x's dtype):
+        ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in float32 in slot order,
+        rounded once at the end. The fused kernel serves float32 and, on CPUs with
+        avx512_bf16, bfloat16 (`batchgen.kernels.fused_moe`). The fast path is chosen here, by
+        measurement on CPU (see `batchgen.kernels.fused_moe` and `fused_experts_per_expert`);
+        CUDA keeps the reference until it is measured there."""
         if self.uses_kernel(x):
             order, counts = sort_by_expert(topk_ids, self.w13_weight.shape[0])
             if self.stats is not None:
                 self.stats.record(counts)
             w13_packed, w2_packed = self.packed_expert_weights()
-            return fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
+            out = fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
+            return out.to(out_dtype or x.dtype)  # [T, H], summed over the slots in float32
         args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
         if self.batch_invariant:  # one worker: the fallback GEMM's rounding follows threads
             args = (*args[:5], invariant_activation(self.act), self.stats)
