@@ -65,13 +65,18 @@ def expert_compute(threads: int, rounds: int) -> list[dict]:
     return rows
 
 
-def _a2a_rank(rank, world, tokens_list, rounds):
+def _a2a_rank(rank, world, tokens_list, rounds, transport="gloo"):
+    import os
+
     import torch.distributed as dist
 
     from batchgen.distributed.all_to_all import AllToAllDispatcher
     from batchgen.distributed.layout import ExpertPlacement
+    from batchgen.distributed.shm_transport import make_transport
 
-    d = AllToAllDispatcher(dist.group.WORLD, ExpertPlacement(E, world))
+    os.environ["BATCHGEN_A2A_TRANSPORT"] = transport
+    link = make_transport(dist.group.WORLD, torch.device("cpu"), 300.0)
+    d = AllToAllDispatcher(dist.group.WORLD, ExpertPlacement(E, world), transport=link)
     out = []
     for t in tokens_list:
         x = torch.randn(t, H)
@@ -88,6 +93,7 @@ def _a2a_rank(rank, world, tokens_list, rounds):
             times.append(time.perf_counter() - t0)
             sent = d.stats.bytes_sent - before  # payload leaving this rank, both ways
         out.append({"tokens": t, "seconds": _median(times[1:]), "bytes_leaving": sent})
+    link.close()
     return out
 
 
@@ -171,6 +177,12 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--transport",
+        default="gloo",
+        help="all-to-all transport(s), comma-separated: gloo, shm (shared memory); the first is "
+        "the one the scaling model uses; several: their dispatch + combine tables side by side",
+    )
     p.add_argument("--predict", default="2,8,64", help="group sizes for the scaling model")
     p.add_argument("--tokens-per-rank", type=int, default=256, help="B: decode tokens per step")
     p.add_argument(
@@ -191,16 +203,25 @@ def main() -> int:
 
     compute = expert_compute(args.threads, args.rounds)
     tokens = [0, 1, 16, 64, 256, 1024]
-    comm = run_ranks(_a2a_rank, args.world, tokens, args.rounds, timeout=600)[0]
+    transports = args.transport.split(",")
+    comms = [  # in the order given: "gloo,shm,gloo,shm" alternates them under varying load
+        (name, run_ranks(_a2a_rank, args.world, tokens, args.rounds, name, timeout=600)[0])
+        for name in transports
+    ]
+    comm = comms[0][1]
     print(
         f"expert compute ({args.threads} threads): rows/expert, us per (token, slot) row, GFLOP/s"
     )
     for r in compute:
         print(f"  {r['rows_per_expert']:>4} {r['us_per_row']:>8.2f} {r['gflops']:>7.1f}")
-    print(f"dispatch + combine on {args.world} gloo ranks: tokens/rank, ms, MB/s leaving a rank")
-    for r in comm:
-        rate = r["bytes_leaving"] / r["seconds"] / 1e6 if r["tokens"] else 0.0
-        print(f"  {r['tokens']:>5} {r['seconds'] * 1e3:>8.2f} {rate:>8.1f}")
+    for name, rows in comms:
+        print(
+            f"dispatch + combine on {args.world} local ranks over {name}: tokens/rank, ms, "
+            "MB/s leaving a rank"
+        )
+        for r in rows:
+            rate = r["bytes_leaving"] / r["seconds"] / 1e6 if r["tokens"] else 0.0
+            print(f"  {r['tokens']:>5} {r['seconds'] * 1e3:>8.2f} {rate:>8.1f}")
     worlds = [int(w) for w in args.predict.split(",")]
     model = predict(compute, comm, args.world, worlds, args.tokens_per_rank, args.moe_share)
     print(
@@ -231,6 +252,7 @@ def main() -> int:
                 "threads": args.threads,
                 "compute": compute,
                 "comm": comm,
+                "comm_by_transport": [{"transport": n, "comm": c} for n, c in comms],
                 "model": dict(tables),
             }
         )

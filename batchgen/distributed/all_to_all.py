@@ -23,6 +23,7 @@ nothing in `combine` (the streamed-prefill path computes those tokens itself).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.distributed.layout import ExpertPlacement
+from batchgen.distributed.shm_transport import GlooAllToAll
 from batchgen.models.layers.moe import sum_slots  # noqa: F401 (re-exported: combine's order)
 
 
@@ -109,11 +111,20 @@ class CommStats:
     seconds: float = 0.0
     wait_seconds: float = 0.0
     num_calls: int = 0
+    # (kind, enter, exit, bytes received) of every collective when tracing
+    # (`rank.A2A_TRACE_ENV`): kind "counts" / "dispatch" / "combine", times
+    # `time.monotonic_ns` (CLOCK_MONOTONIC is one clock for every process of a host, so the
+    # ranks' traces line up).
+    trace: list[tuple[str, int, int, int]] | None = None
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(
+        self, nbytes: int, seconds: float, enter_ns: int = 0, kind: str = "", recv_bytes: int = 0
+    ) -> None:
         self.bytes_sent += nbytes
         self.seconds += seconds
         self.num_calls += 1
+        if self.trace is not None:
+            self.trace.append((kind, enter_ns, enter_ns + int(seconds * 1e9), recv_bytes))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -134,10 +145,18 @@ class AllToAllDispatcher:
         group: the expert-parallel process group (None: the default group).
         placement: logical expert -> owner rank table (`ExpertPlacement`).
         stats: receives bytes and seconds (`CommStats`).
+        transport: moves the rows (`shm_transport.make_transport`; None: gloo on ``group``).
     """
 
-    def __init__(self, group, placement: ExpertPlacement, stats: CommStats | None = None):
+    def __init__(
+        self,
+        group,
+        placement: ExpertPlacement,
+        stats: CommStats | None = None,
+        transport=None,
+    ):
         self.group = group
+        self.transport = transport if transport is not None else GlooAllToAll(group)
         self.placement = placement
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -157,20 +176,18 @@ class AllToAllDispatcher:
             self._owner[device] = self.placement.owner.to(device)
         return self._owner[device]
 
-    def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
+    def _exchange(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], kind: str
+    ):
         """Rows of ``send`` (grouped by destination) -> rows received, grouped by source."""
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        enter = time.monotonic_ns()
         t0 = time.perf_counter()
-        dist.all_to_all_single(
-            _wire(recv),
-            _wire(send.contiguous()),
-            output_split_sizes=recv_counts,
-            input_split_sizes=send_counts,
-            group=self.group,
-        )
-        row_bytes = send[0].numel() * send.element_size() if send.shape[0] else 0
+        self.transport.all_to_all(_wire(recv), _wire(send.contiguous()), recv_counts, send_counts)
+        row_bytes = math.prod(send.shape[1:]) * send.element_size()
         remote = sum(send_counts) - send_counts[self.rank]
-        self.stats.add(remote * row_bytes, time.perf_counter() - t0)
+        received = (sum(recv_counts) - recv_counts[self.rank]) * row_bytes
+        self.stats.add(remote * row_bytes, time.perf_counter() - t0, enter, kind, received)
         return recv
 
     def dispatch(
@@ -229,16 +246,18 @@ class AllToAllDispatcher:
             rows = hidden.index_select(0, tokens[new_row])  # [U, H]
             send_rows_t = torch.bincount(dest[new_row], minlength=w)
             recv_rows_t = torch.empty_like(send_rows_t)
+            enter = time.monotonic_ns()
             t0 = time.perf_counter()
-            dist.all_to_all_single(recv_rows_t, send_rows_t, group=self.group)
+            ones = [1] * w
+            self.transport.all_to_all(recv_rows_t, send_rows_t, ones, ones)
             waited = time.perf_counter() - t0
-            self.stats.add(0, waited)
+            self.stats.add(0, waited, enter, "counts")
             self.stats.wait_seconds += waited
             send_rows, recv_rows = send_rows_t.tolist(), recv_rows_t.tolist()
         payload = torch.cat(
             [_bytes(rows), _bytes(ids), _bytes(weights)], dim=1
         )  # [rows, H * itemsize + 8K] uint8
-        received = self._exchange(payload, send_rows, recv_rows)  # [U_r, bytes]
+        received = self._exchange(payload, send_rows, recv_rows, "dispatch")  # [U_r, bytes]
         hidden_bytes = rows.shape[1] * rows.element_size()
         r_rows = received[:, :hidden_bytes].view(hidden.dtype)  # [U_r, H]
         r_ids = received[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32)
@@ -261,7 +280,9 @@ class AllToAllDispatcher:
         """``expert_out [R, H]`` (weighted, in received order) -> ``[T, H]`` float32: the rows
         go back to their tokens' ranks, where each token's slots are summed in slot order
         (`sum_pairs`); pairs that were not dispatched add nothing."""
-        back = self._exchange(expert_out, handle.recv_counts, handle.send_counts)  # [P, H]
+        back = self._exchange(
+            expert_out, handle.recv_counts, handle.send_counts, "combine"
+        )  # [P, H]
         return sum_pairs(back, handle.pair_order, handle.num_tokens, handle.top_k)
 
 

@@ -15,8 +15,10 @@ element size assumed for both.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +29,17 @@ from batchgen.distributed.all_to_all import AllToAllDispatcher, CommStats
 from batchgen.distributed.ep_moe import ExpertParallelMoE
 from batchgen.distributed.groups import ProcessGroups
 from batchgen.distributed.layout import ExpertPlacement
+from batchgen.distributed.shm_transport import make_transport
 from batchgen.distributed.weight_stream import ExpertWeightStreamer
 from batchgen.models.decoder import CausalLM
 from batchgen.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+# A folder: each rank writes the (enter, exit) times of its collectives there when it stops
+# (``a2a_trace_rank<R>.json``; `benchmarks/a2a_trace.py` splits them into compute, waiting for
+# the peer, and transfer).
+A2A_TRACE_ENV = "BATCHGEN_A2A_TRACE"
 
 
 def break_even_tokens(cfg: ModelConfig, ep_size: int) -> int:
@@ -87,7 +95,14 @@ class RankContext:
         if placement is None:
             return None
         ep_rank = self.groups.ep_rank
-        dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, CommStats())
+        stats = CommStats(trace=[] if os.environ.get(A2A_TRACE_ENV) else None)
+        transport = make_transport(
+            self.groups.ep_group,
+            device,
+            self.parallel.distributed_timeout_s,
+            setup_group=self.groups.control,
+        )
+        dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, stats, transport)
         dispatcher.pad_rows = pad_dispatch_rows(cfg.num_experts_per_tok, placement.ep_size)
         moe_layers = [i for i, moe in enumerate(cfg.layer_is_moe) if moe]
         streamer = None
@@ -116,11 +131,13 @@ class RankContext:
             placement, ep_rank, dispatcher, streamer, threshold, model.routed_expert_bytes()
         )
         logger.info(
-            "rank %d: experts %s of %d (%.1f MiB routed-expert weights); prefill %s%s",
+            "rank %d: experts %s of %d (%.1f MiB routed-expert weights); all-to-all over %s; "
+            "prefill %s%s",
             self.groups.rank,
             _ranges(placement.experts_of(ep_rank)),
             cfg.num_local_experts,
             runtime.resident_expert_bytes / (1 << 20),
+            transport.name,
             self.parallel.prefill_strategy,
             f" (streams from {threshold} prefill tokens per step)" if streamer else "",
         )
@@ -172,6 +189,7 @@ class ExpertParallelRuntime:
             "all_to_all_wait_seconds": comm.wait_seconds,
             "control_seconds": self.control_seconds,
             "all_to_all_calls": comm.num_calls,
+            "all_to_all_transport": self.dispatcher.transport.name,
             "resident_expert_bytes": self.resident_expert_bytes,
             "held_experts": len(self.placement.experts_of(self.ep_rank)),
         }
@@ -188,6 +206,17 @@ class ExpertParallelRuntime:
             )
         return out
 
+    def write_trace(self, rank: int) -> None:
+        """Write the collectives' times to ``$BATCHGEN_A2A_TRACE/a2a_trace_rank<rank>.json``
+        (nothing when tracing is off)."""
+        trace, folder = self.dispatcher.stats.trace, os.environ.get(A2A_TRACE_ENV)
+        if trace is None or not folder:
+            return
+        path = Path(folder) / f"a2a_trace_rank{rank}.json"
+        path.write_text(json.dumps({"rank": rank, "ep_rank": self.ep_rank, "trace": trace}))
+        logger.info("rank %d: %d collective times written to %s", rank, len(trace), path)
+
     def close(self) -> None:
+        self.dispatcher.transport.close()
         if self.streamer is not None:
             self.streamer.close()

@@ -374,6 +374,8 @@ class RankLoop:
                 if "streamed_bytes" in m
                 else ""
             )
+            ep.write_trace(self.rank)
+            ep.close()
             logger.info(
                 "rank %d: done; all-to-all %.0f MiB sent in %.1f s%s",
                 self.rank,

@@ -1,0 +1,341 @@
+"""The all-to-all under dispatch and combine: gloo, or shared memory when the expert-parallel
+group lives on one host.
+
+gloo has no shared-memory transport: two ranks on one machine exchange over loopback TCP, and
+at the sizes of one MoE layer (0.1-1 MB per rank) that costs milliseconds a call, mostly in
+socket wake-ups, far above the copy itself (measured: `benchmarks/a2a_trace.py`). vLLM's CPU
+backend writes its own shared-memory communicator for the same reason. `ShmAllToAll` is ours:
+
+- each rank owns two data segments in ``/dev/shm`` (one per op parity) and a row of a shared
+  header: the op count it has published, its pid, each segment's generation, and the byte
+  offset of each destination's chunk;
+- op ``n``: a rank copies its send buffer into its parity ``n % 2`` segment, writes the offsets,
+  then publishes ``n``; it then waits for each peer to publish ``n`` and copies the chunk meant
+  for it straight out of the peer's segment. No "done reading" flag is needed: a rank writes
+  parity ``p`` again at op ``n + 2``, after it saw every peer publish ``n + 1``, which a peer
+  does only after it finished reading op ``n``;
+- a segment too small is replaced by a larger one (a new generation); its file is unlinked one
+  op later, when every peer has mapped it, so ``/dev/shm`` holds no file of ours between ops
+  and a crash leaves at most one op's new segments;
+- the wait spins briefly, then yields, then sleeps in steps of at most `MAX_SLEEP_S`; it checks
+  every `LIVENESS_EVERY_S` that the peer process is alive and gives up after the group's
+  timeout (``distributed_timeout_s``), with an error naming the peer rank: never a hang.
+
+Publication relies on x86's ordered stores (the data copy, then the 8-byte counter store, are
+seen in that order by the peer's loads), so `make_transport` picks shared memory only on x86-64,
+when every rank can map a segment the first rank made, sees the others' processes, and the
+device is the CPU; otherwise, and with ``BATCHGEN_A2A_TRANSPORT=gloo``, gloo.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT_ENV = "BATCHGEN_A2A_TRANSPORT"  # auto (default) | gloo | shm
+SHM_DIR = "/dev/shm"
+SPIN_S = 50e-6  # busy polling before yielding the core
+YIELD_S = 1e-3  # sched_yield polling before sleeping
+MAX_SLEEP_S = 100e-6
+LIVENESS_EVERY_S = 0.05
+MIN_SEGMENT_BYTES = 1 << 20
+_HEAD = 4  # header words before the offsets: seq, pid, gen[0], gen[1]
+
+
+class GlooAllToAll:
+    """``all_to_all_single`` on a process group (gloo on CPU, NCCL on CUDA)."""
+
+    name = "gloo"
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_to_all(self, recv, send, recv_counts: list[int], send_counts: list[int]) -> None:
+        """``send [sum(send_counts), ...]`` rows grouped by destination -> ``recv``, rows grouped
+        by source (same trailing shape and dtype)."""
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+
+    def close(self) -> None:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class _Segment:
+    """One mapped ``/dev/shm`` file as a ``uint8`` tensor."""
+
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail now, not SIGBUS on first touch
+                except OSError as exc:
+                    os.unlink(path)
+                    raise RuntimeError(
+                        f"cannot reserve {size} bytes in {SHM_DIR} for the all-to-all ({exc}); "
+                        f"enlarge {SHM_DIR} or set {TRANSPORT_ENV}=gloo"
+                    ) from exc
+            else:
+                size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.tensor
+        try:
+            self.map.close()
+        except BufferError:  # a tensor view still alive elsewhere: the GC unmaps it later
+            pass
+
+
+class ShmAllToAll:
+    """All-to-all through shared memory among the ranks of one host (module docstring).
+
+    Args:
+        prefix: path prefix of this group's files (``/dev/shm/batchgen_a2a_<token>``).
+        rank / world: this rank's index in the group and the group size.
+        pids: every rank's process id, by group rank.
+        header: the mapped shared header (`ShmAllToAll.header_bytes`).
+        timeout_s: the longest wait for a peer before `all_to_all` raises.
+    """
+
+    name = "shm"
+
+    def __init__(self, prefix, rank, world, pids, header: _Segment, timeout_s: float) -> None:
+        self.prefix, self.rank, self.world, self.pids = prefix, rank, world, pids
+        self.header, self.timeout_s = header, timeout_s
+        self.row = _HEAD + 2 * (world + 1)
+        self.words = memoryview(header.map).cast("q")  # [world * row] int64
+        self.seq = 0
+        self.own: list[_Segment | None] = [None, None]  # my segments, by parity
+        self.peers: dict[tuple[int, int], tuple[int, _Segment]] = {}  # (rank, parity) -> gen
+        self._to_unlink: list[tuple[int, str]] = []  # (op that created it, path)
+        self.words[rank * self.row + 1] = os.getpid()
+        atexit.register(self._unlink, float("inf"))  # an error ended the rank: no stray files
+
+    @staticmethod
+    def header_bytes(world: int) -> int:
+        return world * (_HEAD + 2 * (world + 1)) * 8
+
+    def _word(self, rank: int, i: int) -> int:
+        return self.words[rank * self.row + i]
+
+    def _own_segment(self, parity: int, nbytes: int) -> _Segment:
+        seg = self.own[parity]
+        if seg is not None and seg.size >= nbytes:
+            return seg
+        gen = self._word(self.rank, 2 + parity) + 1
+        size = max(MIN_SEGMENT_BYTES, nbytes + nbytes // 2, 2 * (seg.size if seg else 0))
+        path = f"{self.prefix}_r{self.rank}_p{parity}_g{gen}"
+        new = _Segment(path, size, create=True)
+        self._to_unlink.append((self.seq, path))
+        if seg is not None:
+            seg.close()
+        self.own[parity] = new
+        self.words[self.rank * self.row + 2 + parity] = gen
+        return new
+
+    def _peer_segment(self, src: int, parity: int) -> _Segment:
+        gen = self._word(src, 2 + parity)
+        cached = self.peers.get((src, parity))
+        if cached is not None and cached[0] == gen:
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        seg = _Segment(f"{self.prefix}_r{src}_p{parity}_g{gen}", 0, create=False)
+        self.peers[(src, parity)] = (gen, seg)
+        return seg
+
+    def _wait(self, src: int, seq: int) -> None:
+        """Until rank ``src`` published op ``seq``; RuntimeError naming it when it died or the
+        timeout passed."""
+        idx = src * self.row
+        words = self.words
+        if words[idx] >= seq:
+            return
+        start = time.monotonic()
+        check = start + LIVENESS_EVERY_S
+        sleep = 1e-6
+        while words[idx] < seq:
+            now = time.monotonic()
+            waited = now - start
+            if waited < SPIN_S:
+                continue
+            if waited < YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(sleep)
+            sleep = min(MAX_SLEEP_S, sleep * 2)
+            if now >= check:
+                check = now + LIVENESS_EVERY_S
+                if not _alive(self.pids[src]) and words[idx] < seq:
+                    raise RuntimeError(
+                        f"shared-memory all-to-all: rank {src} of the expert-parallel group "
+                        f"(pid {self.pids[src]}) died before op {seq}"
+                    )
+                if waited > self.timeout_s:
+                    raise RuntimeError(
+                        f"shared-memory all-to-all: rank {src} of the expert-parallel group did "
+                        f"not arrive at op {seq} within {self.timeout_s:.0f} s "
+                        "(distributed_timeout_s)"
+                    )
+
+    def all_to_all(self, recv, send, recv_counts: list[int], send_counts: list[int]) -> None:
+        """As `GlooAllToAll.all_to_all`. Raises RuntimeError naming a peer rank that died or
+        did not arrive within the timeout, or whose chunk for this rank has another size than
+        ``recv_counts`` says (the ranks disagree: a bug)."""
+        self.seq += 1
+        seq, parity, w = self.seq, self.seq % 2, self.world
+        self._unlink(before=seq - 1)
+        send_b = send.contiguous().view(-1).view(torch.uint8)
+        recv_b = recv.view(-1).view(torch.uint8)
+        row_bytes = math.prod(send.shape[1:]) * send.element_size()
+        seg = self._own_segment(parity, send_b.numel())
+        if send_b.numel():
+            seg.tensor[: send_b.numel()].copy_(send_b)
+        base = self.rank * self.row + _HEAD + parity * (w + 1)
+        offset = 0
+        for d in range(w):
+            self.words[base + d] = offset
+            offset += send_counts[d] * row_bytes
+        self.words[base + w] = offset
+        self.words[self.rank * self.row] = seq  # publish: data and offsets are in place
+        recv_at = [0]
+        for c in recv_counts:
+            recv_at.append(recv_at[-1] + c * row_bytes)
+        for step in range(w):
+            src = (self.rank + step) % w
+            want = recv_counts[src] * row_bytes
+            if src == self.rank:
+                lo = self.words[base + src]
+                if want:
+                    recv_b[recv_at[src] : recv_at[src] + want].copy_(seg.tensor[lo : lo + want])
+                continue
+            self._wait(src, seq)
+            peer = self._peer_segment(src, parity)
+            pbase = src * self.row + _HEAD + parity * (w + 1)
+            lo, hi = self.words[pbase + self.rank], self.words[pbase + self.rank + 1]
+            if hi - lo != want:
+                raise RuntimeError(
+                    f"shared-memory all-to-all op {seq}: rank {src} sent {hi - lo} bytes to rank "
+                    f"{self.rank}, which expected {want}"
+                )
+            if want:
+                recv_b[recv_at[src] : recv_at[src] + want].copy_(peer.tensor[lo:hi])
+
+    def _unlink(self, before: float) -> None:
+        """Remove the files this rank created at ops ``< before``. At the start of op ``n``
+        every peer has mapped the segments of op ``n - 2``: this rank saw each peer publish
+        op ``n - 1``, which a peer does only after reading op ``n - 2`` (the mapping keeps the
+        memory after the unlink)."""
+        keep = []
+        for op, path in self._to_unlink:
+            if op < before:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            else:
+                keep.append((op, path))
+        self._to_unlink = keep
+
+    def close(self) -> None:
+        """Unmap everything and remove this rank's files (safe to call twice)."""
+        self._unlink(before=float("inf"))
+        for seg in self.own:
+            if seg is not None:
+                seg.close()
+        for _, seg in self.peers.values():
+            seg.close()
+        self.own, self.peers = [None, None], {}
+        if self.words is not None:
+            self.words.release()
+            self.words = None
+            self.header.close()
+
+
+def make_transport(group, device: torch.device, timeout_s: float, setup_group=None):
+    """The all-to-all for an expert-parallel ``group``: `ShmAllToAll` when every rank is on this
+    host and can share memory (module docstring), else `GlooAllToAll` on ``group``.
+
+    A collective over ``group`` (every rank must call it). ``$BATCHGEN_A2A_TRANSPORT``:
+    ``gloo`` forces gloo, ``shm`` makes shared memory required (RuntimeError when it cannot be
+    used), ``auto`` or unset chooses.
+
+    Args:
+        group: the expert-parallel process group (gloo; the setup exchange runs on it).
+        device: the device the data lives on (shared memory is for ``cpu`` only).
+        timeout_s: a peer's longest wait (``distributed_timeout_s``).
+        setup_group: the same ranks on gloo for the setup exchange (the control group, whose
+            timeout bounds it); None: ``group``.
+    Raises:
+        ValueError: an unknown ``$BATCHGEN_A2A_TRANSPORT``.
+    """
+    mode = os.environ.get(TRANSPORT_ENV, "auto").lower()
+    if mode not in ("auto", "gloo", "shm"):
+        raise ValueError(f"${TRANSPORT_ENV} must be auto, gloo or shm, got {mode!r}")
+    if mode == "gloo":
+        return GlooAllToAll(group)
+    data_group, group = group, setup_group if setup_group is not None else group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ok = device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+    ok = ok and dist.get_backend(data_group) == "gloo" and os.path.isdir(SHM_DIR)
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    prefix = f"{SHM_DIR}/batchgen_a2a_{token[0]}"
+    header_path, size = f"{prefix}_header", ShmAllToAll.header_bytes(world)
+    header = None
+    if rank == 0 and ok:
+        try:
+            header = _Segment(header_path, size, create=True)
+        except (OSError, RuntimeError) as exc:
+            logger.info("no shared-memory all-to-all: %s", exc)
+            ok = False
+    dist.barrier(group=group)
+    if rank != 0 and ok:
+        try:
+            header = _Segment(header_path, 0, create=False)
+            ok = header.size == size
+        except OSError:
+            ok = False
+    info = [None] * world
+    dist.all_gather_object(info, (ok, os.getpid()), group=group)
+    pids = [pid for _, pid in info]
+    ok = all(flag for flag, _ in info) and all(_alive(p) for p in pids)
+    agreed = [None] * world
+    dist.all_gather_object(agreed, ok, group=group)  # every rank saw every pid
+    if rank == 0 and header is not None:
+        os.unlink(header_path)  # every rank has mapped it (or gave up)
+    if all(agreed):
+        return ShmAllToAll(prefix, rank, world, pids, header, timeout_s)
+    if header is not None:
+        header.close()
+    if mode == "shm":
+        raise RuntimeError(
+            f"${TRANSPORT_ENV}=shm but the expert-parallel group cannot share memory here "
+            "(ranks on several hosts, not x86-64, not on the CPU, or no /dev/shm)"
+        )
+    return GlooAllToAll(data_group)
