@@ -25,133 +25,25 @@ import os
 import pickle
 import socket
 import sys
-import threading
 import time
 import traceback
-from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
 
 import torch
 
 from batchgen.distributed import protocol as msg
-from batchgen.distributed.launch import AUTHKEY_ENV
+from batchgen.distributed.rank_link import (  # noqa: F401  (RankLaunch: re-exported)
+    Link,
+    RankLaunch,
+    RankStartError,
+    connect,
+    free_port,
+)
 from batchgen.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 # An idle rank (no work anywhere in its group) waits this long for a message per iteration.
 IDLE_POLL_S = 0.02
-CONNECT_TIMEOUT_S = 300.0
-CONNECT_LOG_S = 10.0
-
-
-@dataclass
-class RankLaunch:
-    """How a rank process finds its frontend.
-
-    Attributes:
-        rank: global rank; local_rank / local_world_size: on this machine.
-        address / port: the frontend's listener. authkey: its key.
-        torchrun: ranks were started by torchrun (rendezvous from its environment).
-        parent_pid: the process that started this rank (a frontend or a launcher); while the
-            rank waits for its frontend, it gives up if that process is gone.
-        cuda_device: the CUDA device index it uses (default: ``local_rank``); a Ray actor sees
-            only its own GPU, device 0.
-        node_id: its Ray node (hex), reported to the frontend, under Ray.
-    """
-
-    rank: int
-    local_rank: int
-    local_world_size: int
-    address: str
-    port: int
-    authkey: bytes
-    torchrun: bool = False
-    parent_pid: int | None = None
-    cuda_device: int | None = None
-    node_id: str | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _connect(launch: RankLaunch) -> Connection:
-    """Connect to the frontend, retrying while it is not listening yet (saying so every
-    `CONNECT_LOG_S` seconds).
-
-    Raises:
-        RankStartError: no frontend within `CONNECT_TIMEOUT_S`, it refused this rank's key, or
-            the process that started the rank exited meanwhile.
-    """
-    from multiprocessing import AuthenticationError
-
-    address, port, authkey, rank = launch.address, launch.port, launch.authkey, launch.rank
-    start = next_log = time.monotonic()
-    while True:
-        try:
-            return Client((address, port), authkey=authkey)
-        except AuthenticationError:
-            raise RankStartError(
-                f"the frontend at {address}:{port} refused rank {rank}'s key: set "
-                f"${AUTHKEY_ENV} to the frontend's secret"
-            ) from None
-        except (ConnectionRefusedError, FileNotFoundError, OSError):
-            if launch.parent_pid is not None and os.getppid() != launch.parent_pid:
-                raise RankStartError(
-                    f"rank {rank}: the process that started it (pid {launch.parent_pid}) exited "
-                    "before its frontend listened"
-                ) from None
-            now = time.monotonic()
-            if now - start > CONNECT_TIMEOUT_S:
-                raise RankStartError(
-                    f"no frontend listening at {address}:{port} after {CONNECT_TIMEOUT_S:.0f} s"
-                ) from None
-            if now >= next_log:
-                logger.info(
-                    "rank %d: waiting for the frontend at %s:%d (%.0f s)",
-                    rank,
-                    address,
-                    port,
-                    now - start,
-                )
-                next_log = now + CONNECT_LOG_S
-            time.sleep(0.2)
-
-
-class RankStartError(RuntimeError):
-    """A rank could not join its frontend (message for the user)."""
-
-
-class _Link:
-    """The rank's connection: sends from the loop and the heartbeat thread, under a lock."""
-
-    def __init__(self, conn: Connection, rank: int) -> None:
-        self.conn, self.rank = conn, rank
-        self._lock = threading.Lock()
-        self.step_id, self.phase = 0, "starting"
-        self.counters = None  # a callable returning the rank's live figures, once it has them
-        self._stop = threading.Event()
-
-    def send(self, message) -> None:
-        with self._lock:
-            self.conn.send(message)
-
-    def start_heartbeat(self) -> None:
-        def beat():
-            while not self._stop.wait(msg.HEARTBEAT_S):
-                try:
-                    counters = self.counters() if self.counters is not None else {}
-                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
-                except OSError:
-                    return
-
-        threading.Thread(target=beat, name="batchgen-heartbeat", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def rank_main(launch: RankLaunch) -> int:
@@ -159,13 +51,13 @@ def rank_main(launch: RankLaunch) -> int:
     failed, 2 could not join, 130 interrupted)."""
     _setup_logging(launch.rank)
     try:
-        conn = _connect(launch)
+        conn = connect(launch)
     except RankStartError as exc:
         logger.error("%s", exc)
         return 2
     except KeyboardInterrupt:
         return 130
-    link = _Link(conn, launch.rank)
+    link = Link(conn, launch.rank)
     try:
         link.send(
             msg.Hello(
@@ -173,7 +65,7 @@ def rank_main(launch: RankLaunch) -> int:
                 os.getpid(),
                 socket.gethostname(),
                 launch.torchrun,
-                _free_port(),
+                free_port(),
                 launch.node_id,
             )
         )
@@ -220,7 +112,7 @@ def _setup_logging(rank: int) -> None:
 class RankLoop:
     """Builds the rank's engine and runs its loop (see the module docstring)."""
 
-    def __init__(self, launch: RankLaunch, setup: msg.Setup, link: _Link) -> None:
+    def __init__(self, launch: RankLaunch, setup: msg.Setup, link: Link) -> None:
         from batchgen.distributed.control import StepControl
         from batchgen.distributed.groups import init_process_groups
         from batchgen.distributed.layout import resolve_layout
