@@ -17,6 +17,7 @@
 #include "fused_moe_common.h"
 
 #if BATCHGEN_HAVE_AMX
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -113,12 +114,14 @@ struct AmxBf16 {
 // 1 when this CPU has AMX-BF16 and the OS lets this process use the tile data (Linux asks for
 // it once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), else 0. The
 // answer is computed once (the permission is process-wide).
+// CPUID leaf 7 is read directly: __builtin_cpu_supports knows "amx-bf16" only from GCC 11
+// and recent clang.
 inline bool amx_usable() {
   static const bool usable = [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512bf16"))
-      return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;  // CPUID.(7, 0):EDX
+    if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
