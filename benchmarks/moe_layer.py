@@ -2,16 +2,17 @@
 torch path (`fused_experts_per_expert`), alternating in one process.
 
     .venv/bin/python benchmarks/moe_layer.py [--tokens 64,512,1024,2048,4096] [--rounds 3]
-        [--paths torch,kernel,avx2,bf16]
+        [--paths torch,kernel,avx2,bf16,vdpbf16ps,amx,torch_bf16]
 
 Bench-model shapes by default (64 experts, top-8, hidden 512, expert intermediate 256, random
 softmax routing). Paths: ``torch`` (per-expert torch, float32), ``kernel`` (the fused kernel's
 best float32 micro-kernel: AVX-512F where the build has it), ``avx2`` (the fused kernel forced
 to its AVX2 micro-kernel), ``bf16`` (the fused kernel on bf16 weights and activations, where
-the CPU has avx512_bf16), ``torch_bf16`` (per-expert torch in bf16). Prints one line per token
-count: the median milliseconds of each path, each one's speed-up over the first path and
-GFLOP/s (6 * H * I FLOPs per routed row), and the largest absolute difference of each path's
-output from the first path's.
+the CPU has avx512_bf16; its best micro-kernel: AMX where usable), ``vdpbf16ps`` and ``amx``
+(the bf16 kernel forced to that micro-kernel), ``torch_bf16`` (per-expert torch in bf16).
+Prints one line per token count: the median milliseconds of each path, each one's speed-up
+over the first path and GFLOP/s (6 * H * I FLOPs per routed row), and the largest absolute
+difference of each path's output from the first path's.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
             "kernel": lambda: kernel(x, w13_packed, w2_packed),
             "avx2": lambda: kernel(x, w13_packed, w2_packed, "avx2"),
             "bf16": lambda: kernel(xb, w13_pb, w2_pb),
+            "vdpbf16ps": lambda: kernel(xb, w13_pb, w2_pb, "avx512_bf16"),
+            "amx": lambda: kernel(xb, w13_pb, w2_pb, "amx"),
         }
         times: dict[str, list[float]] = {k: [] for k in names}
         for _ in range(args.rounds):

@@ -3,6 +3,7 @@ fallbacks (kernels off, no compiler)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -154,6 +155,22 @@ def test_cxx_with_a_compiler_wrapper_is_split_like_a_command_line(monkeypatch, t
         assert cpu_build.load_library("paged_decode_attention") is not None
     assert not caplog.records
     assert log.read_text().splitlines() == [compiler] * 3  # --version, compile, link
+
+
+@needs_compiler
+def test_a_changed_header_rebuilds_the_library(monkeypatch, tmp_path):
+    """The cache key covers the headers beside a source (fused_moe.cpp includes its
+    micro-kernels from csrc/*.h): editing one gives a new library, not the cached one."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "probe.cpp").write_text('#include "probe.h"\nextern "C" int probe() { return VALUE; }\n')
+    built = []
+    for value in (1, 2):
+        (src / "probe.h").write_text(f"#define VALUE {value}\n")
+        built.append(cpu_build._build(src / "probe.cpp", cpu_build.cxx_command()))
+        assert ctypes.CDLL(str(built[-1])).probe() == value
+    assert built[0] != built[1]
 
 
 def test_cxx_unset_or_empty_is_cpp(monkeypatch):

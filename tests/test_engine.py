@@ -413,13 +413,17 @@ def test_request_metrics_follow_a_request_through_the_engine(checkpoint_dir):
     assert bad.error is not None and bad.metrics is None  # never entered the engine
 
 
-def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog):
+def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog, monkeypatch):
+    """On a CPU without AMX-BF16 (forced here): half precision is honoured with a warning and
+    auto is float32 whatever the checkpoint."""
     import torch
     from transformers import AutoConfig
 
+    from batchgen.models import loader
     from batchgen.models.loader import resolve_dtype
     from batchgen.models.model_config import ModelConfig
 
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(checkpoint_dir("mixtral")))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
@@ -436,3 +440,27 @@ def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog)
         assert resolve_dtype("float32", cpu, cfg) == torch.float32
         assert resolve_dtype("bfloat16", cuda, cfg) == torch.bfloat16
         assert not caplog.records
+
+
+def test_auto_dtype_on_an_amx_cpu_follows_a_bf16_checkpoint(caplog, monkeypatch):
+    """With AMX-BF16 (forced here): auto is bfloat16 for a bfloat16 checkpoint, except in the
+    batch-invariant mode (float32 only); float32 checkpoints stay float32; an explicit
+    bfloat16 is not warned about, float16 still is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.models import loader
+    from batchgen.models.loader import resolve_dtype
+
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    cpu = torch.device("cpu")
+    bf16, fp32 = SimpleNamespace(torch_dtype="bfloat16"), SimpleNamespace(torch_dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
+        assert resolve_dtype("auto", cpu, bf16) == torch.bfloat16
+        assert resolve_dtype("auto", cpu, bf16, batch_invariant=True) == torch.float32
+        assert resolve_dtype("auto", cpu, fp32) == torch.float32
+        assert resolve_dtype("bfloat16", cpu, fp32) == torch.bfloat16
+        assert not caplog.records
+        assert resolve_dtype("float16", cpu, fp32) == torch.float16
+        assert len(caplog.records) == 1 and "dtype float16 on CPU" in caplog.text

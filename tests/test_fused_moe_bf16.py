@@ -1,6 +1,7 @@
 """The fused MoE kernel's micro-kernels (`batchgen.kernels.fused_moe`): the AVX-512 float32
-one against the AVX2 one, and the bfloat16 one (AVX512-BF16) against a float32 reference on the
-same bf16 inputs, in a layer, and in a bf16 model against `transformers` in bf16."""
+one against the AVX2 one, and the bfloat16 ones (AVX512-BF16's vdpbf16ps, AMX-BF16) against a
+float64 reference on the same bf16 inputs, in a layer, and in a bf16 model against
+`transformers` in bf16."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from batchgen.models.model_config import RouterConfig
 needs_bf16 = pytest.mark.skipif(
     fm.kernel_isa(torch.bfloat16) is None,
     reason="the bf16 fused MoE kernel needs a CPU with avx512_bf16",
+)
+needs_amx = pytest.mark.skipif(
+    fm.kernel_isa(torch.bfloat16) != "amx_bf16",
+    reason="the AMX bf16 micro-kernel needs a CPU with amx_bf16 and the OS's tile permission",
 )
 needs_avx512 = pytest.mark.skipif(
     fm.kernel_isa(torch.float32) != "avx512f", reason="the kernel is not built for AVX-512F"
@@ -47,6 +52,34 @@ def test_avx512_kernel_equals_the_avx2_kernel_bit_for_bit(num_tokens, inter):
     assert torch.equal(_kernel(x, w13, w2, weights, ids), _kernel(x, w13, w2, weights, ids, "avx2"))
 
 
+def bf16_error_bound(x, w13, w2, weights, ids):
+    """``(want, bound)``: float64 math on the same bf16 inputs, ``[T, H]``, and a bound on
+    ``|got - want|`` for the bf16 kernels. Their products of bf16 inputs are exact and their
+    sums float32; their one rounding to bf16 is the SiLU-gated activation ``a`` (relative
+    error <= u = 2^-8) before the down projection. So for each output
+    ``|got - want| <= u * sum_a w_a * sum_j |W2[h, j] * a_j|`` (+ float32 sums: 2I * 2^-24 of
+    the same magnitude, and 1e-6 absolute)."""
+    xd, w13d, w2d, wd = x.double(), w13.double(), w2.double(), weights.double()
+    want = fused_experts_reference(xd, w13d, w2d, wd, ids)
+    inter = w2.shape[2]
+    mag = torch.zeros_like(want)  # [T, H]: the same experts with |W2| and |activation|
+    for a in range(ids.shape[1]):
+        e = ids[:, a]
+        gate, up = torch.einsum("th,tnh->tn", xd, w13d[e]).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).abs()  # [T, I]
+        mag += wd[:, a : a + 1] * torch.einsum("ti,thi->th", act, w2d[e].abs())
+    return want, (U_BF16 + 2 * inter * 2.0**-24) * mag + 1e-6
+
+
+def assert_within_bf16_bound(got, x, w13, w2, weights, ids):
+    want, bound = bf16_error_bound(x, w13, w2, weights, ids)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    excess = (got.double() - want).abs() - bound
+    assert excess.max() <= 0, f"max excess over the bound {excess.max().item():.3g}"
+    # The bound is not vacuous: the error is of the order of one bf16 rounding.
+    assert (got.double() - want).abs().max() < 0.1 * want.abs().max()
+
+
 @needs_bf16
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,hidden,inter",
@@ -58,35 +91,16 @@ def test_avx512_kernel_equals_the_avx2_kernel_bit_for_bit(num_tokens, inter):
         (64, 64, 8, 512, 256),  # the bench model's shapes
     ],
 )
+@pytest.mark.parametrize("isa", ["avx512_bf16", "auto"])
 def test_bf16_kernel_within_one_bf16_rounding_of_the_activation(
-    num_tokens, num_experts, top_k, hidden, inter
+    num_tokens, num_experts, top_k, hidden, inter, isa
 ):
-    """Against float64 math on the same bf16 inputs. The kernel's products of bf16 inputs are
-    exact and its sums float32; its one rounding to bf16 is the SiLU-gated activation ``a``
-    (relative error <= u = 2^-8) before the down projection. So for each output
-    ``|got - want| <= u * sum_a w_a * sum_j |W2[h, j] * a_j|`` (+ float32 sums: K * 2^-24 of
-    the same magnitude, and 1e-6 absolute)."""
+    """Against float64 math on the same bf16 inputs, within `bf16_error_bound`. ``auto`` is
+    AMX where the CPU has it and H and I are multiples of 32 (the last two cases), else
+    vdpbf16ps."""
     x, w13, w2, weights, ids = _case(num_tokens, num_experts, top_k, hidden, inter, seed=2)
-    got = _kernel(x, w13, w2, weights, ids)
-    xd, w13d, w2d, wd = x.double(), w13.double(), w2.double(), weights.double()
-    want = fused_experts_reference(xd, w13d, w2d, wd, ids)
-    # The bound's magnitude: the same experts with |W2| and |activation|.
-
-    def abs_act(h):
-        gate, up = h.chunk(2, dim=-1)
-        return (F.silu(gate) * up).abs()
-
-    mag = torch.zeros_like(want)  # [T, H]
-    for a in range(top_k):
-        e = ids[:, a]
-        act = abs_act(torch.einsum("th,tnh->tn", xd, w13d[e]))  # [T, I]
-        mag += wd[:, a : a + 1] * torch.einsum("ti,thi->th", act, w2d[e].abs())
-    bound = (U_BF16 + 2 * inter * 2.0**-24) * mag + 1e-6
-    assert got.dtype == torch.float32 and got.shape == (num_tokens, hidden)
-    excess = (got.double() - want).abs() - bound
-    assert excess.max() <= 0, f"max excess over the bound {excess.max().item():.3g}"
-    # The bound is not vacuous: the error is of the order of one bf16 rounding.
-    assert (got.double() - want).abs().max() < 0.1 * want.abs().max()
+    got = _kernel(x, w13, w2, weights, ids, isa)
+    assert_within_bf16_bound(got, x, w13, w2, weights, ids)
 
 
 @needs_bf16
@@ -96,6 +110,72 @@ def test_bf16_kernel_output_of_a_token_does_not_depend_on_the_batch():
     for t in (0, 77, 200):
         alone = _kernel(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1])
         assert torch.equal(alone[0], batch[t])
+
+
+def _routed_rows(rows_per_expert, hidden, inter, seed, top_k=1):
+    """A case whose expert e gets exactly ``rows_per_expert[e]`` rows (zero allowed): slot 0
+    of the first rows goes to expert 0, and so on; other slots to the next expert."""
+    num_tokens, num_experts = sum(rows_per_expert), len(rows_per_expert)
+    x, w13, w2, weights, _ = _case(num_tokens, num_experts, top_k, hidden, inter, seed)
+    first = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(rows_per_expert))
+    ids = torch.stack([(first + a) % num_experts for a in range(top_k)], dim=1)  # [T, A]
+    return x, w13, w2, weights, ids
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "rows_per_expert,top_k",
+    [
+        ([1], 1),  # one decode row: 15 zero pad rows
+        ([0, 15, 0], 1),  # experts with zero rows around a partial row tile
+        ([17, 0, 33], 1),  # one full tile plus one row; 2 tiles plus one row
+        ([16, 32, 1, 0], 2),  # whole tiles, top-2
+        ([300, 5], 1),  # three row chunks of 100 rows (chunks of at most 128)
+    ],
+)
+def test_amx_kernel_odd_row_counts_within_the_bound_and_near_vdpbf16ps(rows_per_expert, top_k):
+    """AMX against float64 within `bf16_error_bound`, and against vdpbf16ps: both within the
+    bound of the exact result, so within twice the bound of each other (not bit-equal: AMX
+    adds 32 products per tile step, vdpbf16ps 2). H 96: three k tiles in the gate/up GEMM."""
+    x, w13, w2, weights, ids = _routed_rows(rows_per_expert, 96, 32, 6, top_k)
+    amx = _kernel(x, w13, w2, weights, ids, "amx")
+    assert_within_bf16_bound(amx, x, w13, w2, weights, ids)
+    vdp = _kernel(x, w13, w2, weights, ids, "avx512_bf16")
+    _, bound = bf16_error_bound(x, w13, w2, weights, ids)
+    assert ((amx.double() - vdp.double()).abs() <= 2 * bound).all()
+
+
+@needs_amx
+def test_amx_kernel_output_of_a_token_does_not_depend_on_the_batch():
+    """201 tokens top-2 over 4 experts (~100 rows each: tiles of 16, a partial last tile);
+    each token alone (one row, 15 zero pad rows) gives the same bits as in the batch."""
+    x, w13, w2, weights, ids = _case(201, 4, 2, 64, 32, seed=7)
+    batch = _kernel(x, w13, w2, weights, ids, "amx")
+    for t in (0, 15, 16, 77, 200):
+        alone = _kernel(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], "amx")
+        assert torch.equal(alone[0], batch[t]), t
+    assert torch.equal(_kernel(x, w13, w2, weights, ids), batch)  # auto is AMX here
+
+
+@needs_amx
+def test_amx_switch_and_shapes_amx_cannot_run(monkeypatch):
+    """``BATCHGEN_CPU_AMX=0`` makes auto run vdpbf16ps (bit for bit); H or I not a multiple
+    of 32: auto runs vdpbf16ps, ``isa="amx"`` is refused; a float32 isa is refused for bf16."""
+    x, w13, w2, weights, ids = _case(40, 4, 2, 64, 32, seed=8)
+    vdp = _kernel(x, w13, w2, weights, ids, "avx512_bf16")
+    assert torch.equal(_kernel(x, w13, w2, weights, ids), _kernel(x, w13, w2, weights, ids, "amx"))
+    monkeypatch.setenv("BATCHGEN_CPU_AMX", "0")
+    assert fm.kernel_isa(torch.bfloat16) == "avx512_bf16"
+    assert torch.equal(_kernel(x, w13, w2, weights, ids), vdp)
+    monkeypatch.delenv("BATCHGEN_CPU_AMX")
+    x, w13, w2, weights, ids = _case(40, 4, 2, 48, 16, seed=8)
+    assert torch.equal(
+        _kernel(x, w13, w2, weights, ids), _kernel(x, w13, w2, weights, ids, "avx512_bf16")
+    )
+    with pytest.raises(RuntimeError, match="rejected the shapes"):
+        _kernel(x, w13, w2, weights, ids, "amx")
+    with pytest.raises(ValueError, match="isa must be one of"):
+        _kernel(x, w13, w2, weights, ids, "avx2")
 
 
 def test_bf16_packing_interleaves_pairs_of_k():

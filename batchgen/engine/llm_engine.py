@@ -124,7 +124,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
         hf_config = AutoConfig.from_pretrained(path)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         self.device = rank.device if rank is not None else resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, cfg)
+        self.dtype = resolve_dtype(config.dtype, self.device, cfg, config.batch_invariant)
         if config.batch_invariant:
             check_batch_invariant_support(self.device, self.dtype)
         if self.device.type == "cpu":

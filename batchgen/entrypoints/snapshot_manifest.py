@@ -202,8 +202,10 @@ def resolved_settings(
     setting spelled out as its default is the same job as the default:
 
     - ``dtype`` "auto": what `resolve_dtype` makes of it on this machine's device (float32 on
-      CPU; the checkpoint's dtype on CUDA). Left "auto" where the device is not this
-      machine's to know: Ray ranks with ``device`` "auto" and no CUDA here.
+      CPU, or a bfloat16 checkpoint's bfloat16 on an AMX-BF16 CPU; the checkpoint's dtype on
+      CUDA). Left "auto" where the device is not this machine's to know (Ray ranks with
+      ``device`` "auto" and no CUDA here), or the checkpoint's dtype decides and its config
+      is not at hand.
     - ``max_model_len`` None: the model's ``max_position_embeddings`` (the engine may lower it
       further to the KV cache's capacity, which memory settings decide, not the job).
     - ``tokenizer``: None when it is the model's own (unset, or the model's directory), a
@@ -229,7 +231,7 @@ def _resolved_dtype(
     from types import SimpleNamespace
 
     from batchgen.engine.llm_engine import resolve_device
-    from batchgen.models.loader import resolve_dtype
+    from batchgen.models.loader import cpu_has_fast_bf16, resolve_dtype
 
     backend = getattr(parallel, "distributed_executor_backend", "mp")
     if engine_config.device == "auto" and backend == "ray":
@@ -241,10 +243,11 @@ def _resolved_dtype(
         device = resolve_device(engine_config.device)
     except ValueError:
         return "auto"  # cuda asked for and absent: the engine will refuse it
-    if device.type != "cpu" and model_dir is None:
+    if model_dir is None and (device.type != "cpu" or cpu_has_fast_bf16()):
         return "auto"  # the checkpoint's dtype decides, and it is not at hand
     checkpoint = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = resolve_dtype("auto", device, SimpleNamespace(torch_dtype=checkpoint))
+    invariant = bool(getattr(engine_config, "batch_invariant", False))
+    dtype = resolve_dtype("auto", device, SimpleNamespace(torch_dtype=checkpoint), invariant)
     return str(dtype).removeprefix("torch.")
 
 

@@ -3,9 +3,9 @@
 The library is compiled with the system C++ compiler (``$CXX``, else ``c++``; split like a
 shell command line, as make does, so a wrapper such as ``CXX="ccache c++"`` works) for this
 machine's CPU (``-march=native``) and cached in ``<cache dir>/kernels`` (``$BATCHGEN_CACHE_DIR``
-or ``~/.cache/batchgen``) under a key that hashes the source, the flags, the compiler command
-and version and the CPU's feature flags, so a changed source or a different machine never
-loads a stale build.
+or ``~/.cache/batchgen``) under a key that hashes the source and every header beside it
+(``csrc/*.h``), the flags, the compiler command and version and the CPU's feature flags, so a
+changed source or header or a different machine never loads a stale build.
 A build is written to a temporary name, fsync'ed and renamed into place; then a stamp file
 beside it (``<name>.so.stamp``) records its size and SHA-256. A cached library is loaded only
 when it matches its stamp: a library cut short (a crash mid-write, a disk fault) or without a
@@ -104,8 +104,18 @@ def cxx_command() -> list[str]:
         raise ValueError(f"CXX={value!r} is not a valid command line ({err})") from None
 
 
+def _source_text(source: Path) -> bytes:
+    """The bytes the cache key hashes for ``source``: the file, then every header of its
+    folder (``*.h``, by name, each preceded by its name), so a changed header rebuilds every
+    library; headers are small and the build takes about a second."""
+    parts = [source.read_bytes()]
+    for header in sorted(source.parent.glob("*.h")):
+        parts += [header.name.encode(), header.read_bytes()]
+    return b"\0".join(parts)
+
+
 def _build(source: Path, cxx: list[str]) -> Path:
-    text = source.read_bytes()
+    text = _source_text(source)
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(

@@ -19,16 +19,22 @@ Micro-kernels (`kernel_isa`, logged once per dtype on first use):
   machine under load from other jobs (minimum of 40 alternated calls, E 4, top-1, H 512, I 256):
   AVX-512 vs AVX2 at 4 tokens 0.25 vs 0.24 ms (weight-bandwidth bound), 64 tokens 90 vs 67
   GFLOP/s, 256 tokens 96 vs 69, 1,024 tokens 65 vs 49.
-- bfloat16, chosen at run time when the CPU has avx512_bf16: ``vdpbf16ps`` (two k per
-  instruction) on weights packed with pairs of k interleaved, 12 x 32 like the float32 one;
-  float32 accumulation, the SiLU-gated activation rounded once to bf16 before the down GEMM
-  (round to nearest even), router weighting and slot sum in float32, result float32. Same
-  measurement: 17 vs 13 GFLOP/s (AVX-512 float32) at 4 tokens, 41 vs 32 at 16 (half the
-  weight bytes), but 70-72 vs 90-96 at 64-256 tokens and 55 vs 65 at 1,024: where the GEMM is
-  compute-bound, ``vdpbf16ps`` on this CPU does not beat two float32 FMAs per cycle. The fast
-  bf16 path for many rows is AMX (``tdpbf16ps``), which torch's oneDNN already uses for bf16
-  ``F.linear`` here (512 x 512, one core: 761 vs 145 GFLOP/s at 256 rows); not done yet.
-  Without avx512_bf16 a bf16 model's experts take the per-expert torch path.
+- bfloat16, chosen at run time: AMX-BF16 (``tdpbf16ps`` on 2 x 2 tiles of 16 x 16 float32)
+  where the CPU has amx_bf16 and the OS grants this process the tile state (Linux
+  ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked once), else ``vdpbf16ps`` (AVX512-BF16, two k per
+  instruction, 12 x 32 like the float32 one). Both read weights packed with pairs of k
+  interleaved (an AMX B tile is 16 such rows), accumulate in float32, round the SiLU-gated
+  activation once to bf16 (round to nearest even) before the down GEMM, and weight and sum the
+  slots in float32; the result is float32. AMX pads an expert's rows to a multiple of 16 with
+  zero rows and needs H and I multiples of 32 (other layers take vdpbf16ps). Same measurement
+  (E 4, top-1, H 512, I 256, one thread, minimum of 30 alternated calls, machine loaded):
+  GFLOP/s float32 AVX-512 / vdpbf16ps / AMX at 4 tokens 12.5 / 15.1 / 18.8, 16 tokens 31 /
+  37 / 44, 64 tokens 90 / 70 / 150, 256 tokens 101 / 72 / 345, 1,024 tokens 95 / 75 / 335; at
+  1 and 8 tokens AMX is no slower than vdpbf16ps either (12.3 vs 5.5, 21 vs 20), so AMX runs
+  every row count (no row-count-dependent choice, which would break batch invariance).
+  ``vdpbf16ps`` alone gives no more arithmetic than two float32 FMAs per cycle on this CPU.
+  ``BATCHGEN_CPU_AMX=0`` (or ``isa="avx512_bf16"``) turns AMX off for A/B runs. Without
+  avx512_bf16 a bf16 model's experts take the per-expert torch path.
 
 In float32 the result equals `batchgen.models.layers.moe.fused_experts_reference` up to float32
 rounding:
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 
 import torch
@@ -62,7 +69,12 @@ PANEL = 16  # output columns per packed weight panel (the micro-kernel's width)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _lib = None
 _logged: set[str] = set()
-ISAS = {"auto": 0, "avx2": 1}  # `fused_moe_silu`'s ``isa`` values (the kernel's codes)
+# `fused_moe_silu`'s ``isa`` values per dtype (the kernel's codes).
+ISAS = {
+    torch.float32: {"auto": 0, "avx2": 1},
+    torch.bfloat16: {"auto": 0, "avx512_bf16": 1, "amx": 2},
+}
+AMX_ENV = "BATCHGEN_CPU_AMX"  # "0" turns the AMX bf16 micro-kernel off (``isa="auto"`` only)
 
 
 def _library():
@@ -74,24 +86,35 @@ def _library():
         if lib is None:
             return None
         lib.batchgen_fused_moe_silu_f32.argtypes = [_ptr] * 8 + [_i64] * 7
-        lib.batchgen_fused_moe_silu_bf16.argtypes = [_ptr] * 8 + [_i64] * 6
+        lib.batchgen_fused_moe_silu_bf16.argtypes = [_ptr] * 8 + [_i64] * 7
         for fn in (lib.batchgen_fused_moe_silu_f32, lib.batchgen_fused_moe_silu_bf16):
             fn.restype = ctypes.c_int
         _lib = lib
     return _lib
 
 
+def amx_enabled() -> bool:
+    """False when ``BATCHGEN_CPU_AMX`` is ``0`` (also ``false``/``no``/``off``): ``isa="auto"``
+    then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs)."""
+    return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def kernel_isa(dtype: torch.dtype) -> str | None:
-    """The micro-kernel `fused_moe_silu` runs for ``dtype`` on this CPU: ``"avx512f"`` or
-    ``"avx2"`` (float32, chosen when the library is compiled for this CPU), ``"avx512_bf16"``
-    (bfloat16, chosen at run time from the CPU's flags), or None (the torch path serves it)."""
+    """The micro-kernel `fused_moe_silu` runs for ``dtype`` with ``isa="auto"`` on this CPU:
+    ``"avx512f"`` or ``"avx2"`` (float32, chosen when the library is compiled for this CPU);
+    for bfloat16, chosen at run time, ``"amx_bf16"`` (the CPU has amx_bf16, the OS grants the
+    tile state, `amx_enabled`; layers whose H or I is not a multiple of 32 still take
+    vdpbf16ps) or ``"avx512_bf16"`` (vdpbf16ps); or None (the torch path serves ``dtype``)."""
     lib = _library()
     if lib is None:
         return None
     if dtype == torch.float32:
         return {2: "avx512f", 1: "avx2"}.get(lib.batchgen_fused_moe_supported())
-    if dtype == torch.bfloat16 and lib.batchgen_fused_moe_bf16_supported():
-        return "avx512_bf16"
+    if dtype == torch.bfloat16:
+        best = lib.batchgen_fused_moe_bf16_supported()
+        if best == 2 and amx_enabled():
+            return "amx_bf16"
+        return "avx512_bf16" if best else None
     return None
 
 
@@ -102,7 +125,17 @@ def _log_once(dtype: torch.dtype) -> None:
         return
     _logged.add(key)
     isa = kernel_isa(dtype)
-    if isa is not None:
+    if isa == "avx512_bf16":
+        lib = _library()
+        why = (
+            f"AMX off by {AMX_ENV}"
+            if lib.batchgen_fused_moe_bf16_supported() == 2
+            else "no AMX-BF16 on this CPU, or the OS did not grant the tile state"
+        )
+        logger.info(
+            "fused MoE CPU kernel for %s experts: avx512_bf16 micro-kernel (%s)", dtype, why
+        )
+    elif isa is not None:
         logger.info("fused MoE CPU kernel for %s experts: %s micro-kernel", dtype, isa)
     else:
         logger.info(
@@ -134,7 +167,8 @@ def _workspace(num_floats: int) -> torch.Tensor:
 def fused_moe_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> bool:
     """True when `fused_moe_silu` serves this layer: CPU, SiLU, ``2I`` and ``H`` multiples of
     `PANEL`, activations and weights all float32 (with an AVX2/FMA or AVX-512F build) or all
-    bfloat16 (on a CPU with avx512_bf16). Logs once per dtype which path runs."""
+    bfloat16 (on a CPU with avx512_bf16; AMX where usable). Logs once per dtype which
+    micro-kernel runs."""
     if not (
         x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
@@ -204,21 +238,25 @@ def fused_moe_silu(
         order: ``[T * A]`` int64, the flat (token, slot) indices grouped by expert
             (`batchgen.models.layers.moe.sort_by_expert`).
         counts: rows per expert (length E, summing to T * A).
-        isa: float32 only: ``"auto"`` (the best micro-kernel of this build, `kernel_isa`) or
-            ``"avx2"`` (the AVX2 one, for A/B measurements).
+        isa: ``"auto"`` (the best micro-kernel here, `kernel_isa`); for A/B measurements,
+            float32: ``"avx2"`` (the AVX2 one); bfloat16: ``"avx512_bf16"`` (vdpbf16ps) or
+            ``"amx"`` (AMX, even when ``BATCHGEN_CPU_AMX=0``).
     Returns:
         ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
         top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
         activation is rounded to bfloat16 once, before the down projection.
     Raises:
         ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
-            ``isa`` is not one of `ISAS`.
-        RuntimeError: when the kernel is unavailable for this dtype or rejects the shapes.
+            ``isa`` is not one of `ISAS` for x's dtype.
+        RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
+            CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
-    if isa not in ISAS or (isa != "auto" and x.dtype != torch.float32):
-        raise ValueError(f"isa must be one of {sorted(ISAS)} (float32 only), got {isa!r}")
+    isas = ISAS.get(x.dtype, {})
+    if isa not in isas:
+        raise ValueError(f"isa must be one of {sorted(isas)} for {x.dtype}, got {isa!r}")
     lib = _library()
-    if lib is None or kernel_isa(x.dtype) is None:
+    best = kernel_isa(x.dtype)
+    if lib is None or best is None:
         raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
     num_experts, hidden, inter = _check(x, w13_packed, w2_packed, topk_weights, order, counts)
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
@@ -232,7 +270,9 @@ def fused_moe_silu(
     torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=starts[1:])
     bf16 = x.dtype == torch.bfloat16
     fn = lib.batchgen_fused_moe_silu_bf16 if bf16 else lib.batchgen_fused_moe_silu_f32
-    extra = () if bf16 else (ISAS[isa],)
+    code = isas[isa]
+    if bf16 and isa == "auto" and best != "amx_bf16":
+        code = isas["avx512_bf16"]  # BATCHGEN_CPU_AMX=0
     # The ctypes call is no torch op: name it, so torch.profiler (`batchgen bench --profile`)
     # shows its time instead of losing it.
     with _workspace_lock, record_function("batchgen::fused_moe_silu"):
@@ -252,10 +292,12 @@ def fused_moe_silu(
             top_k,
             num_experts,
             torch.get_num_threads(),
-            *extra,
+            code,
         )
+    if rc == 2:
+        raise RuntimeError(f"the fused MoE CPU kernel has no {isa!r} micro-kernel on this CPU")
     if rc != 0:
-        raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc})")
+        raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc}, isa {isa!r})")
     return out
 
 

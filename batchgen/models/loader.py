@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_HALF_PRECISION_WARNING = (
-    "dtype %s on CPU is no faster than float32: the paged decode attention kernel is "
-    "float32-only (bf16 takes gathered torch attention), and the fused MoE kernel serves bf16 "
-    "only on CPUs with avx512_bf16 (float16 never; else the per-expert torch GEMMs, about half "
-    "float32's speed); keep --dtype auto (float32 on CPU) unless the weights do not fit in "
-    "memory otherwise"
+    "dtype %s on CPU is no faster than float32 here: the fused MoE kernel runs bf16 fast only "
+    "on CPUs with AMX-BF16 (with avx512_bf16 alone at about float32's speed; float16 never; "
+    "else the per-expert torch GEMMs, about half float32's speed), and the paged decode "
+    "attention kernel is float32-only (bf16 takes gathered torch attention); keep --dtype auto "
+    "(float32 on such CPUs) unless the weights do not fit in memory otherwise"
 )
 # Checkpoint tensors that carry no learned state and are ignored on purpose.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.cos_cached|\.rotary_emb\.sin_cached)$")
@@ -87,19 +87,39 @@ def _make_model_hint(model: str) -> str:
     )
 
 
-def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
-    """ "auto": the checkpoint's dtype on CUDA; float32 on CPU (where bf16 matmuls are slow).
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU runs bf16 MoE experts on AMX (the fused kernel's `kernel_isa` is
+    ``"amx_bf16"``: amx_bf16, the OS's tile permission, kernels and ``BATCHGEN_CPU_AMX`` on).
+    Builds the kernel library on first use (cached)."""
+    from batchgen.kernels.fused_moe import kernel_isa
 
-    An explicit half-precision dtype on CPU is honoured with a logged warning
-    (`CPU_HALF_PRECISION_WARNING`). Auto stays float32 on CPU: with the bf16 fused MoE kernel
-    (`batchgen.kernels.fused_moe`, avx512_bf16) `batchgen bench --quick --workloads rollouts
-    --modes coalesce` ran bf16 at 1.15x and 0.96x float32 in two alternated rounds on a loaded
-    2-core machine: not a measured win."""
+    return kernel_isa(torch.bfloat16) == "amx_bf16"
+
+
+def resolve_dtype(
+    dtype: str, device: torch.device, cfg: ModelConfig, batch_invariant: bool = False
+) -> torch.dtype:
+    """ "auto": the checkpoint's dtype on CUDA. On CPU: bfloat16 for a bfloat16 checkpoint on
+    a CPU with AMX-BF16 (`cpu_has_fast_bf16`) outside the batch-invariant mode (which covers
+    float32 only), else float32 (where bf16 matmuls are slow).
+
+    Measured for that rule (`batchgen bench --quick --workloads rollouts --modes coalesce`,
+    2-core AMX machine loaded by other jobs, load average 7-12, three alternated rounds):
+    bfloat16 with the AMX MoE kernel 129.9, 127.9, 130.4 useful tok/s; float32 60.4, 70.5,
+    65.6 (bf16 with vdpbf16ps instead of AMX: 100.8, 108.6, 130.9); decode-only bf16 time
+    shares: MoE 0.59-0.65, attention 0.29-0.35. Before the AMX kernel, bf16 on vdpbf16ps had
+    measured 1.15x and 0.96x float32, not a win, and auto stayed float32 on every CPU.
+
+    An explicit half-precision dtype on CPU is honoured, with a logged warning
+    (`CPU_HALF_PRECISION_WARNING`) unless it is bfloat16 on an AMX-BF16 CPU."""
     if dtype != "auto":
         if device.type == "cpu" and dtype in ("bfloat16", "float16"):
-            logger.warning(CPU_HALF_PRECISION_WARNING, dtype)
+            if dtype == "float16" or not cpu_has_fast_bf16():
+                logger.warning(CPU_HALF_PRECISION_WARNING, dtype)
         return _DTYPES[dtype]
     if device.type == "cpu":
+        if cfg.torch_dtype == "bfloat16" and not batch_invariant and cpu_has_fast_bf16():
+            return torch.bfloat16
         return torch.float32
     return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
 

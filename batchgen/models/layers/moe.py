@@ -394,7 +394,7 @@ class SparseMoeBlock(nn.Module):
         are sharded) -> ``[T, H]`` of ``out_dtype`` (default x's dtype):
         ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in float32 in slot order,
         rounded once at the end. The fused kernel serves float32 and, on CPUs with
-        avx512_bf16, bfloat16 (`batchgen.kernels.fused_moe`). The fast path is chosen here, by
+        avx512_bf16 (AMX-BF16 where usable), bfloat16 (`batchgen.kernels.fused_moe`). The fast path is chosen here, by
         measurement on CPU (see `batchgen.kernels.fused_moe` and `fused_experts_per_expert`);
         CUDA keeps the reference until it is measured there."""
         if self.uses_kernel(x):
