@@ -5,7 +5,7 @@ step, the engine, its KV cache and its compiled kernels stay).
     n = update_weights(engine, "/ckpt/step-100")  # a safetensors checkpoint directory
 
 Names are Hugging Face checkpoint names, mapped to engine parameters by the loader's own rules
-(`batchgen.models.loader.checkpoint_rules`): ``q_proj/k_proj/v_proj`` into ``qkv_proj``,
+(`batchgen.models.checkpoint_names.checkpoint_rules`): ``q_proj/k_proj/v_proj`` into ``qkv_proj``,
 per-expert ``w1/w2/w3`` or ``gate_proj/up_proj/down_proj`` into the stacked ``w13_weight
 [E, 2I, H]`` / ``w2_weight [E, H, I]``, transformers 5's fused ``experts.gate_up_proj`` and
 ``experts.down_proj`` onto them whole. A partial update changes only the tensors named.
