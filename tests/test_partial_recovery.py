@@ -499,3 +499,73 @@ def test_a_collective_timeout_waits_to_tell_a_stuck_peer_from_an_alive_one(peer)
         assert "rank 0" in str(failure) and "silent" in str(failure)
     else:
         assert failure.ranks == [1] and not failure.recoverable, str(failure)
+
+
+def test_requests_go_to_ready_ranks_while_a_replacement_joins():
+    """While rank 1 is started again, new and re-queued requests go to rank 0 (least loaded or
+    round robin alike); a request pinned to rank 1 waits for it; once rank 1 is ready it takes
+    new work again. With every rank joining, requests are still queued."""
+    from test_rebalance import _add, _frontend
+
+    for method in ("minimum_tokens", "round_robin"):
+        client = _frontend(load_balance_method=method)
+        client._ranks[1].joining = True
+        for i in range(3):
+            _add(client, f"a{i}", 50)
+        _add(client, "pinned", 50, rank=1)
+        assert {i: e.rank for i, e in client.requests.items()} == {
+            "a0": 0,
+            "a1": 0,
+            "a2": 0,
+            "pinned": 1,
+        }
+        assert [p[0] for p in client._ranks[1].pending] == ["pinned"]
+        client._ranks[1].joining = False  # ready: the least loaded, or next in turn
+        _add(client, "b0", 50)
+        _add(client, "b1", 50)
+        assert 1 in {client.requests["b0"].rank, client.requests["b1"].rank}
+        client._ranks[0].joining = client._ranks[1].joining = True
+        _add(client, "c0", 50)
+        assert client.requests["c0"].rank in (0, 1)
+
+
+def test_the_rebalancer_moves_nothing_to_a_joining_rank_and_fills_it_once_ready():
+    from batchgen.distributed.rebalance import Candidate, Move, plan_moves
+
+    candidates = [Candidate(f"w{i}", 0, 100, 0) for i in range(4)]
+    assert plan_moves([400.0, 0.0], [None, None], candidates, joining={1}) == []
+    assert plan_moves([400.0, 0.0], [None, None], candidates) == [
+        Move("w0", 0, 1),
+        Move("w1", 0, 1),
+    ]
+    # three ranks, 2 joining: the moves go to rank 1 only
+    three = plan_moves([400.0, 0.0, 0.0], [None] * 3, candidates, joining={2})
+    assert three and all(m.dst == 1 for m in three)
+
+
+def test_recovery_metrics_are_live_and_end_when_the_ready_arrived(monkeypatch):
+    """Under way, a recovery shows in the metrics (recovering, the ranks joining, the
+    requests re-queued so far, the seconds so far); it ends at the time the last new rank's
+    `Ready` arrived, not when the frontend read it."""
+    from batchgen.config import ParallelConfig
+    from batchgen.distributed import recovery
+    from batchgen.distributed.rank_set import RankFailedError
+
+    clock = [100.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: clock[0])
+    rec = recovery.ElasticRecovery(
+        ParallelConfig(data_parallel_size=2, enable_elastic_recovery=True)
+    )
+    rec.begin(RankFailedError("rank 1 died", [1], recoverable=True), [], 0, 3, [1])
+    rec.requeue(["a", "b", "c"], [1])
+    clock[0] = 104.0
+    live = rec.metrics([1])
+    assert live["recovering"] and live["ranks_joining"] == [1]
+    assert (live["requests_requeued"], live["recovery_seconds"]) == (3, 4.0)
+    rec.requeue(["a", "b"], [1])  # a failed restart re-queues the same requests: once
+    clock[0] = 130.0  # the frontend reads the Ready late (an idle engine)
+    rec.end(1, ready_at=106.5)
+    done = rec.metrics()
+    assert not done["recovering"] and done["ranks_joining"] == []
+    assert (done["requests_requeued"], done["recovery_seconds"]) == (3, 6.5)
+    assert done["recoveries"] == 1

@@ -3,9 +3,10 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
 ``abort_request``, ``has_unfinished_requests``, ``apply_chat_template``, ``get_metrics``), so
 `LLM`, ``batchgen run`` and the bench drive it unchanged.
 
-- **Assignment**: each request goes to the rank with the fewest estimated tokens in flight
-  (prompt plus ``max_tokens``, times ``n``), as vLLM's and SGLang's data-parallel balancers
-  assign at admission. Requests are tokenized and validated here once (`InputProcessor`); a
+- **Assignment**: each request goes to the ready rank with the fewest estimated tokens in
+  flight (prompt plus ``max_tokens``, times ``n``), as vLLM's and SGLang's data-parallel
+  balancers assign at admission; a rank started again after a failure is chosen only once it
+  is ready (or when no rank is). Requests are tokenized and validated here once (`InputProcessor`); a
   rank gets token ids.
 - **Ranks** (`RankSet`) are local processes it starts (``data_parallel_size_local``, default
   all) and/or ranks started elsewhere (``python -m batchgen.distributed.launch`` or
@@ -21,9 +22,11 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   when experts are replicated), starts that group again (the same ranks, so the same experts)
   and re-queues the requests the group held, up to `MAX_RECOVERIES` times per engine
   (`ElasticRecovery`). The other groups run on with their requests: each restart group is its
-  own ``torch.distributed`` world, and the frontend does not wait for the new ranks (their
-  requests wait in their ``pending`` until they are ready, `RankSet.replace`). Finished outputs were returned before (or arrived with the
-  failure, and are taken first) and are never run again; a re-queued request starts over, and
+  own ``torch.distributed`` world, and the frontend does not wait for the new ranks: the
+  re-queued requests, and new ones, go to the ready ranks while the new ones load (only a
+  request pinned to a new rank waits in its ``pending``, `RankSet.replace`); a new rank takes
+  new work once it is ready (and the rebalancer's moves, if on). Finished outputs were
+  returned before (or arrived with the failure, and are taken first) and are never run again; a re-queued request starts over, and
   greedy or seeded requests get the same tokens (a request's tokens do not depend on its
   rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
   headless ones). A rank that dies while ranks start (the first start or a restart: before
@@ -136,11 +139,9 @@ class DPEngineClient(FrontendMetrics):
         self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
         self._fatal: RankFailedError | None = None  # a failure recovery did not outlive
-        self._requeued: set[str] = set()  # by the recovery under way
-        self._restarted: set[int] = set()  # ranks started again by it
         self.rank_set = self._start_ranks()
         if self.recovery.recovering:  # the first start failed and was retried
-            self.recovery.end(len(self.rank_set.ranks), 0)
+            self.recovery.end(len(self.rank_set.ranks))
         self._ranks = self.rank_set.ranks
         self.max_model_len = self.rank_set.max_model_len
         self.input_processor = InputProcessor(
@@ -229,16 +230,18 @@ class DPEngineClient(FrontendMetrics):
         resume: RequestState | None = None,
     ) -> None:
         """Queue ``request`` on ``dst`` (a rebalancing move, with its progress ``resume``), else
-        its pinned rank, else by ``load_balance_method``: the least-loaded rank (estimated
-        tokens in flight) or the next in turn (``round_robin``)."""
+        its pinned rank, else by ``load_balance_method`` among the ready ranks (`_choosable`):
+        the least-loaded one (estimated tokens in flight) or the next in turn
+        (``round_robin``)."""
         if dst is not None:
             rank = self._ranks[dst]
         elif request.pinned is not None:
             rank = self._ranks[request.pinned]
         elif self.parallel.load_balance_method == "round_robin":
-            rank = self._ranks[next(self._round_robin) % len(self._ranks)]
+            choosable = self._choosable()
+            rank = choosable[next(self._round_robin) % len(choosable)]
         else:
-            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
+            rank = min(self._choosable(), key=lambda r: (r.load, r.rank))
         request.rank = rank.rank
         rank.load += request.load
         rank.pending.append(
@@ -247,6 +250,15 @@ class DPEngineClient(FrontendMetrics):
         self.requests[request_id] = request
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)
+
+    def _choosable(self) -> list[RankHandle]:
+        """The ranks a request may be assigned to: the ready ones, or, when every rank is
+        started again and still joining, all of them. A replacement loads for seconds to
+        minutes, so a request queued on it (a re-queued one above all, since it holds none)
+        would wait for its start while a ready rank could run it; once ready it takes new
+        work, and the rebalancer's moves (`Rebalancer.plan`)."""
+        ready = [r for r in self._ranks if not r.joining]
+        return ready or self._ranks
 
     def _check_open(self) -> None:
         if self._fatal is not None:
@@ -308,16 +320,16 @@ class DPEngineClient(FrontendMetrics):
             del self.requests[request_id]
             request.reset()
             self._assign(request_id, request)
-        self._requeued.update(i for i, _ in requeue)
-        self._restarted.update(lost)
+        self.recovery.requeue([i for i, _ in requeue], lost)
         self._check_recovered()
 
     def _check_recovered(self) -> None:
-        """End the recovery under way once no rank started again is still joining (its
-        figures: the ranks started and the requests re-queued, each once)."""
+        """End the recovery under way once no rank started again is still joining, at the
+        time the last one's `Ready` arrived (not when this frontend read it)."""
         if self.recovery.recovering and not self.rank_set.joining:
-            self.recovery.end(len(self._restarted), len(self._requeued))
-            self._requeued, self._restarted = set(), set()
+            restarted = [self._ranks[r] for r in self.recovery.restarted]
+            times = [r.ready_at for r in restarted if r.ready_at is not None]
+            self.recovery.end(len(restarted), max(times) if times else None)
 
     def _flush(self, rank: RankHandle) -> None:
         """Send what is queued for ``rank`` (kept while it is started again after a failure
