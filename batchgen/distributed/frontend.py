@@ -6,8 +6,8 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
 - **Assignment**: each request goes to the ready rank with the fewest estimated tokens in
   flight (prompt plus ``max_tokens``, times ``n``), as vLLM's and SGLang's data-parallel
   balancers assign at admission; a rank started again after a failure is chosen only once it
-  is ready (or when no rank is). Requests are tokenized and validated here once (`InputProcessor`); a
-  rank gets token ids.
+  is ready (or when no rank is). Requests are tokenized and validated here once
+  (`InputProcessor`); a rank gets token ids.
 - **Ranks** (`RankSet`) are local processes it starts (``data_parallel_size_local``, default
   all) and/or ranks started elsewhere (``python -m batchgen.distributed.launch`` or
   ``torchrun``) that connect to its listener at ``data_parallel_address:data_parallel_rpc_port``
@@ -26,9 +26,9 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   re-queued requests, and new ones, go to the ready ranks while the new ones load (only a
   request pinned to a new rank waits in its ``pending``, `RankSet.replace`); a new rank takes
   new work once it is ready (and the rebalancer's moves, if on). Finished outputs were
-  returned before (or arrived with the failure, and are taken first) and are never run again; a re-queued request starts over, and
-  greedy or seeded requests get the same tokens (a request's tokens do not depend on its
-  rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
+  returned before (or arrived with the failure, and are taken first) and are never run
+  again; a re-queued request starts over, and greedy or seeded requests get the same tokens
+  (a request's tokens do not depend on its rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
   headless ones). A rank that dies while ranks start (the first start or a restart: before
   connecting, or while loading the model) is one more failure: every rank is then stopped and
   started afresh, within the same budget; a rank that exits with an error while starting (a
