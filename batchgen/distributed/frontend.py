@@ -28,11 +28,12 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   new work once it is ready (and the rebalancer's moves, if on). Finished outputs were
   returned before (or arrived with the failure, and are taken first) and are never run
   again; a re-queued request starts over, and greedy or seeded requests get the same tokens
-  (a request's tokens do not depend on its rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
-  headless ones). A rank that dies while ranks start (the first start or a restart: before
-  connecting, or while loading the model) is one more failure: every rank is then stopped and
-  started afresh, within the same budget; a rank that exits with an error while starting (a
-  bad model, a missing package) ends the job at once.
+  (a request's tokens do not depend on its rank). Only ranks this frontend starts itself
+  can be restarted (not ``torchrun`` or headless ones). A rank that dies while it starts
+  (before connecting, or while loading the model) is one more failure within the same
+  budget: a replacement's group is started again alone, a rank of the first start (or of a
+  restart of every rank) restarts every rank; a rank that exits with an error while starting
+  (a bad model, a missing package) ends the job at once.
 - **Straggler rebalancing** (``straggler_rebalance_interval_steps``): the ranks report their
   load every so many steps, and the frontend moves requests from the most loaded rank to the
   least loaded one while the job runs (`batchgen.distributed.rebalance`: the rule, and how
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.frontend_metrics import FrontendMetrics
+from batchgen.distributed.frontend_recovery import FrontendRecovery
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError, RankHandle, RankSet
@@ -92,7 +94,7 @@ class _Request:
         self.remaining, self.computed, self.moving = self.load, 0, False
 
 
-class DPEngineClient(FrontendMetrics):
+class DPEngineClient(FrontendMetrics, FrontendRecovery):
     """Runs requests on ``parallel.data_parallel_size`` ranks (see the module docstring).
 
     Args:
@@ -267,69 +269,6 @@ class DPEngineClient(FrontendMetrics):
             self._recover(self.rank_set.failure)
         if self.rank_set.closed:
             raise RuntimeError("this engine was shut down (LLM.shutdown); create a new LLM")
-
-    def _start_ranks(self) -> RankSet:
-        """A new `RankSet`. A recoverable failure while it starts (a rank killed before
-        connecting or while loading the model, or never connecting) is one more failure:
-        `ElasticRecovery.begin` counts a restart for it and the ranks start again, or it raises.
-        A set that failed to start has stopped its processes itself (`RankSet.__init__`)."""
-        while True:
-            try:
-                return RankSet(self.config, self.parallel)
-            except RankFailedError as failure:
-                self.recovery.begin(failure, [], 0, len(self.requests))
-
-    def _recover(self, failure: RankFailedError) -> None:
-        """Outlive ``failure`` (module docstring), or raise it (see `ElasticRecovery.begin`).
-
-        The ranks it stopped (``failure.lost``: the restart groups of the ranks involved, or
-        every rank) start again and get their unfinished requests back; the other ranks run
-        on, with their requests. The outputs that arrived with the failure are taken first,
-        so nothing finished is run twice. When ranks fail again while they start, every rank
-        is started afresh (`_start_ranks`, within the same budget).
-
-        Raises:
-            RankFailedError: ``failure``, or the new ranks' last failure to start (not
-                recoverable, or past the budget). Every later call raises it again, and every
-                rank is stopped.
-        """
-        try:
-            self._dispatch(self.rank_set.take_held())
-            lost = failure.lost or [r.rank for r in self._ranks]
-            survivors = len(self._ranks) - len(lost)
-            self.recovery.begin(
-                failure,
-                [self._ranks[r] for r in lost],
-                sum(self._ranks[r].done_tokens for r in lost),
-                sum(1 for e in self.requests.values() if e.rank in lost),
-                lost if survivors else None,
-            )
-            if survivors and not self.rank_set.closed:
-                self.rank_set.replace(lost)  # returns at once: the new ranks join as they load
-            else:
-                self.rank_set.shutdown()
-                self.rank_set = self._start_ranks()
-        except RankFailedError as fatal:
-            self._fatal = fatal
-            self.rank_set.shutdown()
-            raise
-        self._ranks = self.rank_set.ranks
-        self.rebalancer.forget(lost)  # moves from the stopped ranks died with them
-        requeue = [(i, e) for i, e in self.requests.items() if e.rank in lost]
-        for request_id, request in requeue:
-            del self.requests[request_id]
-            request.reset()
-            self._assign(request_id, request)
-        self.recovery.requeue([i for i, _ in requeue], lost)
-        self._check_recovered()
-
-    def _check_recovered(self) -> None:
-        """End the recovery under way once no rank started again is still joining, at the
-        time the last one's `Ready` arrived (not when this frontend read it)."""
-        if self.recovery.recovering and not self.rank_set.joining:
-            restarted = [self._ranks[r] for r in self.recovery.restarted]
-            times = [r.ready_at for r in restarted if r.ready_at is not None]
-            self.recovery.end(len(restarted), max(times) if times else None)
 
     def _flush(self, rank: RankHandle) -> None:
         """Send what is queued for ``rank`` (kept while it is started again after a failure
