@@ -727,3 +727,30 @@ def test_killing_each_replacement_spends_the_restart_budget(
         assert all(p.wait(10) for p in processes)  # rank 0 too: the job ended
     finally:
         llm.shutdown()
+
+
+def test_a_move_to_a_rank_that_restarted_meanwhile_lands_on_a_ready_rank():
+    """A rebalancing move planned to rank 1 is released by rank 0 after rank 1 was stopped
+    and started again: the request goes to a ready rank (here back to rank 0, with its
+    progress), not into the starting rank's queue."""
+    from test_rebalance import _add, _frontend, _state
+
+    from batchgen.distributed import protocol as msg
+
+    client = _frontend()
+    client._ranks[1].joining = True  # both requests go to rank 0
+    _add(client, "w0", 200)
+    _add(client, "w1", 200)
+    client._ranks[1].joining = False  # ready: the next round moves one to it
+    report = [("w0", 150, 20, True), ("w1", 204, 0, False)]
+    client._dispatch([(client._ranks[0], msg.Load(0, 1, report, 10_000))])
+    ((src, release),) = client.rank_set.taken(msg.Release)
+    assert src == 0 and len(release.request_ids) == 1
+    assert [r for r, _ in client.rank_set.taken(msg.AddRequests)] == [0]  # the first send
+    moved = release.request_ids[0]
+    client._ranks[1].joining = True  # stopped and started again meanwhile
+    states = {moved: _state(started=True)}
+    client._dispatch([(client._ranks[0], msg.Released(0, release.token, states, 10))])
+    assert client.requests[moved].rank == 0 and client._ranks[1].pending == []
+    ((dst, add),) = client.rank_set.taken(msg.AddRequests)
+    assert dst == 0 and [(r[0], r[4]) for r in add.requests] == [(moved, states[moved])]

@@ -351,7 +351,9 @@ class Rebalancer:
             m.rebalance_tokens_recomputed += state.num_computed_tokens - shipped
             entry.remaining += entry.computed - shipped
             entry.computed = shipped
-            c._assign(request_id, entry, dst, state if started else None)
-            touched.add(dst)
+            # a destination stopped by a failure since is starting again: a ready rank instead
+            to = None if c._ranks[dst].joining else dst
+            c._assign(request_id, entry, to, state if started else None)
+            touched.add(entry.rank)
         for dst in sorted(touched):
             c._flush(c._ranks[dst])
