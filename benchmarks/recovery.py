@@ -3,6 +3,7 @@ without the kill, in one run.
 
     python benchmarks/recovery.py [--model DIR] [--requests 256] [--max-tokens 64]
         [--kill-after 0.5 | --kill-at-time 0.5] [--ranks 2] [--expert-parallel-size E]
+        [--straggler-rebalance-interval-steps K]
 
 Runs the job twice on ``--ranks`` ranks with ``enable_elastic_recovery`` (one expert-parallel
 group of all of them; ``--expert-parallel-size E`` cuts them into groups of E, 1 replicating
@@ -35,7 +36,13 @@ def _job(model: str, args, kill: bool, kill_at_s: float | None = None) -> dict:
         if args.expert_parallel_size is None
         else {"expert_parallel_size": args.expert_parallel_size}
     )
-    llm = LLM(model, data_parallel_size=args.ranks, enable_elastic_recovery=True, **layout)
+    llm = LLM(
+        model,
+        data_parallel_size=args.ranks,
+        enable_elastic_recovery=True,
+        straggler_rebalance_interval_steps=args.straggler_rebalance_interval_steps,
+        **layout,
+    )
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.requests):
@@ -94,6 +101,13 @@ def main() -> int:
     )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--expert-parallel-size", type=int, default=None, metavar="E")
+    p.add_argument(
+        "--straggler-rebalance-interval-steps",
+        type=int,
+        default=None,
+        metavar="K",
+        help="rebalance every K steps (then a replacement, once ready, can take re-queued work)",
+    )
     args = p.parse_args()
     model = args.model
     if model is None:
