@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 
@@ -329,31 +330,41 @@ def test_outputs_flow_from_the_survivor_while_the_replacement_starts(
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("phase", ["starting", "loading"])
 def test_shutdown_while_a_replacement_starts_does_not_wait_for_it(
-    checkpoint_dir, tmp_path, monkeypatch
+    checkpoint_dir, tmp_path, monkeypatch, phase
 ):
-    """`LLM.shutdown` while rank 1's replacement is still starting stops it at once (it has
-    no results to wait for) and leaves no process behind."""
+    """`LLM.shutdown` while rank 1's replacement is still starting (held back before it
+    connects) or loading (connected, set up, heartbeating, held back before the model loads)
+    stops it at once (it has no results to wait for) and leaves no process behind."""
     llm = LLM(
         str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
     )
     engine = llm.llm_engine
     try:
-        (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(30)\n")
-        path = os.environ.get("PYTHONPATH")
-        monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
+        _delay_new_ranks(tmp_path, monkeypatch, 60, while_loading=phase == "loading")
         engine.add_request("a", "hello there", _greedy(400), data_parallel_rank=1)
         engine.step()
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not engine._ranks[1].joining:
+
+        def there() -> bool:
+            rank = engine._ranks[1]
+            return rank.joining and (phase == "starting" or rank.mailbox is not None)
+
+        while not there():
             assert time.monotonic() < deadline
             engine.step()
-        replacement = engine._ranks[1].process
+        if phase == "loading":
+            time.sleep(1.0)  # it heartbeats while it loads: still joining
+            engine.step()
+            assert engine._ranks[1].joining
+        processes = list(engine.rank_set._processes)  # every rank process started
+        assert len(processes) == 3
         started = time.monotonic()
         llm.shutdown()
-        assert time.monotonic() - started < 10
-        assert replacement.done()
+        assert time.monotonic() - started < 5
+        assert all(p.done() for p in processes)
     finally:
         llm.shutdown()
 
@@ -396,9 +407,45 @@ def test_abort_while_a_failure_waits_for_recovery_reaches_the_running_rank():
     assert [(r, m.request_ids) for r, m in aborts] == [(0, ["a"])]
 
 
-def _delay_new_ranks(tmp_path, monkeypatch, seconds: float) -> None:
-    """Rank processes started from now on sleep ``seconds`` before Python's site setup."""
-    (tmp_path / "sitecustomize.py").write_text(f"import time\ntime.sleep({seconds})\n")
+# A `sitecustomize` for rank processes: the first `configure_cpu_threads` call, which a rank
+# makes once it has connected and been sent its setup, before it loads the model, sleeps.
+_SLOW_LOADING = """
+import importlib.machinery, sys, time
+
+
+class _SlowLoading:
+    def find_spec(self, name, path=None, target=None):
+        if name != "batchgen.engine.cpu_threads":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real, slept = module.configure_cpu_threads, []
+
+            def slow(*args, **kwargs):
+                if not slept:
+                    slept.append(True)
+                    time.sleep(SECONDS)
+                return real(*args, **kwargs)
+
+            module.configure_cpu_threads = slow
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _SlowLoading())
+"""
+
+
+def _delay_new_ranks(tmp_path, monkeypatch, seconds: float, while_loading: bool = False) -> None:
+    """Rank processes started from now on sleep ``seconds`` before Python's site setup, or,
+    ``while_loading``, once connected and set up, before they load the model (heartbeating)."""
+    code = _SLOW_LOADING if while_loading else "import time\ntime.sleep(SECONDS)\n"
+    (tmp_path / "sitecustomize.py").write_text(code.replace("SECONDS", repr(seconds)))
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + path if path else ""))
 
@@ -499,3 +546,211 @@ def test_a_collective_timeout_waits_to_tell_a_stuck_peer_from_an_alive_one(peer)
         assert "rank 0" in str(failure) and "silent" in str(failure)
     else:
         assert failure.ranks == [1] and not failure.recoverable, str(failure)
+
+
+def test_requests_go_to_ready_ranks_while_a_replacement_joins():
+    """While rank 1 is started again, new and re-queued requests go to rank 0 (least loaded or
+    round robin alike); a request pinned to rank 1 waits for it; once rank 1 is ready it takes
+    new work again. With every rank joining, requests are still queued."""
+    from test_rebalance import _add, _frontend
+
+    for method in ("minimum_tokens", "round_robin"):
+        client = _frontend(load_balance_method=method)
+        client._ranks[1].joining = True
+        for i in range(3):
+            _add(client, f"a{i}", 50)
+        _add(client, "pinned", 50, rank=1)
+        assert {i: e.rank for i, e in client.requests.items()} == {
+            "a0": 0,
+            "a1": 0,
+            "a2": 0,
+            "pinned": 1,
+        }
+        assert [p[0] for p in client._ranks[1].pending] == ["pinned"]
+        client._ranks[1].joining = False  # ready: the least loaded, or next in turn
+        _add(client, "b0", 50)
+        _add(client, "b1", 50)
+        assert 1 in {client.requests["b0"].rank, client.requests["b1"].rank}
+        client._ranks[0].joining = client._ranks[1].joining = True
+        _add(client, "c0", 50)
+        assert client.requests["c0"].rank in (0, 1)
+
+
+def test_the_rebalancer_moves_nothing_to_a_joining_rank_and_fills_it_once_ready():
+    from batchgen.distributed.rebalance import Candidate, Move, plan_moves
+
+    candidates = [Candidate(f"w{i}", 0, 100, 0) for i in range(4)]
+    assert plan_moves([400.0, 0.0], [None, None], candidates, joining={1}) == []
+    assert plan_moves([400.0, 0.0], [None, None], candidates) == [
+        Move("w0", 0, 1),
+        Move("w1", 0, 1),
+    ]
+    # three ranks, 2 joining: the moves go to rank 1 only
+    three = plan_moves([400.0, 0.0, 0.0], [None] * 3, candidates, joining={2})
+    assert three and all(m.dst == 1 for m in three)
+
+
+def test_recovery_metrics_are_live_and_end_when_the_ready_arrived(monkeypatch):
+    """Under way, a recovery shows in the metrics (recovering, the ranks joining, the
+    requests re-queued so far, the seconds so far); it ends at the time the last new rank's
+    `Ready` arrived, not when the frontend read it."""
+    from batchgen.config import ParallelConfig
+    from batchgen.distributed import recovery
+    from batchgen.distributed.rank_set import RankFailedError
+
+    clock = [100.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: clock[0])
+    rec = recovery.ElasticRecovery(
+        ParallelConfig(data_parallel_size=2, enable_elastic_recovery=True)
+    )
+    rec.begin(RankFailedError("rank 1 died", [1], recoverable=True), [], 0, 3, [1])
+    rec.requeue(["a", "b", "c"], [1])
+    clock[0] = 104.0
+    live = rec.metrics([1])
+    assert live["recovering"] and live["ranks_joining"] == [1]
+    assert (live["requests_requeued"], live["recovery_seconds"]) == (3, 4.0)
+    rec.requeue(["a", "b"], [1])  # a failed restart re-queues the same requests: once
+    clock[0] = 130.0  # the frontend reads the Ready late (an idle engine)
+    rec.end(1, ready_at=106.5)
+    done = rec.metrics()
+    assert not done["recovering"] and done["ranks_joining"] == []
+    assert (done["requests_requeued"], done["recovery_seconds"]) == (3, 6.5)
+    assert done["recoveries"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_requeued_requests_run_on_the_survivor_while_the_replacement_loads(
+    checkpoint_dir, reference, tmp_path, monkeypatch
+):
+    """Rank 1 is killed with requests on it and its replacement is held back 8 s: its
+    re-queued requests go to rank 0 and are all answered before the replacement is ready
+    (they used to wait for it). Meanwhile the metrics show the recovery under way, the
+    placeholder carries the replacement's pid, and an abort of a request pinned to the
+    joining rank drops it there. On the idle engine, metrics polls take the replacement in;
+    the recovery ends at its Ready, and rank 1 then takes new work. Every request is answered
+    once with one process's tokens."""
+    llm = LLM(
+        str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
+    )
+    engine = llm.llm_engine
+    prompts = _prompts(12)
+    try:
+        _delay_new_ranks(tmp_path, monkeypatch, 8)
+        for i in range(8):
+            engine.add_request(f"r{i}", prompts[i], _greedy(24))
+        for rank in engine._ranks:
+            engine._flush(rank)
+        held = {i for i, e in engine.requests.items() if e.rank == 1}
+        old_pid = engine._ranks[1].pid
+        killed_at = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+
+        def while_joining(e) -> bool:
+            return e._ranks[1].joining
+
+        def look_and_abort(e) -> None:
+            live = e.live_metrics()
+            assert live["recovering"] and live["ranks_joining"] == [1], live
+            assert live["requests_requeued"] >= 1 and live["recovery_seconds"] > 0, live
+            placeholder = e._ranks[1]
+            assert placeholder.pid == placeholder.process.pid not in (0, old_pid)
+            assert all(e.requests[i].rank == 0 for i in held if i in e.requests)
+            e.add_request("pinned", prompts[0], _greedy(24), data_parallel_rank=1)
+            e.abort_request("pinned")
+            assert placeholder.pending == [] and placeholder.load == 0
+
+        got = _run_killing(engine, [(while_joining, look_and_abort)], deadline_s=120)
+        assert engine._ranks[1].joining, "the re-queued requests waited for the replacement"
+        assert got == {f"r{i}": reference[f"r{i}"] for i in range(8)}
+        deadline = time.monotonic() + 120
+        while llm.llm_engine.live_metrics()["ranks_joining"]:  # idle: polls take it in
+            assert time.monotonic() < deadline, "the replacement never became ready"
+            time.sleep(0.2)
+        seen_ready = time.monotonic()
+        metrics = llm.get_metrics()
+        assert not metrics["recovering"] and metrics["recoveries"] == 1
+        assert 1 <= metrics["requests_requeued"] <= len(held)
+        assert 8 <= metrics["recovery_seconds"] <= seen_ready - killed_at
+        time.sleep(1.0)
+        assert llm.get_metrics()["recovery_seconds"] == metrics["recovery_seconds"]
+        for i in range(8, 12):  # new work reaches the replacement
+            engine.add_request(f"r{i}", prompts[i], _greedy(24))
+        assert 1 in {engine.requests[f"r{i}"].rank for i in range(8, 12)}
+        more = _run_killing(engine, [], deadline_s=120)
+        assert more == {f"r{i}": reference[f"r{i}"] for i in range(8, 12)}
+        assert "pinned" not in got and "pinned" not in more
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_killing_each_replacement_spends_the_restart_budget(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """Rank 1 killed, then each of its replacements before it connects: three recoveries
+    (`MAX_RECOVERIES`), then the fourth failure ends the job with an error that says so; every
+    later call raises it again and no rank process is left."""
+    from batchgen.distributed.rank_set import RankFailedError
+    from batchgen.distributed.recovery import MAX_RECOVERIES
+
+    assert MAX_RECOVERIES == 3
+    llm = LLM(
+        str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True
+    )
+    engine = llm.llm_engine
+    try:
+        _delay_new_ranks(tmp_path, monkeypatch, 60)  # a replacement never connects by itself
+        engine.add_request("one", "on rank one", _greedy(400), data_parallel_rank=1)
+        engine.add_request("zero", "on rank zero", _greedy(400), data_parallel_rank=0)
+        engine.step()
+        processes = list(engine.rank_set._processes)
+        os.kill(engine._ranks[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        killed = 0
+        with pytest.raises(RankFailedError) as info:
+            while True:
+                assert time.monotonic() < deadline, "the job did not end: a hang"
+                engine.step()
+                rank = engine._ranks[1]
+                if rank.joining and rank.process is not None and not rank.process.done():
+                    processes.append(rank.process)
+                    rank.process.kill()
+                    killed += 1
+        failure = info.value
+        assert killed == 3 and engine.recovery.recoveries == 3
+        pattern = r"rank 1 .*SIGKILL before connecting.*gave up after 3 restarts"
+        assert re.search(pattern, str(failure)), str(failure)
+        for call in (engine.step, llm.get_metrics, lambda: engine.add_request("x", "y")):
+            with pytest.raises(RankFailedError) as again:
+                call()
+            assert again.value is failure
+        assert all(p.wait(10) for p in processes)  # rank 0 too: the job ended
+    finally:
+        llm.shutdown()
+
+
+def test_a_move_to_a_rank_that_restarted_meanwhile_lands_on_a_ready_rank():
+    """A rebalancing move planned to rank 1 is released by rank 0 after rank 1 was stopped
+    and started again: the request goes to a ready rank (here back to rank 0, with its
+    progress), not into the starting rank's queue."""
+    from test_rebalance import _add, _frontend, _state
+
+    from batchgen.distributed import protocol as msg
+
+    client = _frontend()
+    client._ranks[1].joining = True  # both requests go to rank 0
+    _add(client, "w0", 200)
+    _add(client, "w1", 200)
+    client._ranks[1].joining = False  # ready: the next round moves one to it
+    report = [("w0", 150, 20, True), ("w1", 204, 0, False)]
+    client._dispatch([(client._ranks[0], msg.Load(0, 1, report, 10_000))])
+    ((src, release),) = client.rank_set.taken(msg.Release)
+    assert src == 0 and len(release.request_ids) == 1
+    assert [r for r, _ in client.rank_set.taken(msg.AddRequests)] == [0]  # the first send
+    moved = release.request_ids[0]
+    client._ranks[1].joining = True  # stopped and started again meanwhile
+    states = {moved: _state(started=True)}
+    client._dispatch([(client._ranks[0], msg.Released(0, release.token, states, 10))])
+    assert client.requests[moved].rank == 0 and client._ranks[1].pending == []
+    ((dst, add),) = client.rank_set.taken(msg.AddRequests)
+    assert dst == 0 and [(r[0], r[4]) for r in add.requests] == [(moved, states[moved])]

@@ -3,10 +3,11 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
 ``abort_request``, ``has_unfinished_requests``, ``apply_chat_template``, ``get_metrics``), so
 `LLM`, ``batchgen run`` and the bench drive it unchanged.
 
-- **Assignment**: each request goes to the rank with the fewest estimated tokens in flight
-  (prompt plus ``max_tokens``, times ``n``), as vLLM's and SGLang's data-parallel balancers
-  assign at admission. Requests are tokenized and validated here once (`InputProcessor`); a
-  rank gets token ids.
+- **Assignment**: each request goes to the ready rank with the fewest estimated tokens in
+  flight (prompt plus ``max_tokens``, times ``n``), as vLLM's and SGLang's data-parallel
+  balancers assign at admission; a rank started again after a failure is chosen only once it
+  is ready (or when no rank is). Requests are tokenized and validated here once
+  (`InputProcessor`); a rank gets token ids.
 - **Ranks** (`RankSet`) are local processes it starts (``data_parallel_size_local``, default
   all) and/or ranks started elsewhere (``python -m batchgen.distributed.launch`` or
   ``torchrun``) that connect to its listener at ``data_parallel_address:data_parallel_rpc_port``
@@ -21,15 +22,18 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   when experts are replicated), starts that group again (the same ranks, so the same experts)
   and re-queues the requests the group held, up to `MAX_RECOVERIES` times per engine
   (`ElasticRecovery`). The other groups run on with their requests: each restart group is its
-  own ``torch.distributed`` world, and the frontend does not wait for the new ranks (their
-  requests wait in their ``pending`` until they are ready, `RankSet.replace`). Finished outputs were returned before (or arrived with the
-  failure, and are taken first) and are never run again; a re-queued request starts over, and
-  greedy or seeded requests get the same tokens (a request's tokens do not depend on its
-  rank). Only ranks this frontend starts itself can be restarted (not ``torchrun`` or
-  headless ones). A rank that dies while ranks start (the first start or a restart: before
-  connecting, or while loading the model) is one more failure: every rank is then stopped and
-  started afresh, within the same budget; a rank that exits with an error while starting (a
-  bad model, a missing package) ends the job at once.
+  own ``torch.distributed`` world, and the frontend does not wait for the new ranks: the
+  re-queued requests, and new ones, go to the ready ranks while the new ones load (only a
+  request pinned to a new rank waits in its ``pending``, `RankSet.replace`); a new rank takes
+  new work once it is ready (and the rebalancer's moves, if on). Finished outputs were
+  returned before (or arrived with the failure, and are taken first) and are never run
+  again; a re-queued request starts over, and greedy or seeded requests get the same tokens
+  (a request's tokens do not depend on its rank). Only ranks this frontend starts itself
+  can be restarted (not ``torchrun`` or headless ones). A rank that dies while it starts
+  (before connecting, or while loading the model) is one more failure within the same
+  budget: a replacement's group is started again alone, a rank of the first start (or of a
+  restart of every rank) restarts every rank; a rank that exits with an error while starting
+  (a bad model, a missing package) ends the job at once.
 - **Straggler rebalancing** (``straggler_rebalance_interval_steps``): the ranks report their
   load every so many steps, and the frontend moves requests from the most loaded rank to the
   least loaded one while the job runs (`batchgen.distributed.rebalance`: the rule, and how
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.frontend_metrics import FrontendMetrics
+from batchgen.distributed.frontend_recovery import FrontendRecovery
 from batchgen.distributed.frontend_weights import FrontendWeights
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
@@ -90,7 +95,7 @@ class _Request:
         self.remaining, self.computed, self.moving = self.load, 0, False
 
 
-class DPEngineClient(FrontendMetrics, FrontendWeights):
+class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
     """Runs requests on ``parallel.data_parallel_size`` ranks (see the module docstring).
 
     Args:
@@ -137,11 +142,9 @@ class DPEngineClient(FrontendMetrics, FrontendWeights):
         self.rebalancer = Rebalancer(self, lockstep)
         self._round_robin = itertools.count()
         self._fatal: RankFailedError | None = None  # a failure recovery did not outlive
-        self._requeued: set[str] = set()  # by the recovery under way
-        self._restarted: set[int] = set()  # ranks started again by it
         self.rank_set = self._start_ranks()
         if self.recovery.recovering:  # the first start failed and was retried
-            self.recovery.end(len(self.rank_set.ranks), 0)
+            self.recovery.end(len(self.rank_set.ranks))
         self._ranks = self.rank_set.ranks
         self.max_model_len = self.rank_set.max_model_len
         self.input_processor = InputProcessor(
@@ -230,16 +233,18 @@ class DPEngineClient(FrontendMetrics, FrontendWeights):
         resume: RequestState | None = None,
     ) -> None:
         """Queue ``request`` on ``dst`` (a rebalancing move, with its progress ``resume``), else
-        its pinned rank, else by ``load_balance_method``: the least-loaded rank (estimated
-        tokens in flight) or the next in turn (``round_robin``)."""
+        its pinned rank, else by ``load_balance_method`` among the ready ranks (`_choosable`):
+        the least-loaded one (estimated tokens in flight) or the next in turn
+        (``round_robin``)."""
         if dst is not None:
             rank = self._ranks[dst]
         elif request.pinned is not None:
             rank = self._ranks[request.pinned]
         elif self.parallel.load_balance_method == "round_robin":
-            rank = self._ranks[next(self._round_robin) % len(self._ranks)]
+            choosable = self._choosable()
+            rank = choosable[next(self._round_robin) % len(choosable)]
         else:
-            rank = min(self._ranks, key=lambda r: (r.load, r.rank))
+            rank = min(self._choosable(), key=lambda r: (r.load, r.rank))
         request.rank = rank.rank
         rank.load += request.load
         rank.pending.append(
@@ -249,6 +254,15 @@ class DPEngineClient(FrontendMetrics, FrontendWeights):
         if len(rank.pending) >= SEND_BATCH:
             self._flush(rank)
 
+    def _choosable(self) -> list[RankHandle]:
+        """The ranks a request may be assigned to: the ready ones, or, when every rank is
+        started again and still joining, all of them. A replacement loads for seconds to
+        minutes, so a request queued on it (a re-queued one above all, since it holds none)
+        would wait for its start while a ready rank could run it; once ready it takes new
+        work, and the rebalancer's moves (`Rebalancer.plan`)."""
+        ready = [r for r in self._ranks if not r.joining]
+        return ready or self._ranks
+
     def _check_open(self) -> None:
         if self._fatal is not None:
             raise self._fatal
@@ -256,69 +270,6 @@ class DPEngineClient(FrontendMetrics, FrontendWeights):
             self._recover(self.rank_set.failure)
         if self.rank_set.closed:
             raise RuntimeError("this engine was shut down (LLM.shutdown); create a new LLM")
-
-    def _start_ranks(self) -> RankSet:
-        """A new `RankSet`. A recoverable failure while it starts (a rank killed before
-        connecting or while loading the model, or never connecting) is one more failure:
-        `ElasticRecovery.begin` counts a restart for it and the ranks start again, or it raises.
-        A set that failed to start has stopped its processes itself (`RankSet.__init__`)."""
-        while True:
-            try:
-                return RankSet(self.config, self.parallel)
-            except RankFailedError as failure:
-                self.recovery.begin(failure, [], 0, len(self.requests))
-
-    def _recover(self, failure: RankFailedError) -> None:
-        """Outlive ``failure`` (module docstring), or raise it (see `ElasticRecovery.begin`).
-
-        The ranks it stopped (``failure.lost``: the restart groups of the ranks involved, or
-        every rank) start again and get their unfinished requests back; the other ranks run
-        on, with their requests. The outputs that arrived with the failure are taken first,
-        so nothing finished is run twice. When ranks fail again while they start, every rank
-        is started afresh (`_start_ranks`, within the same budget).
-
-        Raises:
-            RankFailedError: ``failure``, or the new ranks' last failure to start (not
-                recoverable, or past the budget). Every later call raises it again, and every
-                rank is stopped.
-        """
-        try:
-            self._dispatch(self.rank_set.take_held())
-            lost = failure.lost or [r.rank for r in self._ranks]
-            survivors = len(self._ranks) - len(lost)
-            self.recovery.begin(
-                failure,
-                [self._ranks[r] for r in lost],
-                sum(self._ranks[r].done_tokens for r in lost),
-                sum(1 for e in self.requests.values() if e.rank in lost),
-                lost if survivors else None,
-            )
-            if survivors and not self.rank_set.closed:
-                self.rank_set.replace(lost)  # returns at once: the new ranks join as they load
-            else:
-                self.rank_set.shutdown()
-                self.rank_set = self._start_ranks()
-        except RankFailedError as fatal:
-            self._fatal = fatal
-            self.rank_set.shutdown()
-            raise
-        self._ranks = self.rank_set.ranks
-        self.rebalancer.forget(lost)  # moves from the stopped ranks died with them
-        requeue = [(i, e) for i, e in self.requests.items() if e.rank in lost]
-        for request_id, request in requeue:
-            del self.requests[request_id]
-            request.reset()
-            self._assign(request_id, request)
-        self._requeued.update(i for i, _ in requeue)
-        self._restarted.update(lost)
-        self._check_recovered()
-
-    def _check_recovered(self) -> None:
-        """End the recovery under way once no rank started again is still joining (its
-        figures: the ranks started and the requests re-queued, each once)."""
-        if self.recovery.recovering and not self.rank_set.joining:
-            self.recovery.end(len(self._restarted), len(self._requeued))
-            self._requeued, self._restarted = set(), set()
 
     def _flush(self, rank: RankHandle) -> None:
         """Send what is queued for ``rank`` (kept while it is started again after a failure

@@ -26,7 +26,9 @@ class FrontendMetrics:
     def get_metrics(self) -> dict:
         """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals (`aggregate_metrics`:
         tokens summed, rates over the busiest rank's busy time, tile density over all ranks'
-        expert GEMMs)."""
+        expert GEMMs), the recovery figures (`ElasticRecovery`: live while one is under way;
+        a rank started again that became ready meanwhile is taken in first) and the
+        rebalancer's. A rank still joining has no row in ``ranks``."""
         while True:
             self._check_open()
             token = next(self._answer_token)
@@ -42,11 +44,16 @@ class FrontendMetrics:
             ranks = [self._answers.pop(k) for k in keys]
             totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
             totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
-            return {**totals, **self.recovery.metrics(), **self.rebalancer.metrics.as_dict()}
+            return {**totals, **self._recovery_metrics(), **self.rebalancer.metrics.as_dict()}
+
+    def _recovery_metrics(self) -> dict:
+        self._check_recovered()
+        return self.recovery.metrics([r.rank for r in self._ranks if r.joining])
 
     def _poll(self) -> None:
-        """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`) without
-        waiting; a failure is left for `step` to raise."""
+        """Take what the ranks sent meanwhile (heartbeats, outputs for the next `step`, a rank
+        started again connecting or ready) without waiting; a failure is left for `step` to
+        raise."""
         if self.rank_set.failure is None and not self.rank_set.closed:
             try:
                 self._dispatch(self.rank_set.receive(0))
@@ -82,7 +89,7 @@ class FrontendMetrics:
     def live_metrics(self) -> dict:
         """Figures from the ranks' last heartbeats, without a round trip (the service reads
         these every second): ``tile_density`` over all ranks, ``num_running``,
-        ``num_waiting``."""
+        ``num_waiting``, and the recovery figures (`ElasticRecovery`)."""
         self._poll()
         rows = sum(r.counters.get("expert_rows", 0) for r in self._ranks)
         tile_rows = sum(r.counters.get("expert_tile_rows", 0) for r in self._ranks)
@@ -90,6 +97,7 @@ class FrontendMetrics:
             "tile_density": rows / tile_rows if tile_rows else None,
             "num_running": sum(r.counters.get("num_running", 0) for r in self._ranks),
             "num_waiting": sum(r.counters.get("num_waiting", 0) for r in self._ranks),
+            **self._recovery_metrics(),
         }
 
     def get_partial_texts(self, request_id: str) -> None:

@@ -52,11 +52,14 @@ class RankHandle:
     done_tokens: int = 0  # prompt + generated tokens of the outputs it returned
     retired: bool = False  # stopped after a failure and replaced (its messages are ignored)
     joining: bool = False  # started again after a failure, not ready yet
+    ready_at: float | None = None  # when its `Ready` arrived (time.monotonic)
 
     def note(self, message: object) -> None:
         """Called by the mailbox's reader thread for each message, as it arrives."""
         self.last_seen = time.monotonic()
-        if isinstance(message, msg.Heartbeat):
+        if isinstance(message, msg.Ready):
+            self.ready_at = self.last_seen
+        elif isinstance(message, msg.Heartbeat):
             self.step_id, self.phase = message.step_id, message.phase
             self.counters = message.counters
 

@@ -19,10 +19,12 @@ from batchgen.distributed.launch import AUTHKEY_ENV, rank_command
 class RankProcess(Protocol):
     """What the frontend holds of a rank it started.
 
-    ``name``: how messages name it (``pid 1234``, ``Ray actor 5f3e9a1c``).
+    ``name``: how messages name it (``pid 1234``, ``Ray actor 5f3e9a1c``); ``pid``: its
+    process id, 0 where the launcher does not know it (a Ray actor, until it connects).
     """
 
     name: str
+    pid: int
 
     def done(self) -> bool:
         """True once the rank has ended (never blocks)."""
@@ -61,6 +63,7 @@ class LocalRankProcess:
 
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
+        self.pid = popen.pid
         self.name = f"pid {popen.pid}"
 
     def done(self) -> bool:

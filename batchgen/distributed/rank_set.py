@@ -218,7 +218,9 @@ class RankSet(RankFailures):
         self.failure = None
         processes = self._launch(lost)
         for r in lost:
-            self.ranks[r] = RankHandle(r, None, "", 0, processes.get(r), joining=True)
+            process = processes.get(r)
+            pid = 0 if process is None else process.pid  # its own, once it says Hello
+            self.ranks[r] = RankHandle(r, None, "", pid, process, joining=True)
         self._joining.add(lost, processes)
         logger.info("starting ranks %s again; the others run on", lost)
 

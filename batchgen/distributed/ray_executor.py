@@ -70,6 +70,7 @@ class RayRankProcess:
     def __init__(self, actor, result) -> None:
         self.actor, self.result = actor, result
         self.name = f"Ray actor {actor._actor_id.hex()[:8]}"
+        self.pid = 0  # the actor's process id is known once the rank says `Hello`
 
     def done(self) -> bool:
         return self.wait(0)

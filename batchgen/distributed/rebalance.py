@@ -24,7 +24,8 @@ With ``straggler_rebalance_interval_steps = K`` the frontend moves work while th
    made it slower, by recompute (1.27x) and even with their K/V shipped and nothing recomputed
    (1.18x; why is not yet known; docs/distributed.md). Started requests move between groups
    and between independent ranks. If ``src`` has no such request, the next most loaded rank
-   is tried.
+   is tried. A rank started again after a failure is no destination until it is ready
+   (`DPEngineClient._choosable`); then the next round can fill it.
 3. **Moving.** The frontend asks each source rank to `Release` its requests; the rank takes
    them out of its scheduler (freeing their KV blocks) and answers `Released` with each one's
    progress (`batchgen.engine.migration.RequestState`); the frontend queues each on its
@@ -102,6 +103,7 @@ def plan_moves(
     free_kv_tokens: list[int | None],
     candidates: list[Candidate],
     groups: list[int] | None = None,
+    joining: set[int] | frozenset[int] = frozenset(),
 ) -> list[Move]:
     """The moves of one rebalancing round (the rule in the module docstring).
 
@@ -111,6 +113,8 @@ def plan_moves(
         candidates: the movable requests, in arrival order (ties go to the earlier one).
         groups: per rank, its expert-parallel group (ranks that step together); None: every
             rank steps on its own.
+        joining: ranks started again after a failure and not ready yet: never a destination
+            (their requests are not candidates either: they are not on a rank yet).
 
     Returns:
         The moves, in the order chosen; each request at most once.
@@ -123,8 +127,9 @@ def plan_moves(
     for c in candidates:
         by_rank.setdefault(c.rank, []).append(c)
     moves: list[Move] = []
-    while True:
-        dst = min(range(len(loads)), key=lambda r: (loads[r], r))
+    destinations = [r for r in range(len(loads)) if r not in joining]
+    while destinations:
+        dst = min(destinations, key=lambda r: (loads[r], r))
         best: tuple[tuple, Candidate, int] | None = None
         for src in sorted(range(len(loads)), key=lambda r: (-loads[r], r)):
             gap = loads[src] - loads[dst]
@@ -145,7 +150,7 @@ def plan_moves(
             if best is not None:
                 break
         if best is None:
-            return moves
+            break
         _, c, src = best
         by_rank[src].remove(c)
         loads[src] -= c.remaining
@@ -153,6 +158,7 @@ def plan_moves(
         if c.computed and free[dst] is not None:
             free[dst] -= c.computed
         moves.append(Move(c.request_id, src, dst))
+    return moves
 
 
 class KVPrice:
@@ -290,7 +296,8 @@ class Rebalancer:
                 )
         free = [self.free_kv.get(r) if r in busy else None for r in range(len(c._ranks))]
         groups = [r // self.expert_parallel_size for r in range(len(c._ranks))]
-        moves = plan_moves(loads, free, candidates, groups)
+        joining = {r.rank for r in c._ranks if r.joining}
+        moves = plan_moves(loads, free, candidates, groups, joining)
         if not moves:
             return
         for rank in c._ranks:  # a request still queued here must reach its rank first
@@ -344,7 +351,9 @@ class Rebalancer:
             m.rebalance_tokens_recomputed += state.num_computed_tokens - shipped
             entry.remaining += entry.computed - shipped
             entry.computed = shipped
-            c._assign(request_id, entry, dst, state if started else None)
-            touched.add(dst)
+            # a destination stopped by a failure since is starting again: a ready rank instead
+            to = None if c._ranks[dst].joining else dst
+            c._assign(request_id, entry, to, state if started else None)
+            touched.add(entry.rank)
         for dst in sorted(touched):
             c._flush(c._ranks[dst])

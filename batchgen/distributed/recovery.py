@@ -25,12 +25,14 @@ class ElasticRecovery:
     failures in all, wherever they happen. `begin` ... `end` spans one recovery: from the first
     failure to the ranks running again, through restarts that failed meanwhile.
 
-    Metrics (`metrics`): ``recoveries`` (restarts of the ranks, the failed ones included);
-    ``requests_requeued`` (requests handed to new ranks, counted once per recovery even when a
-    restart failed in between); ``recovery_seconds`` (from the failure's report to the new
-    ranks taking requests, summed); ``tokens_recomputed`` (prompt and generated tokens the lost
-    ranks had computed for requests that had not finished, from their last heartbeats, so
-    about: up to a second of work is missing).
+    Metrics (`metrics`), live: a recovery under way counts as far as it went.
+    ``recoveries`` (restarts of the ranks, the failed ones included); ``requests_requeued``
+    (requests handed out again, each counted once per recovery even when a restart failed in
+    between); ``recovery_seconds`` (from the failure's report to the last new rank's `Ready`
+    arriving, summed; for a recovery under way, until now); ``tokens_recomputed`` (prompt and
+    generated tokens the lost ranks had computed for requests that had not finished, from
+    their last heartbeats, so about: up to a second of work is missing); ``recovering`` (a
+    recovery is under way) and ``ranks_joining`` (the ranks started again and not ready yet).
     """
 
     def __init__(self, parallel: ParallelConfig) -> None:
@@ -40,6 +42,8 @@ class ElasticRecovery:
         self.recovery_seconds = 0.0
         self.tokens_recomputed = 0
         self._start: float | None = None  # when the recovery under way began
+        self.requeued: set[str] = set()  # request ids handed out again by it
+        self.restarted: set[int] = set()  # ranks started again by it
 
     @property
     def recovering(self) -> bool:
@@ -99,21 +103,34 @@ class ElasticRecovery:
             unfinished,
         )
 
-    def end(self, num_ranks: int, requeued: int) -> None:
-        """``num_ranks`` new ranks run, and ``requeued`` requests were handed out again: count
-        the time since the recovery's first `begin`."""
-        seconds = time.monotonic() - self._start
+    def requeue(self, request_ids: list[str], ranks: list[int]) -> None:
+        """The recovery under way started ``ranks`` again and handed ``request_ids`` out
+        again (a request re-queued by two failed restarts counts once)."""
+        self.requeued.update(request_ids)
+        self.restarted.update(ranks)
+
+    def end(self, num_ranks: int, ready_at: float | None = None) -> None:
+        """``num_ranks`` new ranks run (the last one ready at ``ready_at``, `time.monotonic`;
+        None: now): count the recovery's time since its first `begin` and its re-queued
+        requests."""
+        end = time.monotonic() if ready_at is None else ready_at
+        seconds = max(0.0, end - self._start)
         self._start = None
         self.recovery_seconds += seconds
-        self.requests_requeued += requeued
+        self.requests_requeued += len(self.requeued)
+        self.requeued, self.restarted = set(), set()
         logger.warning(
             "elastic recovery: %d rank(s) running again after %.1f s", num_ranks, seconds
         )
 
-    def metrics(self) -> dict:
+    def metrics(self, joining: list[int] = ()) -> dict:
+        """The figures of the class docstring; ``joining``: the ranks not ready yet."""
+        under_way = 0.0 if self._start is None else time.monotonic() - self._start
         return {
             "recoveries": self.recoveries,
-            "requests_requeued": self.requests_requeued,
-            "recovery_seconds": self.recovery_seconds,
+            "requests_requeued": self.requests_requeued + len(self.requeued),
+            "recovery_seconds": self.recovery_seconds + under_way,
             "tokens_recomputed": self.tokens_recomputed,
+            "recovering": self.recovering,
+            "ranks_joining": list(joining),
         }
