@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from batchgen.bench.runner import format_table, run
-from batchgen.bench.workloads import make_shared_docs, make_workloads
+from batchgen.bench.workloads import make_shared_docs, make_tree_search, make_workloads
 
 
 def test_workloads_follow_their_definitions():
@@ -54,6 +55,94 @@ def test_shared_docs_workload_runs_with_the_prefix_cache_on_and_off(checkpoint_d
     assert r["extra"]["prefill_tokens"] < off["prefill_tokens"] / 4
     assert r["extra"]["prefix_cache_hit_rate"] > 0.8
     assert "prefix caching shared-docs/coalesce" in format_table(record)
+
+
+def test_tree_search_children_extend_their_parents_prompt_and_output():
+    tree = make_tree_search(512, quick=True)
+    assert tree == make_tree_search(512, quick=True)  # deterministic
+    assert [len(level) for level in tree.output_lens] == [2, 8, 32, 128]  # 2 trees, 4**d
+    assert tree.num_requests == 170
+    assert all(512 <= len(root) <= 1024 for root in tree.roots)
+    assert all(16 <= n <= 32 for level in tree.output_lens for n in level)
+    # A fake engine: node k's output is k's own tokens, so a wrong parent shows in the prompt.
+    calls = []
+
+    def generate(requests):
+        calls.append(requests)
+        start = sum(len(c) for c in calls[:-1])
+        return [[(start + k) % 500 + 5] * r.output_len for k, r in enumerate(requests)]
+
+    nodes = tree.run(generate)
+    assert [len(c) for c in calls] == [2, 8, 32, 128]  # one generate per level
+    assert len(nodes) == 170 and sum(len(out) for _, out in nodes) == tree.useful_tokens
+    assert [r.prompt_token_ids for r, _ in nodes[:2]] == tree.roots
+    assert [len(r.prompt_token_ids) for r, _ in nodes] == [
+        n for level in tree.prompt_lens() for n in level
+    ]
+    assert sum(len(r.prompt_token_ids) for r, _ in nodes) == tree.prompt_tokens
+    offset = [0, 2, 10, 42]  # first node of each level in ``nodes``
+    for d in range(1, 4):
+        for i in range(len(calls[d])):
+            parent, parent_out = nodes[offset[d - 1] + i // 4]
+            prompt = nodes[offset[d] + i][0].prompt_token_ids
+            head = parent.prompt_token_ids + parent_out
+            assert prompt[: len(head)] == head
+            assert 4 <= len(prompt) - len(head) <= 16  # the branch's suffix
+        # Siblings differ right after the shared head.
+        for p in range(len(calls[d - 1])):
+            kids = [
+                tuple(r.prompt_token_ids)
+                for r, _ in nodes[offset[d] + 4 * p : offset[d] + 4 * p + 4]
+            ]
+            assert len(set(kids)) == 4
+    with pytest.raises(RuntimeError, match="tree-search level 0: generate returned"):
+        tree.run(lambda requests: [[5] for _ in requests])
+
+
+def _one_small_tree():
+    """The quick workload's first tree with its root cut to 64 tokens and its outputs to 8
+    (a fast engine run)."""
+    tree = make_tree_search(512, quick=True)
+    return dataclasses.replace(
+        tree,
+        roots=[tree.roots[0][:64]],
+        suffixes=[level[: 4**d] for d, level in enumerate(tree.suffixes)],
+        output_lens=[
+            [min(n, 8) for n in level[: 4**d]] for d, level in enumerate(tree.output_lens)
+        ],
+    )
+
+
+def test_tree_search_runs_with_the_prefix_cache_on_and_off(checkpoint_dir, monkeypatch):
+    import batchgen.bench.runner as runner
+
+    tree = _one_small_tree()
+    assert tree.num_requests == 85
+    monkeypatch.setattr(runner, "make_tree_search", lambda vocab_size, quick: tree)
+    record = run(
+        quick=True,
+        device="cpu",
+        modes=("hf_generate", "coalesce"),
+        workloads=("tree-search",),
+        model=str(checkpoint_dir("mixtral")),
+    )
+    w = record["workloads"]["tree-search"]
+    assert "hf_generate" not in w  # its prompts come from the engine: BatchGen modes only
+    assert w["requests"] == 85 and w["prompt_tokens"] == tree.prompt_tokens
+    r = w["coalesce"]
+    assert r["useful_tokens"] == tree.useful_tokens
+    off = r["extra"]["without_prefix_caching"]
+    assert off["same_greedy_tokens"]
+    assert off["prefill_tokens"] == tree.prompt_tokens  # every prompt prefilled whole
+    # With the cache a child finds every full block of its parent's prompt and output (the
+    # parent computed all but its last output token), so it computes at most its suffix and
+    # one block (16 positions) more; the root is computed whole.
+    bound = len(tree.roots[0]) + sum(
+        len(suffix) + 16 for level in tree.suffixes[1:] for suffix in level
+    )
+    assert r["extra"]["prefill_tokens"] <= bound < tree.prompt_tokens / 2
+    assert r["extra"]["prefix_cache_hit_rate"] > 0.5
+    assert "prefix caching tree-search/coalesce" in format_table(record)
 
 
 def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):

@@ -42,7 +42,9 @@ def add_arguments(p) -> None:
         default=None,
         help="comma-separated: rollouts,extraction,search,extraction-json (structured outputs: "
         "constrained against unconstrained),shared-docs (only when named: 16 questions per "
-        "document, the BatchGen modes with the prefix cache on and off)",
+        "document, the BatchGen modes with the prefix cache on and off),tree-search (only when "
+        "named: branching 4, depth 3, each level extending its parent's prompt and output, run "
+        "level by level; the BatchGen modes with the prefix cache on and off)",
     )
     p.add_argument(
         "--expert-coalesce-threshold",

@@ -38,7 +38,13 @@ from batchgen.bench.flops import (
     measure_peak_gflops,
     sequence_flops,
 )
-from batchgen.bench.workloads import Workload, make_shared_docs, make_workloads
+from batchgen.bench.workloads import (
+    TreeSearch,
+    Workload,
+    make_shared_docs,
+    make_tree_search,
+    make_workloads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +120,11 @@ def bench_model_path(arch: str = "mixtral") -> str:
     return cached_model(name, arch, seed=0, **config)
 
 
-def _workload_flops(cfg, workload: Workload) -> int:
-    return sum(
-        sequence_flops(cfg, len(r.prompt_token_ids), r.output_len, r.n) for r in workload.requests
-    )
+def _workload_flops(cfg, workload: Workload | TreeSearch) -> int:
+    return sum(sequence_flops(cfg, p, o, n) for p, o, n in workload.shapes())
 
 
-def _progress(workload: Workload, mode: str, enabled: bool):
+def _progress(workload: Workload | TreeSearch, mode: str, enabled: bool):
     """A tqdm bar on stderr over the useful tokens of ``mode`` on ``workload``."""
     from tqdm import tqdm
 
@@ -174,9 +178,41 @@ class _SampledProfile:
         ]
 
 
+def _sampling_params(requests) -> list:
+    """Greedy for ``n`` = 1, seeded sampling (seed = the request's index) for ``n`` > 1."""
+    from batchgen import SamplingParams
+
+    return [
+        SamplingParams(
+            n=r.n,
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            temperature=0.0 if r.n == 1 else 1.0,
+            seed=None if r.n == 1 else i,
+        )
+        for i, r in enumerate(requests)
+    ]
+
+
+def _generate(llm, workload: Workload | TreeSearch) -> tuple[int, list[list[int]]]:
+    """Run ``workload`` on ``llm``: one ``generate`` call, or one per level of a `TreeSearch`.
+    Returns the tokens generated and the token ids of every ``n`` = 1 request, in order."""
+
+    def generate(requests):
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        return llm.generate(prompts, _sampling_params(requests), use_tqdm=False)
+
+    if isinstance(workload, TreeSearch):
+        nodes = workload.run(lambda reqs: [out.outputs[0].token_ids for out in generate(reqs)])
+        return sum(len(tokens) for _, tokens in nodes), [tokens for _, tokens in nodes]
+    outs = generate(workload.requests)
+    produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    return produced, [o.outputs[0].token_ids for o in outs if o.outputs and len(o.outputs) == 1]
+
+
 def run_batchgen(
     path: str,
-    workload: Workload,
+    workload: Workload | TreeSearch,
     policy: str,
     dtype: str,
     device: str,
@@ -207,17 +243,6 @@ def run_batchgen(
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)
     llm.llm_engine.reset_metrics()
-    params = [
-        SamplingParams(
-            n=r.n,
-            max_tokens=r.output_len,
-            ignore_eos=True,
-            temperature=0.0 if r.n == 1 else 1.0,
-            seed=None if r.n == 1 else i,
-        )
-        for i, r in enumerate(workload.requests)
-    ]
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     engine = llm.llm_engine
     step = engine.step
     sampled = _SampledProfile(engine.device) if profile else None
@@ -238,14 +263,13 @@ def run_batchgen(
         sampled.prof.start()
     t0 = time.perf_counter()
     try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        produced, greedy = _generate(llm, workload)
     finally:
         seconds = time.perf_counter() - t0
         bar.close()
         del engine.step
     if sampled is not None:
         sampled.prof.stop()
-    produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
     if produced != workload.useful_tokens:
         raise RuntimeError(
             f"{policy}: produced {produced} tokens, expected {workload.useful_tokens}"
@@ -284,7 +308,6 @@ def run_batchgen(
         result.extra["decode_flops_per_s"] = (
             per_tok * m["decode_only_tokens"] / m["decode_only_seconds"]
         )
-    greedy = [o.outputs[0].token_ids for o in outs if o.outputs and len(o.outputs) == 1]
     del llm
     gc.collect()
     return result, greedy
@@ -452,24 +475,31 @@ def run(
             hf_cache.append(_hf_model(path, torch_dtype, str(dev)))
         return hf_cache[0]
 
-    chosen = make_workloads(cfg.vocab_size, quick, rollouts_requests=rollouts_requests)
+    chosen: list[Workload | TreeSearch] = list(
+        make_workloads(cfg.vocab_size, quick, rollouts_requests=rollouts_requests)
+    )
     if workloads and "shared-docs" in workloads:  # only when named
         chosen.append(make_shared_docs(cfg.vocab_size, quick))
+    if workloads and "tree-search" in workloads:  # only when named
+        chosen.append(make_tree_search(cfg.vocab_size, quick))
     for workload in chosen:
         if workloads and workload.name not in workloads:
             continue
         flops = _workload_flops(cfg, workload)
         results: dict[str, dict] = {}
-        seqs = sum(r.n for r in workload.requests)
         logger.info(
             "%s: %d requests, %d sequences, %d prompt tokens, %d useful tokens",
             workload.name,
-            len(workload.requests),
-            seqs,
+            workload.num_requests,
+            workload.num_sequences,
             workload.prompt_tokens,
             workload.useful_tokens,
         )
         for mode in modes:
+            if isinstance(workload, TreeSearch) and mode not in ("lockstep", "coalesce"):
+                # Its prompts come from the engine's outputs: BatchGen modes only.
+                logger.info("%s/%s: skipped (BatchGen modes only)", workload.name, mode)
+                continue
             logger.info("%s/%s: running", workload.name, mode)
             try:
                 results[mode] = _run_mode(
@@ -499,7 +529,7 @@ def run(
                 results[mode]["seconds"],
             )
         record["workloads"][workload.name] = {
-            "requests": len(workload.requests),
+            "requests": workload.num_requests,
             "prompt_tokens": workload.prompt_tokens,
             "useful_tokens": workload.useful_tokens,
             **results,
@@ -550,7 +580,7 @@ def _run_mode(
         res, greedy = run_batchgen(
             path, workload, mode, dtype, device, threshold, profile, kv_gb, progress
         )
-        if workload.name == "shared-docs":  # the same mode again without the prefix cache
+        if workload.name in ("shared-docs", "tree-search"):  # again without the prefix cache
             off, greedy_off = run_batchgen(
                 path, workload, mode, dtype, device, threshold, False, kv_gb, progress, False
             )

@@ -16,6 +16,13 @@
   16 questions each (16-64 tokens), outputs 16-64 tokens: every prompt is a document followed by
   a question, grouped by document (extraction with many questions per document; what the prefix
   cache is for). 8 documents, 2 in quick mode.
+- ``tree-search`` (only when named, `make_tree_search`): trees of branching 4 and depth 3
+  (levels 0-3: 1 + 4 + 16 + 64 = 85 nodes per tree). Level 0 is a root prompt of 512-1024
+  tokens (a problem statement); a node of level d > 0 extends its parent: its prompt is the
+  parent's prompt + the parent's generated tokens + a short suffix of 4-16 tokens, distinct
+  among siblings (the branch's next instruction). Each node generates one step of 16-32 tokens
+  (32-128 in full mode). The prompts of a level exist only once the level before has generated,
+  so it runs one ``generate`` per level (`TreeSearch.run`). 8 trees, 2 in quick mode.
 
 Every request ignores EOS, so every mode does exactly the same useful work: ``output_len``
 tokens per sample. Prompts are random token ids (the model has random weights anyway).
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -48,6 +56,18 @@ class Workload:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(r.n for r in self.requests)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """``(prompt_len, output_len, n)`` of every request, in order."""
+        return [(len(r.prompt_token_ids), r.output_len, r.n) for r in self.requests]
 
 
 def _log_uniform(rng: random.Random, low: int, high: int) -> int:
@@ -140,3 +160,131 @@ def make_shared_docs(vocab_size: int, quick: bool, seed: int = 0) -> Workload:
             question = [rng.randrange(5, vocab_size) for _ in range(_log_uniform(rng, 16, 64))]
             requests.append(BenchRequest(doc + question, _log_uniform(rng, 16, 64)))
     return Workload("shared-docs", requests)
+
+
+TREE_BRANCHING = 4
+TREE_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class TreeSearch:
+    """The ``tree-search`` workload (see the module docstring): its random parts, fixed by the
+    seed; the prompts below the roots come from the outputs, so `run` builds them level by
+    level. Nodes are numbered per level over all trees: node i of level d (d > 0) is child
+    ``i % branching`` of node ``i // branching`` of level d - 1 (tree ``i // branching**d``).
+
+    Attributes:
+        roots: ``[num_trees]`` root prompts (token ids).
+        suffixes: ``[depth + 1][num_trees * branching**d]`` token ids appended after the
+            parent's output (level 0's are empty).
+        output_lens: ``[depth + 1][num_trees * branching**d]`` tokens each node generates.
+    """
+
+    name: str
+    roots: list[list[int]]
+    suffixes: list[list[list[int]]]
+    output_lens: list[list[int]]
+    branching: int = TREE_BRANCHING
+
+    @property
+    def depth(self) -> int:
+        return len(self.output_lens) - 1
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(level) for level in self.output_lens)
+
+    num_sequences = num_requests
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(map(sum, self.output_lens))
+
+    def prompt_lens(self) -> list[list[int]]:
+        """``[depth + 1][nodes]`` prompt lengths: fixed before any output exists, since every
+        node generates exactly its ``output_lens`` entry (``ignore_eos``)."""
+        lens = [[len(r) for r in self.roots]]
+        for d in range(1, self.depth + 1):
+            lens.append(
+                [
+                    lens[d - 1][i // self.branching]
+                    + self.output_lens[d - 1][i // self.branching]
+                    + len(suffix)
+                    for i, suffix in enumerate(self.suffixes[d])
+                ]
+            )
+        return lens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(sum, self.prompt_lens()))
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """``(prompt_len, output_len, 1)`` of every node, level by level."""
+        return [
+            (p, o, 1)
+            for lens, outs in zip(self.prompt_lens(), self.output_lens)
+            for p, o in zip(lens, outs)
+        ]
+
+    def children(self, level: int, parents: list[BenchRequest], outputs: list[list[int]]):
+        """The requests of ``level`` (>= 1) from level ``level - 1``'s requests and their
+        generated token ids: each child's prompt is its parent's prompt + output + suffix."""
+        return [
+            BenchRequest(
+                parents[i // self.branching].prompt_token_ids
+                + list(outputs[i // self.branching])
+                + suffix,
+                self.output_lens[level][i],
+            )
+            for i, suffix in enumerate(self.suffixes[level])
+        ]
+
+    def run(
+        self, generate: Callable[[list[BenchRequest]], list[list[int]]]
+    ) -> list[tuple[BenchRequest, list[int]]]:
+        """Generate the whole tree, one ``generate`` call per level (each call gets a level's
+        requests and returns their generated token ids, in order). Returns every node's
+        ``(request, output token ids)``, level by level.
+
+        Raises:
+            RuntimeError: ``generate`` returned another count of outputs or of tokens.
+        """
+        nodes: list[tuple[BenchRequest, list[int]]] = []
+        requests = [BenchRequest(root, n) for root, n in zip(self.roots, self.output_lens[0])]
+        outputs: list[list[int]] = []
+        for level in range(self.depth + 1):
+            if level:
+                requests = self.children(level, requests, outputs)
+            outputs = generate(requests)
+            got = [len(o) for o in outputs]
+            if got != [r.output_len for r in requests]:
+                raise RuntimeError(
+                    f"{self.name} level {level}: generate returned output lengths {got[:8]}..."
+                    f" for {len(requests)} requests of lengths "
+                    f"{[r.output_len for r in requests][:8]}..."
+                )
+            nodes.extend(zip(requests, outputs))
+        return nodes
+
+
+def make_tree_search(vocab_size: int, quick: bool, seed: int = 0) -> TreeSearch:
+    """The ``tree-search`` workload (see the module docstring); deterministic for a seed."""
+    rng = random.Random(seed)
+    num_trees = 2 if quick else 8
+    o_lo, o_hi = (16, 32) if quick else (32, 128)
+    roots = [_prompt(rng, rng.randint(512, 1024), vocab_size) for _ in range(num_trees)]
+    suffixes: list[list[list[int]]] = [[[] for _ in roots]]
+    output_lens = [[_log_uniform(rng, o_lo, o_hi) for _ in roots]]
+    for d in range(1, TREE_DEPTH + 1):
+        level: list[list[int]] = []
+        for _ in range(num_trees * TREE_BRANCHING ** (d - 1)):
+            siblings: list[list[int]] = []
+            while len(siblings) < TREE_BRANCHING:
+                suffix = [rng.randrange(5, vocab_size) for _ in range(rng.randint(4, 16))]
+                if suffix not in siblings:
+                    siblings.append(suffix)
+            level += siblings
+        suffixes.append(level)
+        output_lens.append([_log_uniform(rng, o_lo, o_hi) for _ in level])
+    return TreeSearch("tree-search", roots, suffixes, output_lens)
