@@ -1,0 +1,121 @@
+"""The benchmark's human-readable table (`format_table`) of a `batchgen.bench.runner.run`
+record, with its legend."""
+
+from __future__ import annotations
+
+from batchgen.bench.args import MODES
+
+
+def format_table(record: dict) -> str:
+    """Human-readable table of a `run` record."""
+    lines = [
+        f"peak {record['peak_gflops']:.1f} GFLOP/s ({record['dtype']}, {record['device']},"
+        f" {record['torch_threads']} threads); max_num_batched_tokens "
+        f"{record['max_num_batched_tokens']}, expert_coalesce_threshold "
+        f"{record['expert_coalesce_threshold']}",
+        f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "
+        f"{'rows/GEMM':>9} {'MFU':>6} {'dec MFU':>7} {'secs':>7}",
+    ]
+    for name, w in record["workloads"].items():
+        base = w.get("hf_generate", {}).get("tokens_per_s")
+        for mode in MODES:
+            if mode not in w:
+                continue
+            r = w[mode]
+            if "error" in r:
+                lines.append(f"{name:<11} {mode:<18} failed: {r['error'][:200]}")
+                continue
+            ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+            td = f"{r['tile_density']:.3f}" if r["tile_density"] is not None else "-"
+            rows = (
+                f"{r['mean_rows_per_expert_gemm']:.1f}"
+                if r["mean_rows_per_expert_gemm"] is not None
+                else "-"
+            )
+            dm = f"{r['decode_mfu']:.3f}" if r["decode_mfu"] is not None else "-"
+            label = mode + ("*" if _sampled(w, mode) else "")
+            lines.append(
+                f"{name:<11} {label:<18} {r['tokens_per_s']:>9.1f} {ratio:>8} {td:>9} "
+                f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
+            )
+    lines += _legend(record)
+    structured = record.get("structured", {}).get("extraction-json")
+    if structured is not None:
+        from batchgen.bench.structured import format_extraction_json
+
+        if "error" in structured:
+            lines.append(f"extraction-json failed: {structured['error'][:200]}")
+        else:
+            lines += format_extraction_json(structured)
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            extra = w.get(mode, {}).get("extra", {})
+            if extra.get("decode_only_seconds"):
+                shares = extra.get("decode_only_stage_time_share", {})
+                stages = ", ".join(f"{k} {v:.2f}" for k, v in shares.items() if v >= 0.005)
+                lines.append(
+                    f"decode-only {name}/{mode}: {extra['decode_only_tokens']} tokens in "
+                    f"{extra['decode_only_seconds']:.1f} s (stage shares: {stages})"
+                )
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            extra = w.get(mode, {}).get("extra", {})
+            off = extra.get("without_prefix_caching")
+            if off:
+                lines.append(
+                    f"prefix caching {name}/{mode}: {w[mode]['tokens_per_s']:.1f} tok/s on "
+                    f"({extra['prefill_tokens']} prefill tokens, hit rate "
+                    f"{extra['prefix_cache_hit_rate']:.2f}) against {off['tokens_per_s']:.1f} "
+                    f"off ({off['prefill_tokens']} prefill tokens): "
+                    f"{w[mode]['tokens_per_s'] / off['tokens_per_s']:.2f}x, greedy tokens "
+                    f"{'identical' if off['same_greedy_tokens'] else 'DIFFERENT'}"
+                )
+    for name, w in record["workloads"].items():
+        for mode in MODES:
+            top = w.get(mode, {}).get("extra", {}).get("profile_top_ops")
+            if not top:
+                continue
+            r_shares = w[mode]["extra"].get("stage_time_share", {})
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in r_shares.items() if v >= 0.005)
+            lines.append(f"\nprofile {name}/{mode} (stage time shares: {stages})")
+            lines.append(f"  {'operator':<52} {'self s':>8} {'share':>6} {'calls':>8}")
+            for op in top:
+                lines.append(
+                    f"  {op['name'][:52]:<52} {op['self_s']:>8.2f} {op['share']:>6.3f} "
+                    f"{op['calls']:>8}"
+                )
+    return "\n".join(lines)
+
+
+def _sampled(workload: dict, mode: str) -> bool:
+    """Whether ``mode`` ran on fewer requests than ``workload`` (a record's entry) has."""
+    taken = workload.get(mode, {}).get("extra", {}).get("sampled_requests")
+    return taken is not None and taken < workload["requests"]
+
+
+def _legend(record: dict) -> list[str]:
+    """The table's column legend, and which rows ran on a sample of their workload."""
+    samples = [
+        f"{name}/{mode} {w[mode]['extra']['sampled_requests']} of {w['requests']} requests"
+        for name, w in record["workloads"].items()
+        for mode in MODES
+        if _sampled(w, mode)
+    ]
+    lines = [
+        "",
+        "tok/s      useful tokens per second (each sample's requested output tokens)",
+        "x hf_gen   tok/s over hf_generate's on the same workload (- without hf_generate)",
+        "tile dens  share of launched expert-GEMM tile rows (64) that carry a token: "
+        "sum(m_e) / sum(ceil(m_e/64)*64)",
+        "rows/GEMM  mean rows (token activations) per expert GEMM",
+        "MFU        model FLOPs of the useful work (a shared prompt counted once) per second, "
+        "over the measured matmul peak",
+        "dec MFU    the same over the decode-only steps",
+        "secs       the mode's wall time on its workload, or on its sample",
+    ]
+    if samples:
+        lines.append(
+            "*          ran on a sample, the workload's first requests, and reports that "
+            "sample's rate: " + ", ".join(samples)
+        )
+    return lines
