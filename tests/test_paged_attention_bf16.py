@@ -178,14 +178,26 @@ def test_bf16_decode_kernel_matches_the_gathered_torch_path(window, monkeypatch)
     )
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_sliding", "qwen2"])
+@pytest.mark.parametrize(
+    "name,ref_dtype",
+    [
+        ("llama", torch.bfloat16),
+        ("mistral_sliding", torch.bfloat16),
+        ("qwen2", torch.bfloat16),
+        # HF in bf16 rounds each softmax weight to bf16 in SDPA; on this checkpoint that alone
+        # moves one logit by 3.3 deltas (the torch attention path, which shares the rounding,
+        # matches it exactly, and is 2.9 deltas off HF in float32 instead): the reference here
+        # is HF in float32 on the same bf16 weights (the kernel: 0.13 deltas at most).
+        ("mixtral", torch.float32),
+    ],
+)
 def test_bf16_model_greedy_tokens_through_the_kernel_agree_with_transformers(
-    checkpoint_dir, name, monkeypatch
+    checkpoint_dir, name, ref_dtype, monkeypatch
 ):
     """A bf16 model's decode attention runs the kernel (counted), and its greedy continuation,
-    teacher-forced through `transformers` in bf16, passes `test_fused_moe_bf16`'s criterion: at
-    every position our token is within 4 bf16 ulps at the largest logit of the reference's
-    best, and at least 90% of positions are its exact argmax."""
+    teacher-forced through `transformers` (``ref_dtype`` on the bf16 weights), passes
+    `test_fused_moe_bf16`'s criterion: at every position our token is within 4 bf16 ulps at
+    the largest logit of the reference's best, and at least 90% of positions are its argmax."""
     import transformers as tf
 
     from batchgen import LLM, SamplingParams
@@ -207,7 +219,7 @@ def test_bf16_model_greedy_tokens_through_the_kernel_agree_with_transformers(
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert calls and set(calls) == {torch.bfloat16}
-    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(ref_dtype)
     exact = total = 0
     for prompt, out in zip(prompts, outs):
         ours = list(out.outputs[0].token_ids)
