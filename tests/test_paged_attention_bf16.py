@@ -106,7 +106,9 @@ def test_bf16_kernel_within_one_rounding_of_the_float64_reference(
 
 
 @needs_compiler
-@pytest.mark.parametrize("hq,hkv,d,block_size,window,threads", [c for c in CASES if c[2] % 8 == 0])
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,window,threads", [c for c in CASES if c[2] % 8 == 0]
+)
 def test_bf16_avx2_path_is_the_float32_kernel_rounded_once(
     hq, hkv, d, block_size, window, threads, monkeypatch
 ):
@@ -118,7 +120,9 @@ def test_bf16_avx2_path_is_the_float32_kernel_rounded_once(
     q, k_cache, v_cache, tables, _ = _paged_case(KV_LENS, hq, hkv, d, block_size, seed=1)
     lens, scale = torch.tensor(KV_LENS), d**-0.5
     out16 = torch.empty_like(q)
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, scale, window, out16, "avx2")
+    paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, block_size, scale, window, out16, "avx2"
+    )
     out32 = torch.empty(q.shape)
     paged_decode_attention(
         q.float(), k_cache.float(), v_cache.float(), tables, lens, block_size, scale, window, out32
@@ -151,9 +155,13 @@ def test_bf16_decode_kernel_matches_the_gathered_torch_path(window, monkeypatch)
     for start, end in plan_decode_buckets([len(t) for t in table_lists]):
         width = len(table_lists[end - 1])
         rows = [t + [0] * (width - len(t)) for t in table_lists[start:end]]
-        buckets.append(DecodeBucket(start, end, torch.tensor(rows), torch.tensor(kv_lens[start:end])))
+        lens = torch.tensor(kv_lens[start:end])
+        buckets.append(DecodeBucket(start, end, torch.tensor(rows), lens))
     slot_mapping = torch.tensor(
-        [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(table_lists, kv_lens)]
+        [
+            t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for t, n in zip(table_lists, kv_lens)
+        ]
     )
     meta = AttentionMetadata(
         positions=torch.tensor([n - 1 for n in kv_lens]),

@@ -82,7 +82,8 @@ inline void prefetch_row(const T* cache, const int64_t* table, int64_t p, int64_
   if (ahead >= len) return;
   const char* r = reinterpret_cast<const char*>(
       cache + (table[ahead / block_size] * block_size + ahead % block_size) * row);
-  for (int64_t off = 0; off < row * int64_t(sizeof(T)); off += 64) __builtin_prefetch(r + off, 0, 0);
+  for (int64_t off = 0; off < row * int64_t(sizeof(T)); off += 64)
+    __builtin_prefetch(r + off, 0, 0);
 }
 
 // Softmax of each query head's scores ``s[hq * stride + j]``, j < n, in place (unnormalised
@@ -271,7 +272,8 @@ void run_seq_vector(const Args<T>& a, int64_t b, Scratch& s, std::vector<const T
       for (int p = 0; p < 8; ++p) acc[p] = Vec::zero();
       for (int64_t c = 0; c < d; c += W) {
         const V qv = Vec::load(qh + c);
-        for (int p = 0; p < 8; ++p) acc[p] = Vec::fmadd(qv, Vec::load(k_rows[j0 + p] + col + c), acc[p]);
+        for (int p = 0; p < 8; ++p)
+          acc[p] = Vec::fmadd(qv, Vec::load(k_rows[j0 + p] + col + c), acc[p]);
       }
       __m256 folded[8];
       for (int p = 0; p < 8; ++p) folded[p] = Vec::fold8(acc[p]);
