@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_HALF_PRECISION_WARNING = (
-    "dtype %s on CPU is no faster than float32: the paged decode attention kernel is "
-    "float32-only (bf16 takes gathered torch attention), and the fused MoE kernel serves bf16 "
-    "only on CPUs with avx512_bf16 (float16 never; else the per-expert torch GEMMs, about half "
-    "float32's speed); keep --dtype auto (float32 on CPU) unless the weights do not fit in "
-    "memory otherwise"
+    "dtype %s on CPU is no faster than float32 in repeatable measurements: the paged decode "
+    "attention kernel serves float32 and bf16 (float16 takes gathered torch attention), and "
+    "the fused MoE kernel serves bf16 only on CPUs with avx512_bf16 (float16 never; else the "
+    "per-expert torch GEMMs, about half float32's speed); keep --dtype auto (float32 on CPU) "
+    "unless the weights do not fit in memory otherwise"
 )
 # Checkpoint tensors that carry no learned state and are ignored on purpose.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.cos_cached|\.rotary_emb\.sin_cached)$")
