@@ -21,7 +21,7 @@
 //
 // Implementations: generic loops (any head size, any CPU) and a vector path, chosen per call:
 // AVX-512F (16 floats a vector) for head sizes that are a multiple of 16 where the library is
-// compiled for AVX-512F (bf16 only: the float32 kernel keeps its AVX2 path, measured below),
+// compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured with),
 // else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1: AVX2,
 // 2: generic loops) so tests and A/B measurements reach every path on one machine.
 //
