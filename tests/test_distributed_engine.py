@@ -152,16 +152,6 @@ def test_every_architecture_on_two_ranks(checkpoint_dir, reference, arch, kwargs
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    reason="with both the bf16 paged attention kernel and the bf16 fused MoE kernel on, one "
-    "token of 12 sequences (the last of request 7) differs from one process under both "
-    "strategies; either kernel alone passes, and one process with 12 or 200 KV blocks agrees; "
-    "suspects: preempted sequences recomputed by bf16 prefill SDPA (bf16-rounded softmax "
-    "weights) where the other run decoded them with the kernel (float32 weights), or a bf16 ulp "
-    "from cross-rank slot sums flipping a near-tie; cause not isolated yet",
-    raises=AssertionError,  # a crash (what this test was written for) still fails
-    strict=False,
-)
 @pytest.mark.parametrize("strategy", ["expert_parallel", "data_parallel_offload"])
 def test_bfloat16_on_two_ranks(checkpoint_dir, strategy):
     """bf16 hidden states cross gloo and streamed bf16 experts run: same tokens as one bf16

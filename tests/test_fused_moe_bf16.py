@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from batchgen.kernels import fused_moe as fm
 from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference, sort_by_expert
 from batchgen.models.model_config import RouterConfig
+from tests.test_paged_attention_bf16 import MIXTRAL_BF16
 
 needs_bf16 = pytest.mark.skipif(
     fm.kernel_isa(torch.bfloat16) is None,
@@ -145,16 +146,7 @@ def test_bf16_layer_runs_the_kernel_and_returns_bf16():
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            "mixtral",
-            marks=pytest.mark.xfail(
-                reason="bf16 decode attention now runs the paged kernel (float32 softmax "
-                "weights); HF bf16 SDPA rounds them to bf16, which alone moves one logit of this "
-                "checkpoint by 3.3 deltas; checked against HF in float32 on the bf16 weights in "
-                "test_paged_attention_bf16.py",
-                strict=False,
-            ),
-        ),
+        pytest.param("mixtral", marks=pytest.mark.xfail(reason=MIXTRAL_BF16)),
         "qwen3_moe",
     ],
 )

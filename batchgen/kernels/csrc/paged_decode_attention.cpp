@@ -15,9 +15,9 @@
 //   batchgen_paged_decode_attention_bf16: T = bfloat16 (stored as uint16_t). Every bf16 value
 //     is widened exactly to float32 (its 16 bits shifted into the high half of a float32:
 //     plain integer instructions, no avx512_bf16 needed); scores, softmax and the weighted sum
-//     are float32, and only the output is rounded to bf16 (round to nearest even). torch's
-//     CPU SDPA in bf16 also accumulates in float32 but rounds the unnormalised softmax weights
-//     to bf16 before its P @ V GEMM; this kernel keeps them float32.
+//     are float32; like torch's CPU SDPA in bf16, the unnormalised softmax weights are rounded
+//     to bf16 before the weighted sum (`softmax_heads`), and the output is rounded to bf16
+//     (round to nearest even).
 //
 // Implementations: generic loops (any head size, any CPU) and a vector path, chosen per call:
 // AVX-512F (16 floats a vector) for head sizes that are a multiple of 16 where the library is
@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -86,8 +87,23 @@ inline void prefetch_row(const T* cache, const int64_t* table, int64_t p, int64_
     __builtin_prefetch(r + off, 0, 0);
 }
 
+// x rounded to the nearest bfloat16 (ties to even), kept as a float32.
+inline float round_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // Softmax of each query head's scores ``s[hq * stride + j]``, j < n, in place (unnormalised
-// exponentials), in float32; ``inv_sum[hq]`` receives 1 / their sum.
+// exponentials), in float32; ``inv_sum[hq]`` receives 1 / their sum. For bf16 (T = bf16_t) the
+// weights are then rounded to bf16, the sum staying that of the float32 exponentials: what
+// torch's CPU SDPA does in bf16 (`_exp_reduce_sum_fusion_kernel` writes the rounded weights for
+// its P @ V GEMM, the sum accumulates unrounded), so that a token decoded here and the same
+// token recomputed by a bf16 prefill (torch SDPA) see the same attention up to summation order.
+template <class T>
 inline void softmax_heads(float* scores, int64_t stride, int64_t n, int64_t hq_count,
                           float* inv_sum) {
   for (int64_t hq = 0; hq < hq_count; ++hq) {
@@ -101,6 +117,8 @@ inline void softmax_heads(float* scores, int64_t stride, int64_t n, int64_t hq_c
       sum += s[j];
     }
     inv_sum[hq] = 1.0f / sum;
+    if constexpr (std::is_same_v<T, bf16_t>)
+      for (int64_t j = 0; j < n; ++j) s[j] = round_to_bf16(s[j]);
   }
 }
 
@@ -172,7 +190,7 @@ void run_seq_generic(const Args<T>& a, int64_t b, Scratch& s) {
       s.scores[hq * n + j] = dot * a.scale;
     }
   }
-  softmax_heads(s.scores.data(), n, n, a.hq, s.inv_sum.data());
+  softmax_heads<T>(s.scores.data(), n, n, a.hq, s.inv_sum.data());
   for (int64_t j = 0; j < n; ++j) {
     const int64_t p = start + j;
     const T* v = a.v_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
@@ -280,7 +298,7 @@ void run_seq_vector(const Args<T>& a, int64_t b, Scratch& s, std::vector<const T
       _mm256_storeu_ps(s.scores.data() + hq * n8 + j0, _mm256_mul_ps(hsum8(folded), scale));
     }
   }
-  softmax_heads(s.scores.data(), n8, n, a.hq, s.inv_sum.data());  // the padding past n left out
+  softmax_heads<T>(s.scores.data(), n8, n, a.hq, s.inv_sum.data());  // the padding past n left out
   // Weighted sum of values, position by position (rows in order, which the hardware
   // prefetcher follows within a block), prefetching the row a block ahead.
   float* acc = s.acc.data();
