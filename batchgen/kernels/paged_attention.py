@@ -16,8 +16,8 @@ and 95 ms (9.7 GB/s).
 bfloat16 (q, caches and output in bf16): each bf16 value is widened exactly to float32 in
 registers, scores, softmax and the weighted sum of values run in float32; the unnormalised
 softmax weights are rounded to bf16 before the sum and the output once, as torch's CPU SDPA does
-in bf16 (so decode here and a bf16 prefill, which runs SDPA, agree up to summation order); half the bytes of float32 to read. AVX-512F (16 lanes) for head sizes
-that are a multiple of 16 where the library is built for it, else AVX2 (multiples of 8), else
+in bf16 (so decode here and a bf16 prefill, which runs SDPA, agree up to summation order);
+half the bytes of float32 to read. AVX-512F (16 lanes) for head sizes that are a multiple of 16 where the library is built for it, else AVX2 (multiples of 8), else
 generic loops (`decode_kernel_isa`).
 """
 
