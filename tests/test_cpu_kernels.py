@@ -182,8 +182,8 @@ def test_cxx_unset_or_empty_is_cpp(monkeypatch):
     assert cpu_build.cxx_command() == ["ccache", "g++", "-fno-plt"]
 
 
-def test_only_cpu_float32_is_served():
-    assert not decode_kernel_available(torch.device("cpu"), torch.bfloat16)
+def test_only_cpu_float32_and_bfloat16_are_served():
+    assert not decode_kernel_available(torch.device("cpu"), torch.float16)
     assert not decode_kernel_available(torch.device("meta"), torch.float32)
 
 
@@ -219,7 +219,10 @@ def test_kernel_checks_what_it_would_read():
         (dict(kv_lens=torch.tensor([0, 3])), "kv_lens must be in"),
         (dict(block_tables=torch.tensor([[0, 3], [2, 0]])), "entries must be in \\[0, 3\\)"),
         (dict(block_tables=torch.tensor([[0, -1], [2, 0]])), "entries must be in"),
-        (dict(q=q.double()), "q must be a float32 CPU tensor"),
+        (dict(q=q.double()), "q must be a float32 or bfloat16 CPU tensor"),
+        (dict(k_cache=cache.bfloat16()), "k_cache must be a torch.float32 CPU tensor like q"),
+        (dict(out=torch.empty_like(q).bfloat16()), "out must be a torch.float32 CPU tensor"),
+        (dict(isa="avx2"), "isa must be one of"),
         (dict(k_cache=torch.randn(12, 8, 2).transpose(1, 2)), "k_cache must be contiguous"),
         (dict(kv_lens=lens.int()), "must be int64"),
         (dict(block_tables=tables[:1]), "one row per query"),

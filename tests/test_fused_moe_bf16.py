@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from batchgen.kernels import fused_moe as fm
 from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference, sort_by_expert
 from batchgen.models.model_config import RouterConfig
+from tests.test_paged_attention_bf16 import MIXTRAL_BF16
 
 needs_bf16 = pytest.mark.skipif(
     fm.kernel_isa(torch.bfloat16) is None,
@@ -222,7 +223,13 @@ def test_bf16_layer_runs_the_kernel_and_returns_bf16():
 
 
 @needs_bf16
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("mixtral", marks=pytest.mark.xfail(reason=MIXTRAL_BF16)),
+        "qwen3_moe",
+    ],
+)
 def test_bf16_greedy_tokens_agree_with_transformers_in_bf16(checkpoint_dir, name):
     """A bf16 model's greedy continuation, teacher-forced through `transformers` in bf16: at
     every generated position our token is the reference's argmax or within ``delta`` of its

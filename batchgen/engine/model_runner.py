@@ -82,7 +82,7 @@ class ModelRunner:
             tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
-        # GQA caches on CPU in float32 go to the paged decode kernel, which reads the cache in
+        # GQA caches on CPU in float32 or bfloat16 go to the paged decode kernel, which reads the cache in
         # place: all decode rows in one bucket. Otherwise (the torch path, MLA) buckets bound
         # each gather.
         self.decode_in_place = cfg.mla is None and decode_kernel_available(device, dtype)

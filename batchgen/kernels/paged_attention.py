@@ -1,4 +1,4 @@
-"""Paged decode attention for CPU float32 (``csrc/paged_decode_attention.cpp``).
+"""Paged decode attention for CPU, float32 and bfloat16 (``csrc/paged_decode_attention.cpp``).
 
 The pure-torch decode path gathers each sequence's whole context out of the paged cache into
 a padded ``[b, L, Hkv, D]`` copy and then runs SDPA over it: the context crosses memory three
@@ -12,6 +12,13 @@ gigabytes at about 4.5 GB/s per core with two readers (a plain summing loop). On
 rounds in one process: generic loops 120 ms (7.6 GB/s), the AVX2 path 114 ms, and with the
 cache on transparent huge pages (`batchgen.engine.host_allocator.advise_huge_pages`) 104 ms
 and 95 ms (9.7 GB/s).
+
+bfloat16 (q, caches and output in bf16): each bf16 value is widened exactly to float32 in
+registers, scores, softmax and the weighted sum of values run in float32; the unnormalised
+softmax weights are rounded to bf16 before the sum and the output once, as torch's CPU SDPA does
+in bf16 (so decode here and a bf16 prefill, which runs SDPA, agree up to summation order);
+half the bytes of float32 to read. AVX-512F (16 lanes) for head sizes that are a multiple of 16 where the library is built for it, else AVX2 (multiples of 8), else
+generic loops (`decode_kernel_isa`).
 """
 
 from __future__ import annotations
@@ -23,37 +30,59 @@ from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
-_SYMBOL = "batchgen_paged_decode_attention_f32"
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
+# Forced paths of the bf16 entry (the ``isa`` argument): auto picks the widest the build has.
+ISAS = {"auto": 0, "avx2": 1, "generic": 2}
+
+_lib = None
 
 
-_fn = None
-
-
-def _function():
-    """The configured kernel function, or None while it is unavailable (not cached then, so
+def _library():
+    """The configured kernel library, or None while it is unavailable (not cached then, so
     turning ``BATCHGEN_CPU_KERNELS`` back on takes effect)."""
-    global _fn
-    if _fn is None:
+    global _lib
+    if _lib is None:
         lib = load_library("paged_decode_attention")
         if lib is None:
             return None
-        fn = getattr(lib, _SYMBOL)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-        _fn = fn
-    return _fn
+        common = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
+        lib.batchgen_paged_decode_attention_f32.argtypes = common
+        lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64]
+        lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64]
+        for fn in (
+            lib.batchgen_paged_decode_attention_f32,
+            lib.batchgen_paged_decode_attention_bf16,
+            lib.batchgen_paged_decode_attention_bf16_isa,
+        ):
+            fn.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _function():
+    """The library when ``BATCHGEN_CPU_KERNELS`` lets the kernel run and it is built, else None."""
+    return _library() if kernels_enabled("paged_decode_attention") else None
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when `paged_decode_attention` serves caches of ``dtype`` on ``device``: CPU,
-    float32, and the kernel built (see `batchgen.kernels.cpu_build`)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and kernels_enabled("paged_decode_attention")
-        and _function() is not None
-    )
+    float32 or bfloat16, and the kernel built (see `batchgen.kernels.cpu_build`)."""
+    return device.type == "cpu" and dtype in _DTYPES and _function() is not None
+
+
+def decode_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
+    """The path `paged_decode_attention` runs for ``dtype`` and ``head_size`` on this build:
+    ``"avx512f"`` (bfloat16, head size a multiple of 16, library built for AVX-512F),
+    ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"`` (plain loops), or
+    None when the kernel does not serve ``dtype`` or is unavailable."""
+    lib = _function()
+    if lib is None or dtype not in _DTYPES:
+        return None
+    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size)
+    if dtype == torch.float32:
+        level = min(level, 1)  # the float32 kernel keeps its AVX2 path
+    return {2: "avx512f", 1: "avx2", 0: "generic"}[level]
 
 
 def paged_decode_attention(
@@ -66,29 +95,39 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    isa: str = "auto",
 ) -> None:
     """One decode token per sequence attends to its cached context; writes ``out``.
 
     Args:
-        q: ``[B, Hq, D]`` float32 (the new tokens' queries, RoPE applied).
-        k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]`` float32, contiguous, the new
-            tokens' K/V already written.
+        q: ``[B, Hq, D]`` float32 or bfloat16 (the new tokens' queries, RoPE applied).
+        k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]``, q's dtype, contiguous, the
+            new tokens' K/V already written. In bfloat16 the scores, softmax and weighted sum
+            are float32 and only the output is rounded to bf16 (round to nearest even).
         block_tables: ``[B, n]`` int64 block ids (entries past a context are not read).
         kv_lens: ``[B]`` int64 context lengths including the new token (>= 1).
         block_size: tokens per KV block.
         scale: softmax scale; sliding_window: HF's rule (key j visible iff ``pos - j <
             window``) or None.
-        out: ``[B, Hq, D]`` float32, contiguous: receives the result.
+        out: ``[B, Hq, D]``, q's dtype, contiguous: receives the result.
+        isa: bfloat16 only: ``"auto"`` (the widest vector path, `decode_kernel_isa`), or
+            ``"avx2"`` / ``"generic"`` to force a narrower one (tests, A/B measurements).
     Raises:
         RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
         Hkv); ValueError (naming the argument) for a wrong dtype, a non-contiguous cache or
         output, or a context or block id outside the cache: the kernel reads raw memory, so
         these are checked first.
     """
-    fn = _function() if kernels_enabled("paged_decode_attention") else None
-    if fn is None:
+    lib = _function()
+    if lib is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
+    if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
+        raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
     _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
+    if q.dtype == torch.bfloat16:
+        fn, extra = lib.batchgen_paged_decode_attention_bf16, (ISAS[isa],)
+    else:
+        fn, extra = lib.batchgen_paged_decode_attention_f32, ()
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     q = q.contiguous()
@@ -111,6 +150,7 @@ def paged_decode_attention(
             scale,
             sliding_window or 0,
             torch.get_num_threads(),
+            *extra,
         )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
@@ -129,9 +169,13 @@ def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_
         raise ValueError(
             f"k_cache rows ({k_cache.shape[0]}) must be a multiple of block_size ({block_size})"
         )
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if q.dtype not in _DTYPES or q.device.type != "cpu":
+        raise ValueError(f"q must be a float32 or bfloat16 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != q.dtype or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a {q.dtype} CPU tensor like q, got {t.dtype} on {t.device}"
+            )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")

@@ -36,9 +36,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_HALF_PRECISION_WARNING = (
     "dtype %s on CPU is no faster than float32 here: the fused MoE kernel runs bf16 fast only "
     "on CPUs with AMX-BF16 (with avx512_bf16 alone at about float32's speed; float16 never; "
-    "else the per-expert torch GEMMs, about half float32's speed), and the paged decode "
-    "attention kernel is float32-only (bf16 takes gathered torch attention); keep --dtype auto "
-    "(float32 on such CPUs) unless the weights do not fit in memory otherwise"
+    "else the per-expert torch GEMMs, about half float32's speed); the paged decode "
+    "attention kernel serves float32 and bf16 (float16 takes gathered torch attention); keep "
+    "--dtype auto (float32 on such CPUs) unless the weights do not fit in memory otherwise"
 )
 # Checkpoint tensors that carry no learned state and are ignored on purpose.
 

@@ -192,10 +192,14 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    in_place = bool(meta.decode_buckets) and decode_kernel_available(q.device, k_cache.dtype)
+    in_place = (
+        bool(meta.decode_buckets)
+        and q.dtype == k_cache.dtype
+        and decode_kernel_available(q.device, k_cache.dtype)
+    )
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
-        if in_place:  # CPU float32: attend straight from the paged cache
+        if in_place:  # CPU float32 / bfloat16: attend straight from the paged cache
             paged_decode_attention(
                 q[rows],
                 k_cache,

@@ -1,0 +1,126 @@
+"""One layer's decode attention on CPU: the paged decode kernel (`batchgen.kernels.paged_attention`)
+in float32 and bfloat16 beside the gathered torch path (block gathers + SDPA, what
+``BATCHGEN_CPU_KERNELS=0`` runs), alternating in one process.
+
+    .venv/bin/python benchmarks/paged_attention.py [--seqs 512] [--context 448] [--rounds 8]
+        [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx2,bf16_generic]
+
+Bench-model shapes by default (8 query heads, 2 KV heads of 64, blocks of 16 scattered over the
+cache). Each path runs `paged_attention` (the cache write included) on its own cache; the torch
+paths bucket the rows as `ModelRunner` does on CPU (`CPU_DECODE_GATHER_BYTES` per gather).
+Prints each path's median milliseconds over the rounds, its speed-up over the first path, the
+KV bytes it reads per second, and its largest absolute difference from the first path's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from batchgen.engine.model_runner import CPU_DECODE_GATHER_BYTES
+from batchgen.kernels import paged_attention as pa
+from batchgen.models.layers.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    paged_attention,
+    plan_decode_buckets,
+)
+
+HQ, HKV, D, BLOCK = 8, 2, 64, 16
+
+
+def _meta(kv_lens, tables, in_place: bool, block_bytes: int) -> AttentionMetadata:
+    max_blocks = None if in_place else max(1, CPU_DECODE_GATHER_BYTES // block_bytes)
+    nblocks = [len(t) for t in tables]
+    spans = (
+        [(0, len(tables))]
+        if in_place
+        else plan_decode_buckets(nblocks, max_bucket_blocks=max_blocks)
+    )
+    buckets = []
+    for start, end in spans:
+        width = max(nblocks[start:end])
+        rows = [t + [0] * (width - len(t)) for t in tables[start:end]]
+        lens = torch.tensor(kv_lens[start:end])
+        buckets.append(DecodeBucket(start, end, torch.tensor(rows), lens))
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, kv_lens)]
+    return AttentionMetadata(
+        positions=torch.tensor([n - 1 for n in kv_lens]),
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=len(kv_lens),
+        decode_buckets=buckets,
+        block_size=BLOCK,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=512)
+    parser.add_argument("--context", type=int, default=448)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--paths", default="kernel_f32,kernel_bf16,torch_bf16")
+    args = parser.parse_args()
+    paths = args.paths.split(",")
+    torch.manual_seed(0)
+    kv_lens = [args.context] * args.seqs
+    nb = -(-args.context // BLOCK)
+    num_blocks = args.seqs * nb
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [perm[i * nb : (i + 1) * nb] for i in range(args.seqs)]
+    k32 = torch.randn(num_blocks * BLOCK, HKV, D)
+    v32 = torch.randn(num_blocks * BLOCK, HKV, D)
+    q32 = torch.randn(args.seqs, HQ, D)
+    new32 = torch.randn(2, args.seqs, HKV, D)
+    runs = {}
+    for path in paths:
+        dtype = torch.float32 if path.endswith("f32") else torch.bfloat16
+        in_place = not path.startswith("torch")
+        k, v, q, new = (t.to(dtype) for t in (k32, v32, q32, new32))
+        meta = _meta(kv_lens, tables, in_place, k[0].numel() * k.element_size() * BLOCK)
+        isa = {"bf16_avx2": "avx2", "bf16_generic": "generic"}.get(path, "auto")
+        runs[path] = (q, new, (k, v), meta, isa)
+    print(
+        f"{args.seqs} seqs x {args.context} positions, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
+        f"{torch.get_num_threads()} threads; bf16 kernel path: "
+        f"{pa.decode_kernel_isa(torch.bfloat16, D)}"
+    )
+
+    def run(path):
+        q, new, cache, meta, isa = runs[path]
+        os.environ["BATCHGEN_CPU_KERNELS"] = "0" if path.startswith("torch") else "1"
+        if isa != "auto":  # a forced bf16 path: call the kernel directly
+            out = torch.empty_like(q)
+            cache[0].index_copy_(0, meta.slot_mapping, new[0])
+            cache[1].index_copy_(0, meta.slot_mapping, new[1])
+            b = meta.decode_buckets[0]
+            pa.paged_decode_attention(
+                q, *cache, b.block_tables, b.kv_lens, BLOCK, D**-0.5, None, out, isa
+            )
+            return out
+        return paged_attention(q, new[0], new[1], cache, meta, D**-0.5)
+
+    times = {p: [] for p in paths}
+    outs = {p: run(p) for p in paths}  # warm up (builds the kernel)
+    for _ in range(args.rounds):
+        for p in paths:
+            t0 = time.perf_counter()
+            run(p)
+            times[p].append(time.perf_counter() - t0)
+    base = statistics.median(times[paths[0]])
+    for p in paths:
+        sec = statistics.median(times[p])
+        itemsize = 4 if p.endswith("f32") else 2
+        gbs = 2 * args.seqs * args.context * HKV * D * itemsize / sec / 1e9
+        diff = (outs[p].float() - outs[paths[0]].float()).abs().max().item()
+        print(
+            f"{p:>13}: {sec * 1e3:7.2f} ms  x{base / sec:5.2f} vs {paths[0]}  {gbs:5.1f} GB/s KV  "
+            f"max|diff| {diff:.2e}  (all: {', '.join(f'{t * 1e3:.1f}' for t in times[p])})"
+        )
+
+
+if __name__ == "__main__":
+    main()
