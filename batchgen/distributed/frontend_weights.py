@@ -32,7 +32,7 @@ from safetensors.torch import save as save_safetensors
 
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.rank_set import RankFailedError
-from batchgen.engine.weight_update import WeightsLike
+from batchgen.engine.weight_update import WeightsLike, check_update_tensor
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 
@@ -75,11 +75,11 @@ class FrontendWeights:
         try:
             replies = self._call(lambda token: msg.UpdateWeights(token, update.path, update.data))
         except BaseException:
-            updates.remove(update)
+            _forget(updates, update)
             raise
         failed = [r for r in replies if r.error is not None]
         if failed:
-            updates.remove(update)
+            _forget(updates, update)
             first = failed[0]
             if len(failed) < len(replies):
                 raise RuntimeError(
@@ -141,6 +141,12 @@ class FrontendWeights:
         self.rank_set.weight_updates[:] = kept
 
 
+def _forget(updates: list[msg.UpdateWeights], update: msg.UpdateWeights) -> None:
+    """Remove ``update`` itself from the replay list (not `list.remove`: dataclasses compare
+    by value, and an earlier, applied update of the same path or bytes must stay)."""
+    updates[:] = [u for u in updates if u is not update]
+
+
 def _serialise(
     weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[bytes, frozenset[str]]:
@@ -149,13 +155,13 @@ def _serialise(
 
     Raises:
         TypeError: a value that is not a tensor.
+        ValueError: a tensor on the meta device.
     """
     items = weights.items() if isinstance(weights, Mapping) else weights
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+        check_update_tensor(name, tensor)
         t = tensor.detach().to("cpu").contiguous()
         ptr = t.untyped_storage().data_ptr()
         if ptr in storages:

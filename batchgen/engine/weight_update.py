@@ -96,8 +96,8 @@ def update_weights(engine: LLMEngine, weights: WeightsLike) -> int:
             (``prefill_strategy='data_parallel_offload'``).
         ValueError: names no engine parameter takes, shapes other than expected (the message
             names the tensor, the engine parameter and the expected shape), non-floating
-            dtypes, or a directory whose config.json describes another model. Nothing is
-            changed then.
+            dtypes, tensors on the meta device, or a directory whose config.json describes
+            another model. Nothing is changed then.
         TypeError: a value that is not a tensor.
     """
     return len(apply_weight_update(engine, weights))
@@ -176,10 +176,11 @@ def _plan_update(
                 f"{cfg.num_local_experts} experts: 0..{cfg.num_local_experts - 1})"
             )
             continue
+        other_rank = slot_of is not None and expert is not None and expert not in slot_of
         if slot_of is not None and expert is not None:
-            if expert not in slot_of:
-                continue  # another rank's expert
-            expert = slot_of[expert]
+            # Another rank's expert is checked (as that rank will) but not written: every rank
+            # refuses the same bad update, so none applies it alone.
+            expert = 0 if other_rank else slot_of[expert]
         fused = slot_of is not None and target.expert is None and is_expert_param(target.param)
         dest = target_view(params[target.param], target, expert)
         expected = tuple(dest.shape)
@@ -192,6 +193,8 @@ def _plan_update(
             )
         elif not source.is_float:
             problems.append(f"{source.name!r} is not a floating-point tensor")
+        elif other_rank:
+            continue
         elif fused:
             rows = dataclasses.replace(
                 source, shape=expected, read=lambda s=source: read_experts(s.read, held)
@@ -217,14 +220,22 @@ def _tensor_sources(
 ) -> Iterator[_Source]:
     items = weights.items() if isinstance(weights, Mapping) else weights
     for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+        check_update_tensor(name, tensor)
         yield _Source(
             str(name),
             tuple(tensor.shape),
             tensor.is_floating_point(),
             lambda start=None, stop=None, t=tensor: t if start is None else t[start:stop],
         )
+
+
+def check_update_tensor(name: object, tensor: object) -> None:
+    """Raises TypeError for a value that is not a tensor, ValueError for a meta tensor (no
+    data: found before anything is copied, not halfway through the copies)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_meta:
+        raise ValueError(f"update_weights: {name!r} is on the meta device (it holds no data)")
 
 
 def _directory_sources(path: Path, cfg: ModelConfig, stack: ExitStack) -> Iterator[_Source]:
