@@ -182,7 +182,11 @@ def test_expert_parallel_bad_expert_tensors(paths, expected):  # noqa: F811
 
 def _wait_replaced(engine, rank, old, timeout=120):
     deadline = time.monotonic() + timeout
-    while engine.rank_set.joining or next(r for r in engine._ranks if r.rank == rank).pid in (old, 0):
+
+    def pid():
+        return next(r for r in engine._ranks if r.rank == rank).pid
+
+    while engine.rank_set.joining or pid() in (old, 0):
         assert time.monotonic() < deadline, f"rank {rank} was not replaced"
         engine.get_metrics()
 
