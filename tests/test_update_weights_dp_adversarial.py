@@ -71,15 +71,16 @@ def test_serialise_odd_tensors_round_trip():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
 
 
-@pytest.mark.xfail(
-    reason="frontend_weights._serialise keeps the last of duplicate names (dict), the "
-    "single-process engine writes (and checks) both: a bad first copy is refused by one "
-    "process and silently dropped by a DP job",
-    strict=True,
-)
 def test_duplicate_names_are_refused_like_the_single_process_engine():
-    with pytest.raises(ValueError, match="model.norm.weight"):
-        _serialise([("model.norm.weight", torch.zeros(3)), ("model.norm.weight", torch.ones(64))])
+    """A name given twice is refused by the frontend and by a single-process engine alike
+    (before, a DP job kept the last copy and one process checked and wrote both)."""
+    from batchgen.engine.weight_update import _tensor_sources
+
+    twice = [("model.norm.weight", torch.zeros(3)), ("model.norm.weight", torch.ones(64))]
+    with pytest.raises(ValueError, match="'model.norm.weight' appears twice"):
+        _serialise(twice)
+    with pytest.raises(ValueError, match="'model.norm.weight' appears twice"):
+        list(_tensor_sources(twice))
 
 
 def test_a_refused_repeat_of_an_earlier_update_keeps_the_earlier_one_in_the_replay_list():

@@ -32,7 +32,7 @@ from safetensors.torch import save as save_safetensors
 
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.rank_set import RankFailedError
-from batchgen.engine.weight_update import WeightsLike, check_update_tensor
+from batchgen.engine.weight_update import WeightsLike, check_unique_name, check_update_tensor
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
 
@@ -113,6 +113,7 @@ class FrontendWeights:
         during the call is recovered and the call made again (both messages are idempotent)."""
         while True:
             self._check_open()
+            token = None
             try:
                 while self.rank_set.joining:
                     self._dispatch(self.rank_set.receive(1.0))
@@ -122,6 +123,8 @@ class FrontendWeights:
                 while any(k not in self._answers for k in keys):
                     self._dispatch(self.rank_set.receive(1.0))
             except RankFailedError as failure:
+                for key in [k for k in self._answers if k[0] == token]:
+                    del self._answers[key]  # the survivors' answers to the send made again
                 self._recover(failure)
                 continue
             return [self._answers.pop(k) for k in keys]
@@ -155,12 +158,14 @@ def _serialise(
 
     Raises:
         TypeError: a value that is not a tensor.
-        ValueError: a tensor on the meta device.
+        ValueError: a tensor on the meta device, or a name given twice.
     """
     items = weights.items() if isinstance(weights, Mapping) else weights
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
+    seen: set[str] = set()
     for name, tensor in items:
+        check_unique_name(name, seen)
         check_update_tensor(name, tensor)
         t = tensor.detach().to("cpu").contiguous()
         ptr = t.untyped_storage().data_ptr()

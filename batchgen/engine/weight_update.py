@@ -219,14 +219,26 @@ def _tensor_sources(
     weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[_Source]:
     items = weights.items() if isinstance(weights, Mapping) else weights
+    seen: set[str] = set()
     for name, tensor in items:
         check_update_tensor(name, tensor)
+        check_unique_name(name, seen)
         yield _Source(
             str(name),
             tuple(tensor.shape),
             tensor.is_floating_point(),
             lambda start=None, stop=None, t=tensor: t if start is None else t[start:stop],
         )
+
+
+def check_unique_name(name: object, seen: set[str]) -> None:
+    """Raises ValueError when ``name`` is in ``seen`` (one update naming a tensor twice is
+    ambiguous: refused on every engine, single-process or data-parallel); else adds it."""
+    if str(name) in seen:
+        raise ValueError(
+            f"update_weights: {str(name)!r} appears twice in the update; name each tensor once"
+        )
+    seen.add(str(name))
 
 
 def check_update_tensor(name: object, tensor: object) -> None:
