@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from batchgen.kernels import fused_moe as fm
 from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference, sort_by_expert
 from batchgen.models.model_config import RouterConfig
-from tests.test_paged_attention_bf16 import MIXTRAL_BF16
+from tests.test_paged_attention_bf16 import MIXTRAL_BF16, assert_greedy_agrees_with_reference
 
 needs_bf16 = pytest.mark.skipif(
     fm.kernel_isa(torch.bfloat16) is None,
@@ -248,14 +248,4 @@ def test_bf16_greedy_tokens_agree_with_transformers_in_bf16(checkpoint_dir, name
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    exact = total = 0
-    for prompt, out in zip(prompts, outs):
-        ours = list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = ref(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1].float()
-        delta = 4 * 2.0**-7 * logits.abs().max().item()
-        chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
-        assert (chosen >= logits.max(-1).values - delta).all(), (name, ours)
-        exact += int((logits.argmax(-1) == torch.tensor(ours)).sum())
-        total += len(ours)
-    assert exact >= 0.9 * total, f"{exact}/{total} positions are the reference's argmax"
+    assert_greedy_agrees_with_reference(name, prompts, outs, ref)

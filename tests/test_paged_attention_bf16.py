@@ -48,6 +48,23 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
+def assert_greedy_agrees_with_reference(name, prompts, outs, ref) -> None:
+    """Teacher-force our greedy tokens through ``ref`` (a `transformers` model): at every
+    position our token is within 4 bf16 ulps at the largest logit of the reference's best,
+    and at least 90% of positions are its argmax (shared with `test_fused_moe_bf16`)."""
+    exact = total = 0
+    for prompt, out in zip(prompts, outs):
+        ours = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1].float()
+        delta = 4 * 2.0**-7 * logits.abs().max().item()
+        chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+        assert (chosen >= logits.max(-1).values - delta).all(), (name, ours)
+        exact += int((logits.argmax(-1) == torch.tensor(ours)).sum())
+        total += len(ours)
+    assert exact >= 0.9 * total, f"{exact}/{total} positions are the reference's argmax"
+
+
 def _reference(q, k_seq, v_seq, scale, window, with_bound=False):
     """``q [Hq, D]`` at position L - 1 over ``k_seq, v_seq [L, Hkv, D]`` in float64; with
     ``with_bound``, also the kernel's error bound per element (module docstring)."""
@@ -215,14 +232,4 @@ def test_bf16_model_greedy_tokens_through_the_kernel_agree_with_transformers(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert calls and set(calls) == {torch.bfloat16}
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(ref_dtype)
-    exact = total = 0
-    for prompt, out in zip(prompts, outs):
-        ours = list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = ref(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1].float()
-        delta = 4 * 2.0**-7 * logits.abs().max().item()
-        chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
-        assert (chosen >= logits.max(-1).values - delta).all(), (name, ours)
-        exact += int((logits.argmax(-1) == torch.tensor(ours)).sum())
-        total += len(ours)
-    assert exact >= 0.9 * total, f"{exact}/{total} positions are the reference's argmax"
+    assert_greedy_agrees_with_reference(name, prompts, outs, ref)
