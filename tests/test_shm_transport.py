@@ -39,9 +39,11 @@ def _splits(g: torch.Generator, world: int, op: int) -> torch.Tensor:
     return counts
 
 
-def _exact_rank(rank, world, ops):
+def _exact_rank(rank, world, ops, cap_mb=None):
     import torch.distributed as dist
 
+    if cap_mb is not None:
+        os.environ["BATCHGEN_A2A_SHM_SEGMENT_MB"] = str(cap_mb)
     shm = _shm()
     g = torch.Generator().manual_seed(11)
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]
@@ -75,6 +77,39 @@ def test_shm_all_to_all_is_gloo_bit_for_bit(world):
         assert mismatches == [], f"rank {rank}: ops {mismatches} differ from gloo"
         assert biggest > 1 << 20 and max(grown) >= biggest  # the segments grew past 1 MiB
         assert leftover == [], f"rank {rank} left files in /dev/shm: {leftover}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_shm_all_to_all_in_rounds_under_the_segment_cap(world):
+    """A cap of 4 KiB (about 0.004 MiB) splits every op above it into rounds (the largest op
+    here sends about 170 KB from a rank, dozens of rounds); the result is still gloo's bit for bit, no
+    segment grows past the cap, and the ranks agree on the rounds even when one of them needs
+    none beyond the first (zero and skewed splits)."""
+    cap_mb = 4096 / (1 << 20)
+    results = run_ranks(_exact_rank, world, 9, cap_mb)
+    for rank, (mismatches, biggest, grown, leftover) in enumerate(results):
+        assert mismatches == [], f"rank {rank}: ops {mismatches} differ from gloo"
+        assert biggest > 40 * 4096  # ops far above the cap
+        assert max(grown) <= 4096, f"rank {rank}: segments {grown} above the 4 KiB cap"
+        assert leftover == [], f"rank {rank} left files in /dev/shm: {leftover}"
+
+
+def _cap_rank(rank, world, raw):
+    os.environ["BATCHGEN_A2A_SHM_SEGMENT_MB"] = raw
+    try:
+        _shm().close()
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_segment_cap_is_refused_naming_the_variable():
+    got = run_ranks(_cap_rank, 2, "lots")
+    assert all("BATCHGEN_A2A_SHM_SEGMENT_MB must be a number of MiB, got 'lots'" in g for g in got)
+    got = run_ranks(_cap_rank, 2, "0.001")
+    assert all("at least 4096 bytes" in g for g in got), got
 
 
 def _dispatch_rank(rank, world, seed, num_tokens, num_experts, top_k, skew, pad):
