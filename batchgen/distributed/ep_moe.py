@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.distributed.all_to_all import AllToAllDispatcher
+from batchgen.distributed.deepep_dispatcher import DeepEPDispatcher
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.kernels.fused_moe import fused_moe_silu
 from batchgen.models.layers.moe import (
@@ -38,7 +39,8 @@ class ExpertParallelMoE:
 
     Args:
         layer: the decoder layer index (for the streamer).
-        dispatcher: the expert-parallel group's dispatcher.
+        dispatcher: the expert-parallel group's dispatcher (`AllToAllDispatcher`, or
+            `DeepEPDispatcher` on CUDA with DeepEP: `rank.RankContext.install` picks).
         placement: logical expert -> owner / slot.
         ep_rank: this rank's index in the group.
         streamer: an `ExpertWeightStreamer` (None without ``data_parallel_offload``).
@@ -47,7 +49,7 @@ class ExpertParallelMoE:
     def __init__(
         self,
         layer: int,
-        dispatcher: AllToAllDispatcher,
+        dispatcher: AllToAllDispatcher | DeepEPDispatcher,
         placement: ExpertPlacement,
         ep_rank: int,
         streamer=None,

@@ -26,6 +26,7 @@ import torch
 
 from batchgen.config import ParallelConfig
 from batchgen.distributed.all_to_all import AllToAllDispatcher, CommStats
+from batchgen.distributed.deepep_dispatcher import DeepEPDispatcher, resolve_ep_dispatcher
 from batchgen.distributed.ep_moe import ExpertParallelMoE
 from batchgen.distributed.groups import ProcessGroups
 from batchgen.distributed.layout import ExpertPlacement
@@ -96,14 +97,19 @@ class RankContext:
             return None
         ep_rank = self.groups.ep_rank
         stats = CommStats(trace=[] if os.environ.get(A2A_TRACE_ENV) else None)
-        transport = make_transport(
-            self.groups.ep_group,
-            device,
-            self.parallel.distributed_timeout_s,
-            setup_group=self.groups.control,
-        )
-        dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, stats, transport)
-        dispatcher.pad_rows = pad_dispatch_rows(cfg.num_experts_per_tok, placement.ep_size)
+        kind, why = resolve_ep_dispatcher(device, dtype, placement.ep_size)
+        if kind == "deepep":
+            dispatcher = DeepEPDispatcher(self.groups.ep_group, placement, cfg.hidden_size, stats)
+        else:
+            transport = make_transport(
+                self.groups.ep_group,
+                device,
+                self.parallel.distributed_timeout_s,
+                setup_group=self.groups.control,
+            )
+            dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, stats, transport)
+            dispatcher.pad_rows = pad_dispatch_rows(cfg.num_experts_per_tok, placement.ep_size)
+        logger.info("rank %d: expert-parallel dispatcher %s (%s)", self.groups.rank, kind, why)
         moe_layers = [i for i, moe in enumerate(cfg.layer_is_moe) if moe]
         streamer = None
         if self.parallel.prefill_strategy == "data_parallel_offload":
@@ -137,7 +143,7 @@ class RankContext:
             _ranges(placement.experts_of(ep_rank)),
             cfg.num_local_experts,
             runtime.resident_expert_bytes / (1 << 20),
-            transport.name,
+            dispatcher.transport.name,
             self.parallel.prefill_strategy,
             f" (streams from {threshold} prefill tokens per step)" if streamer else "",
         )
@@ -161,7 +167,7 @@ class ExpertParallelRuntime:
 
     placement: ExpertPlacement
     ep_rank: int
-    dispatcher: AllToAllDispatcher
+    dispatcher: AllToAllDispatcher | DeepEPDispatcher
     streamer: ExpertWeightStreamer | None
     stream_min_tokens: int
     resident_expert_bytes: int
