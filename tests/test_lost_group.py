@@ -151,3 +151,60 @@ def test_an_idle_engine_hands_a_replacement_its_setup(checkpoint_dir):
         assert len(got["a"]) == 300
     finally:
         llm.shutdown()
+
+
+def test_the_rule_restarts_within_budget_retires_otherwise_and_fails_with_none_left():
+    """`ElasticRecovery.plan`: a group this frontend started, within the budget, restarts;
+    one started elsewhere, or any once the budget is spent, is retired while another group is
+    left; with none left the failure ends the job, saying why."""
+    from batchgen.config import ParallelConfig
+    from batchgen.distributed.rank_set import RankFailedError
+    from batchgen.distributed.recovery import MAX_RECOVERIES, ElasticRecovery
+
+    rec = ElasticRecovery(
+        ParallelConfig(data_parallel_size=4, expert_parallel_size=2, enable_elastic_recovery=True)
+    )
+    died = RankFailedError("rank 3 died", [3], recoverable=True)
+    local = lambda group: all(r < 2 for r in group)  # noqa: E731  (ranks 2, 3 from elsewhere)
+    assert rec.plan(died, [[0, 1]], local, others_left=True) == ([0, 1], [])
+    assert rec.plan(died, [[2, 3]], local, others_left=True) == ([], [2, 3])
+    assert rec.plan(died, [[0, 1], [2, 3]], local, others_left=False) == ([0, 1], [2, 3])
+    with pytest.raises(RankFailedError, match=r"ranks \[2, 3\] were started by torchrun.*no "):
+        rec.plan(died, [[2, 3]], local, others_left=False)
+    rec.recoveries = MAX_RECOVERIES
+    assert rec.plan(died, [[0, 1]], local, others_left=True) == ([], [0, 1])
+    with pytest.raises(RankFailedError, match="gave up after 3 restarts.*no other group") as e:
+        rec.plan(died, [[0, 1]], local, others_left=False)
+    assert e.value.__cause__ is died
+    own_error = RankFailedError("rank 1 failed: ValueError", [1], recoverable=False)
+    with pytest.raises(RankFailedError) as e:
+        rec.plan(own_error, [[0, 1]], local, others_left=True)
+    assert e.value is own_error  # a rank's own error is never outlived
+    off = ElasticRecovery(ParallelConfig(data_parallel_size=2))
+    with pytest.raises(RankFailedError) as e:
+        off.plan(died, [[1]], local, others_left=True)
+    assert e.value is died
+
+
+def test_a_retired_rank_is_never_chosen_and_a_request_pinned_to_it_is_refused():
+    """A rank retired for good takes no new request (least loaded or round robin), is no
+    destination of a rebalancing move, and a request pinned to it fails with a ValueError
+    naming it."""
+    from test_rebalance import _add, _frontend
+
+    from batchgen.distributed import protocol as msg
+
+    for method in ("minimum_tokens", "round_robin"):
+        client = _frontend(load_balance_method=method)
+        client._ranks[1].retired = True
+        for i in range(4):
+            _add(client, f"a{i}", 50)
+        assert {e.rank for e in client.requests.values()} == {0}
+        with pytest.raises(ValueError, match="data_parallel_rank 1 was retired for good"):
+            _add(client, "pinned", 50, rank=1)
+        assert "pinned" not in client.requests
+        client.rebalancer.plan()
+        assert client.rank_set.taken(msg.Release) == []  # no move to the retired rank
+        client._ranks[1].retired = False
+        client.rebalancer.plan()
+        assert [r for r, _ in client.rank_set.taken(msg.Release)] == [0]  # else one, to it
