@@ -704,11 +704,11 @@ def test_killing_each_replacement_spends_the_restart_budget_then_retires_the_ran
         _delay_new_ranks(tmp_path, monkeypatch, 60)  # a replacement never connects by itself
         engine.add_request("one", "on rank one", _greedy(400), data_parallel_rank=1)
         engine.add_request("zero", "on rank zero", _greedy(60), data_parallel_rank=0)
-        engine.step()
+        outs = {o.request_id: o for o in engine.step()}
         processes = list(engine.rank_set._processes)
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        killed, outs = 0, {}
+        killed = 0
         while engine.has_unfinished_requests():
             assert time.monotonic() < deadline, "the job did not go on: a hang"
             outs.update({o.request_id: o for o in engine.step()})
