@@ -151,9 +151,10 @@ class ParallelConfig:
     enable_elastic_recovery: bool = field(
         default=False,
         metadata=meta(
-            "when a rank dies or goes silent, start the ranks again and re-queue every "
-            "unfinished request instead of failing the job (at most 3 restarts; ranks this "
-            "frontend starts only; docs/distributed.md)",
+            "when a rank dies or goes silent, start its restart group again and re-queue its "
+            "unfinished requests instead of failing the job (at most 3 restarts; a group that "
+            "cannot start again, or fails after that, is retired while another group is "
+            "left; docs/distributed.md)",
             section="checkpoint_service",
         ),
     )
@@ -331,7 +332,8 @@ class ParallelConfig:
             out.append(
                 "enable_elastic_recovery restarts only the ranks this frontend starts: with "
                 f"data_parallel_size_local={local} < data_parallel_size="
-                f"{self.data_parallel_size}, a rank failure still ends the job"
+                f"{self.data_parallel_size}, the failed group of a rank started elsewhere is "
+                "retired (the others run on), and a failure of every rank ends the job"
             )
         elif self.enable_elastic_recovery and self.data_parallel_size == 1:
             out.append("enable_elastic_recovery has no effect with one rank (data_parallel_size=1)")

@@ -684,12 +684,14 @@ def test_requeued_requests_run_on_the_survivor_while_the_replacement_loads(
 
 
 @pytest.mark.timeout(300)
-def test_killing_each_replacement_spends_the_restart_budget(
+def test_killing_each_replacement_spends_the_restart_budget_then_retires_the_rank(
     checkpoint_dir, tmp_path, monkeypatch
 ):
     """Rank 1 killed, then each of its replacements before it connects: three recoveries
-    (`MAX_RECOVERIES`), then the fourth failure ends the job with an error that says so; every
-    later call raises it again and no rank process is left."""
+    (`MAX_RECOVERIES`); the fourth failure retires rank 1 for good, since rank 0 runs: the
+    request pinned to rank 1 fails with an error naming it, rank 0's finishes. Then rank 0 is
+    killed: no group is left, so the job ends with an error that says so; every later call
+    raises it again and no rank process is left."""
     from batchgen.distributed.rank_set import RankFailedError
     from batchgen.distributed.recovery import MAX_RECOVERIES
 
@@ -701,24 +703,35 @@ def test_killing_each_replacement_spends_the_restart_budget(
     try:
         _delay_new_ranks(tmp_path, monkeypatch, 60)  # a replacement never connects by itself
         engine.add_request("one", "on rank one", _greedy(400), data_parallel_rank=1)
-        engine.add_request("zero", "on rank zero", _greedy(400), data_parallel_rank=0)
-        engine.step()
+        engine.add_request("zero", "on rank zero", _greedy(60), data_parallel_rank=0)
+        outs = {o.request_id: o for o in engine.step()}
         processes = list(engine.rank_set._processes)
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         killed = 0
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the job did not go on: a hang"
+            outs.update({o.request_id: o for o in engine.step()})
+            rank = engine._ranks[1]
+            if rank.joining and rank.process is not None and not rank.process.done():
+                processes.append(rank.process)
+                rank.process.kill()
+                killed += 1
+        assert killed == 3 and engine.recovery.recoveries == 3
+        assert engine._ranks[1].retired and engine.recovery.ranks_retired == [1]
+        assert outs["one"].error is not None and outs["one"].outputs == []
+        assert "data_parallel_rank 1 was retired" in outs["one"].error
+        assert "restart budget is spent" in outs["one"].error
+        assert outs["zero"].error is None and len(outs["zero"].outputs[0].token_ids) == 60
+        engine.add_request("last", "on rank zero", _greedy(400))
+        engine.step()
+        os.kill(engine._ranks[0].pid, signal.SIGKILL)
         with pytest.raises(RankFailedError) as info:
             while True:
                 assert time.monotonic() < deadline, "the job did not end: a hang"
                 engine.step()
-                rank = engine._ranks[1]
-                if rank.joining and rank.process is not None and not rank.process.done():
-                    processes.append(rank.process)
-                    rank.process.kill()
-                    killed += 1
         failure = info.value
-        assert killed == 3 and engine.recovery.recoveries == 3
-        pattern = r"rank 1 .*SIGKILL before connecting.*gave up after 3 restarts"
+        pattern = r"rank 0 .*SIGKILL.*gave up after 3 restarts.*no other group is left"
         assert re.search(pattern, str(failure)), str(failure)
         for call in (engine.step, llm.get_metrics, lambda: engine.add_request("x", "y")):
             with pytest.raises(RankFailedError) as again:

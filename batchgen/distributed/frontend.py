@@ -29,7 +29,10 @@ collects the finished outputs. It has `LLMEngine`'s request methods (``add_reque
   returned before (or arrived with the failure, and are taken first) and are never run
   again; a re-queued request starts over, and greedy or seeded requests get the same tokens
   (a request's tokens do not depend on its rank). Only ranks this frontend starts itself
-  can be restarted (not ``torchrun`` or headless ones). A rank that dies while it starts
+  can be restarted (not ``torchrun`` or headless ones): a group that cannot start again, or
+  that fails once the budget is spent, is retired for good while another group is left
+  (`ElasticRecovery.plan`: its requests go to the others, requests pinned to it fail one by
+  one); the job fails when none is. A rank that dies while it starts
   (before connecting, or while loading the model) is one more failure within the same
   budget: a replacement's group is started again alone, a rank of the first start (or of a
   restart of every rank) restarts every rank; a rank that exits with an error while starting
@@ -51,7 +54,7 @@ from dataclasses import dataclass
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.frontend_metrics import FrontendMetrics
-from batchgen.distributed.frontend_recovery import FrontendRecovery
+from batchgen.distributed.frontend_recovery import FrontendRecovery, locked, retired_rank_error
 from batchgen.distributed.frontend_weights import FrontendWeights
 from batchgen.distributed.layout import ExpertPlacement
 from batchgen.distributed.metrics import aggregate_metrics
@@ -167,6 +170,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.input_processor.apply_chat_template(messages)
 
+    @locked
     def add_request(
         self,
         request_id: str,
@@ -187,6 +191,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
         )
         self.add_processed_request(request_id, processed, params, data_parallel_rank)
 
+    @locked
     def add_processed_request(
         self,
         request_id: str,
@@ -203,7 +208,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
 
         Raises:
             ValueError: a duplicate ``request_id``, or a ``data_parallel_rank`` outside
-                ``[0, data_parallel_size)``.
+                ``[0, data_parallel_size)`` or retired for good by elastic recovery.
             RankFailedError: after a rank failure.
         """
         self._check_open()
@@ -217,6 +222,8 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
             raise ValueError(
                 f"data_parallel_rank must be in [0, {len(self._ranks)}), got {data_parallel_rank!r}"
             )
+        if data_parallel_rank is not None and self._ranks[data_parallel_rank].retired:
+            raise ValueError(retired_rank_error(data_parallel_rank, "it could not start again"))
         prompt_len = len(processed.prompt_token_ids)
         budget = params.max_tokens or (self.max_model_len - prompt_len)
         load = params.n * (prompt_len + min(budget, self.max_model_len - prompt_len))
@@ -256,12 +263,12 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
 
     def _choosable(self) -> list[RankHandle]:
         """The ranks a request may be assigned to: the ready ones, or, when every rank is
-        started again and still joining, all of them. A replacement loads for seconds to
-        minutes, so a request queued on it (a re-queued one above all, since it holds none)
+        started again and still joining, all of them; never a rank retired for good. A
+        replacement loads for seconds to minutes, so a request queued on it (a re-queued one above all, since it holds none)
         would wait for its start while a ready rank could run it; once ready it takes new
         work, and the rebalancer's moves (`Rebalancer.plan`)."""
-        ready = [r for r in self._ranks if not r.joining]
-        return ready or self._ranks
+        left = [r for r in self._ranks if not r.retired]
+        return [r for r in left if not r.joining] or left
 
     def _check_open(self) -> None:
         if self._fatal is not None:
@@ -274,10 +281,11 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
     def _flush(self, rank: RankHandle) -> None:
         """Send what is queued for ``rank`` (kept while it is started again after a failure
         and not ready yet)."""
-        if rank.pending and not rank.joining:
+        if rank.pending and not rank.joining and not rank.retired:
             self.rank_set.send(rank, msg.AddRequests(rank.pending))
             rank.pending = []
 
+    @locked
     def abort_request(self, request_id: str) -> None:
         """Drop a request (unknown ids and a failed job are ignored). Also while a failure
         waits for recovery: a request on a rank that runs on is aborted there, one on a
@@ -295,13 +303,16 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
             except (OSError, RuntimeError):
                 pass
 
+    @locked
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or its finished output waits to be returned by `step`."""
         return bool(self.requests or self._finished)
 
+    @locked
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self._finished)
 
+    @locked
     def step(self) -> list[RequestOutput]:
         """Send queued requests, then return the outputs that finished (waiting up to
         `STEP_WAIT_S` for the first).
@@ -350,6 +361,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
 
     # ---- metrics -------------------------------------------------------------------------
     # ---- shutdown ------------------------------------------------------------------------
+    @locked
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the ranks (politely, then by force). Idempotent."""
         self.rank_set.shutdown(timeout)

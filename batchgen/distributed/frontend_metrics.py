@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from batchgen.distributed import protocol as msg
+from batchgen.distributed.frontend_recovery import locked
 from batchgen.distributed.metrics import aggregate_metrics
 from batchgen.distributed.rank_set import RankFailedError
 
@@ -23,18 +24,20 @@ class _KVUsage:
 class FrontendMetrics:
     """`LLMEngine`'s metrics methods for a data-parallel job (see the module docstring)."""
 
+    @locked
     def get_metrics(self) -> dict:
         """Every rank's `LLMEngine.get_metrics` (``ranks``) plus job totals (`aggregate_metrics`:
         tokens summed, rates over the busiest rank's busy time, tile density over all ranks'
         expert GEMMs), the recovery figures (`ElasticRecovery`: live while one is under way;
         a rank started again that became ready meanwhile is taken in first) and the
-        rebalancer's. A rank still joining has no row in ``ranks``."""
+        rebalancer's. A rank still joining, or retired for good, has no row in ``ranks``."""
         while True:
             self._check_open()
             token = next(self._answer_token)
             self.rank_set.broadcast(msg.GetMetrics(token))
-            # not ranks started again and still loading (`RankSet.broadcast` skips them)
-            keys = [(token, r.rank) for r in self._ranks if not r.joining]
+            # not ranks started again and still loading, nor retired ones (`broadcast` skips
+            # them)
+            keys = [(token, r.rank) for r in self._running_ranks()]
             try:
                 while any(k not in self._answers for k in keys):
                     self._dispatch(self.rank_set.receive(1.0))
@@ -45,6 +48,10 @@ class FrontendMetrics:
             totals = aggregate_metrics(ranks, time.perf_counter() - self._started)
             totals["rank_busy_seconds"] = [r["busy_seconds"] for r in ranks]
             return {**totals, **self._recovery_metrics(), **self.rebalancer.metrics.as_dict()}
+
+    def _running_ranks(self) -> list:
+        """The ranks that run: not started again and still joining, not retired for good."""
+        return [r for r in self._ranks if not r.joining and not r.retired]
 
     def _recovery_metrics(self) -> dict:
         self._check_recovered()
@@ -61,8 +68,10 @@ class FrontendMetrics:
                 pass
 
     @property
+    @locked
     def stats(self):
-        """`EngineStats` summed over the ranks' last heartbeats (at most a second old)."""
+        """`EngineStats` summed over the ranks' last heartbeats (at most a second old; a rank
+        retired for good keeps its last figures: its work was done)."""
         from batchgen.engine.llm_engine import EngineStats
 
         self._poll()
@@ -80,12 +89,14 @@ class FrontendMetrics:
         )
 
     @property
+    @locked
     def kv_cache(self) -> _KVUsage:
-        """``.usage``: the mean KV cache use over the ranks (last heartbeats)."""
+        """``.usage``: the mean KV cache use over the running ranks (last heartbeats)."""
         self._poll()
-        usages = [r.counters.get("kv_cache_usage", 0.0) for r in self._ranks]
+        usages = [r.counters.get("kv_cache_usage", 0.0) for r in self._running_ranks()]
         return _KVUsage(sum(usages) / len(usages) if usages else 0.0)
 
+    @locked
     def live_metrics(self) -> dict:
         """Figures from the ranks' last heartbeats, without a round trip (the service reads
         these every second): ``tile_density`` over all ranks, ``num_running``,
@@ -93,10 +104,11 @@ class FrontendMetrics:
         self._poll()
         rows = sum(r.counters.get("expert_rows", 0) for r in self._ranks)
         tile_rows = sum(r.counters.get("expert_tile_rows", 0) for r in self._ranks)
+        running = self._running_ranks()
         return {
             "tile_density": rows / tile_rows if tile_rows else None,
-            "num_running": sum(r.counters.get("num_running", 0) for r in self._ranks),
-            "num_waiting": sum(r.counters.get("num_waiting", 0) for r in self._ranks),
+            "num_running": sum(r.counters.get("num_running", 0) for r in running),
+            "num_waiting": sum(r.counters.get("num_waiting", 0) for r in running),
             **self._recovery_metrics(),
         }
 
@@ -105,6 +117,7 @@ class FrontendMetrics:
         carries the whole text in its last chunk)."""
         return None
 
+    @locked
     def reset_metrics(self) -> None:
         self.rank_set.broadcast(msg.ResetMetrics())
         self._started = time.perf_counter()

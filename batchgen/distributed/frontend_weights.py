@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from safetensors.torch import save as save_safetensors
 
+from batchgen.distributed.frontend_recovery import locked
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.rank_set import RankFailedError
 from batchgen.engine.weight_update import WeightsLike, check_unique_name, check_update_tensor
@@ -41,6 +42,7 @@ class FrontendWeights:
     """`LLM.update_weights` and `LLM.reset_prefix_cache` for a data-parallel job (see the module
     docstring)."""
 
+    @locked
     def update_weights(self, weights: WeightsLike) -> int:
         """Replace weights on every rank; returns the number of distinct checkpoint tensors
         copied (by at least one rank: an expert-parallel rank copies only its experts).
@@ -92,6 +94,7 @@ class FrontendWeights:
             self._drop_covered(update, names)
         return len(set().union(*(r.result for r in replies)))
 
+    @locked
     def reset_prefix_cache(self) -> bool:
         """Drop every rank's cached prefixes (vLLM's name); False while requests are in flight
         (on any rank). `update_weights` does this itself."""

@@ -90,6 +90,20 @@ class RankFailures:
             self.shutdown()
         raise failure
 
+    def retire_for_good(self, lost: list[int]) -> None:
+        """Leave ranks ``lost`` (whole restart groups, stopped by the failure that `receive`
+        raised) out of the job for good and clear that failure. Their handles stay in
+        ``ranks``, ``retired`` (their messages ignored, never sent to, never watched); what was
+        queued for them is dropped (the frontend queues it elsewhere)."""
+        self.failure = None
+        for r in lost:
+            self.ranks[r].pending, self.ranks[r].load = [], 0
+
+    @property
+    def retired_ranks(self) -> list[int]:
+        """The ranks retired for good (a rank stopped and started again has a new handle)."""
+        return [r.rank for r in self.ranks if r.retired]
+
     def _retire(self, ranks: list[RankHandle]) -> None:
         """Stop ``ranks`` at once (their group is broken) and stop listening to them."""
         self._joining.drop([r.rank for r in ranks])

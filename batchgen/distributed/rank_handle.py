@@ -50,7 +50,9 @@ class RankHandle:
     counters: dict = field(default_factory=dict)  # from its last heartbeat
     mailbox: Mailbox | None = None  # sends and receives in background threads, once accepted
     done_tokens: int = 0  # prompt + generated tokens of the outputs it returned
-    retired: bool = False  # stopped after a failure and replaced (its messages are ignored)
+    # stopped after a failure (its messages are ignored): replaced in `RankSet.ranks` by a new
+    # handle when its group starts again, left there when the group is retired for good
+    retired: bool = False
     joining: bool = False  # started again after a failure, not ready yet
     ready_at: float | None = None  # when its `Ready` arrived (time.monotonic)
 

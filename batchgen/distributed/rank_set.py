@@ -110,11 +110,16 @@ class RankSet(RankFailures):
         return listener, authkey
 
     def _can_replace(self) -> bool:
-        """Whether a failed group's ranks are stopped alone and may be started again
-        (`replace`) while the others run on: elastic recovery is on and this frontend started
-        every rank (it cannot start ranks of torchrun or of other machines' launchers)."""
-        p = self.parallel
-        return p.enable_elastic_recovery and self._num_local() == p.data_parallel_size
+        """Whether a failed group's ranks are stopped alone while the others run on (then
+        started again, `replace`, or retired for good, `retire_for_good`): elastic recovery
+        is on."""
+        return self.parallel.enable_elastic_recovery
+
+    def restartable(self, ranks: list[int]) -> bool:
+        """Whether this frontend started ``ranks`` (local processes: ranks 0 ..
+        ``data_parallel_size_local`` - 1; Ray actors: every rank) and so can start them again;
+        not ranks of ``torchrun`` or of another machine's launcher."""
+        return all(r < self._num_local() for r in ranks)
 
     def _launch(self, ranks: list[int] | None) -> dict[int, RankProcess]:
         """Start ``ranks`` (None: every local rank) as processes or Ray actors."""
@@ -211,9 +216,10 @@ class RankSet(RankFailures):
         `receive` takes the new ranks in as they connect (`_take_joining`) and load.
 
         Raises:
-            RuntimeError: the set was shut down, or it cannot replace ranks (`_can_replace`).
+            RuntimeError: the set was shut down, or it cannot start ``lost`` again
+                (`_can_replace`, `restartable`).
         """
-        if self.closed or not self._can_replace():
+        if self.closed or not (self._can_replace() and self.restartable(lost)):
             raise RuntimeError("these ranks cannot be started again")
         self.failure = None
         processes = self._launch(lost)
@@ -346,7 +352,7 @@ class RankSet(RankFailures):
         if self.closed:
             return
         self.closed = True
-        with_mail = [r for r in self.ranks if r.mailbox is not None]
+        with_mail = [r for r in self.ranks if r.mailbox is not None and not r.retired]
         for rank in with_mail:
             rank.mailbox.send(msg.Shutdown())
         self._joining.drop(list(self._joining.since))

@@ -296,7 +296,7 @@ class Rebalancer:
                 )
         free = [self.free_kv.get(r) if r in busy else None for r in range(len(c._ranks))]
         groups = [r // self.expert_parallel_size for r in range(len(c._ranks))]
-        joining = {r.rank for r in c._ranks if r.joining}
+        joining = {r.rank for r in c._ranks if r.joining or r.retired}  # not destinations
         moves = plan_moves(loads, free, candidates, groups, joining)
         if not moves:
             return
@@ -352,7 +352,7 @@ class Rebalancer:
             entry.remaining += entry.computed - shipped
             entry.computed = shipped
             # a destination stopped by a failure since is starting again: a ready rank instead
-            to = None if c._ranks[dst].joining else dst
+            to = None if c._ranks[dst].joining or c._ranks[dst].retired else dst
             c._assign(request_id, entry, to, state if started else None)
             touched.add(entry.rank)
         for dst in sorted(touched):
