@@ -72,7 +72,7 @@ def _a2a_rank(rank, world, tokens_list, rounds, transport="gloo"):
 
     from batchgen.distributed.all_to_all import AllToAllDispatcher
     from batchgen.distributed.layout import ExpertPlacement
-    from batchgen.distributed.shm_transport import make_transport
+    from batchgen.distributed.transport import make_transport
 
     os.environ["BATCHGEN_A2A_TRANSPORT"] = transport
     link = make_transport(dist.group.WORLD, torch.device("cpu"), 300.0)

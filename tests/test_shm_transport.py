@@ -21,7 +21,7 @@ from test_ep_dispatch import CASES, H, _case, _rowwise_expert
 def _shm(timeout_s: float = 60.0):
     import torch.distributed as dist
 
-    from batchgen.distributed.shm_transport import make_transport
+    from batchgen.distributed.transport import make_transport
 
     os.environ["BATCHGEN_A2A_TRANSPORT"] = "shm"  # shared memory or an error
     return make_transport(dist.group.WORLD, torch.device("cpu"), timeout_s)
@@ -159,7 +159,7 @@ def test_dispatch_combine_over_shm_exact(name, pad):
 def _choice_rank(rank, world, mode):
     import torch.distributed as dist
 
-    from batchgen.distributed.shm_transport import make_transport
+    from batchgen.distributed.transport import make_transport
 
     if mode is None:
         os.environ.pop("BATCHGEN_A2A_TRANSPORT", None)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.distributed.layout import ExpertPlacement
-from batchgen.distributed.shm_transport import GlooAllToAll
+from batchgen.distributed.transport import GlooAllToAll
 from batchgen.models.layers.moe import sum_slots  # noqa: F401 (re-exported: combine's order)
 
 
@@ -145,7 +145,7 @@ class AllToAllDispatcher:
         group: the expert-parallel process group (None: the default group).
         placement: logical expert -> owner rank table (`ExpertPlacement`).
         stats: receives bytes and seconds (`CommStats`).
-        transport: moves the rows (`shm_transport.make_transport`; None: gloo on ``group``).
+        transport: moves the rows (`transport.make_transport`; None: gloo on ``group``).
     """
 
     def __init__(

@@ -30,7 +30,7 @@ from batchgen.distributed.deepep_dispatcher import DeepEPDispatcher, resolve_ep_
 from batchgen.distributed.ep_moe import ExpertParallelMoE
 from batchgen.distributed.groups import ProcessGroups
 from batchgen.distributed.layout import ExpertPlacement
-from batchgen.distributed.shm_transport import make_transport
+from batchgen.distributed.transport import make_transport
 from batchgen.distributed.weight_stream import ExpertWeightStreamer
 from batchgen.models.decoder import CausalLM
 from batchgen.models.model_config import ModelConfig

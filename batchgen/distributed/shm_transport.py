@@ -31,26 +31,21 @@ backend writes its own shared-memory communicator for the same reason. `ShmAllTo
   timeout (``distributed_timeout_s``), with an error naming the peer rank: never a hang.
 
 Publication relies on x86's ordered stores (the data copy, then the 8-byte counter store, are
-seen in that order by the peer's loads), so `make_transport` picks shared memory only on x86-64,
-when every rank can map a segment the first rank made, sees the others' processes, and the
-device is the CPU; otherwise, and with ``BATCHGEN_A2A_TRANSPORT=gloo``, gloo.
+seen in that order by the peer's loads), so `batchgen.distributed.transport.make_transport` picks
+shared memory only on x86-64, when every rank can map a segment the first rank made, sees the
+others' processes, and the device is the CPU; otherwise, and with
+``BATCHGEN_A2A_TRANSPORT=gloo``, gloo.
 """
 
 from __future__ import annotations
 
 import atexit
-import logging
 import math
 import mmap
 import os
-import platform
-import secrets
 import time
 
 import torch
-import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 TRANSPORT_ENV = "BATCHGEN_A2A_TRANSPORT"  # auto (default) | gloo | shm
 SHM_DIR = "/dev/shm"
@@ -64,23 +59,6 @@ SEGMENT_MB_ENV = "BATCHGEN_A2A_SHM_SEGMENT_MB"
 _HEAD = 4  # header words of a rank's row: seq, pid, gen[0], gen[1]
 # then per parity W + 2 words: the W + 1 byte offsets of the chunks, and the rounds the rank
 # needs for the all-to-all this op belongs to (read by the peers in its first round)
-
-
-class GlooAllToAll:
-    """``all_to_all_single`` on a process group (gloo on CPU, NCCL on CUDA)."""
-
-    name = "gloo"
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def all_to_all(self, recv, send, recv_counts: list[int], send_counts: list[int]) -> None:
-        """``send [sum(send_counts), ...]`` rows grouped by destination -> ``recv``, rows grouped
-        by source (same trailing shape and dtype)."""
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
-
-    def close(self) -> None:
-        pass
 
 
 def _alive(pid: int) -> bool:
@@ -346,65 +324,11 @@ def _segment_cap(max_segment_bytes: int | None) -> int:
     return max_segment_bytes
 
 
-def make_transport(group, device: torch.device, timeout_s: float, setup_group=None):
-    """The all-to-all for an expert-parallel ``group``: `ShmAllToAll` when every rank is on this
-    host and can share memory (module docstring), else `GlooAllToAll` on ``group``.
+def __getattr__(name: str):
+    """The transport choice moved to `batchgen.distributed.transport`; its names stay
+    importable from here (lazily: that module imports this one)."""
+    if name in ("GlooAllToAll", "make_transport"):
+        from batchgen.distributed import transport
 
-    A collective over ``group`` (every rank must call it). ``$BATCHGEN_A2A_TRANSPORT``:
-    ``gloo`` forces gloo, ``shm`` makes shared memory required (RuntimeError when it cannot be
-    used), ``auto`` or unset chooses.
-
-    Args:
-        group: the expert-parallel process group (gloo; the setup exchange runs on it).
-        device: the device the data lives on (shared memory is for ``cpu`` only).
-        timeout_s: a peer's longest wait (``distributed_timeout_s``).
-        setup_group: the same ranks on gloo for the setup exchange (the control group, whose
-            timeout bounds it); None: ``group``.
-    Raises:
-        ValueError: an unknown ``$BATCHGEN_A2A_TRANSPORT``.
-    """
-    mode = os.environ.get(TRANSPORT_ENV, "auto").lower()
-    if mode not in ("auto", "gloo", "shm"):
-        raise ValueError(f"${TRANSPORT_ENV} must be auto, gloo or shm, got {mode!r}")
-    if mode == "gloo":
-        return GlooAllToAll(group)
-    data_group, group = group, setup_group if setup_group is not None else group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    ok = device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
-    ok = ok and dist.get_backend(data_group) == "gloo" and os.path.isdir(SHM_DIR)
-    token = [secrets.token_hex(8) if rank == 0 else None]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    prefix = f"{SHM_DIR}/batchgen_a2a_{token[0]}"
-    header_path, size = f"{prefix}_header", ShmAllToAll.header_bytes(world)
-    header = None
-    if rank == 0 and ok:
-        try:
-            header = _Segment(header_path, size, create=True)
-        except (OSError, RuntimeError) as exc:
-            logger.info("no shared-memory all-to-all: %s", exc)
-            ok = False
-    dist.barrier(group=group)
-    if rank != 0 and ok:
-        try:
-            header = _Segment(header_path, 0, create=False)
-            ok = header.size == size
-        except OSError:
-            ok = False
-    info = [None] * world
-    dist.all_gather_object(info, (ok, os.getpid()), group=group)
-    pids = [pid for _, pid in info]
-    ok = all(flag for flag, _ in info) and all(_alive(p) for p in pids)
-    agreed = [None] * world
-    dist.all_gather_object(agreed, ok, group=group)  # every rank saw every pid
-    if rank == 0 and header is not None:
-        os.unlink(header_path)  # every rank has mapped it (or gave up)
-    if all(agreed):
-        return ShmAllToAll(prefix, rank, world, pids, header, timeout_s)
-    if header is not None:
-        header.close()
-    if mode == "shm":
-        raise RuntimeError(
-            f"${TRANSPORT_ENV}=shm but the expert-parallel group cannot share memory here "
-            "(ranks on several hosts, not x86-64, not on the CPU, or no /dev/shm)"
-        )
-    return GlooAllToAll(data_group)
+        return getattr(transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,105 @@
+"""Choosing the all-to-all under dispatch and combine: `ShmAllToAll` (this host's shared
+memory, `batchgen.distributed.shm_transport`) when every rank of the expert-parallel group can
+use it, else `GlooAllToAll` (``all_to_all_single`` on the group's backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from batchgen.distributed.shm_transport import (
+    SHM_DIR,
+    TRANSPORT_ENV,
+    ShmAllToAll,
+    _alive,
+    _Segment,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class GlooAllToAll:
+    """``all_to_all_single`` on a process group (gloo on CPU, NCCL on CUDA)."""
+
+    name = "gloo"
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_to_all(self, recv, send, recv_counts: list[int], send_counts: list[int]) -> None:
+        """``send [sum(send_counts), ...]`` rows grouped by destination -> ``recv``, rows grouped
+        by source (same trailing shape and dtype)."""
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+
+    def close(self) -> None:
+        pass
+
+
+def make_transport(group, device: torch.device, timeout_s: float, setup_group=None):
+    """The all-to-all for an expert-parallel ``group``: `ShmAllToAll` when every rank is on this
+    host and can share memory (module docstring), else `GlooAllToAll` on ``group``.
+
+    A collective over ``group`` (every rank must call it). ``$BATCHGEN_A2A_TRANSPORT``:
+    ``gloo`` forces gloo, ``shm`` makes shared memory required (RuntimeError when it cannot be
+    used), ``auto`` or unset chooses.
+
+    Args:
+        group: the expert-parallel process group (gloo; the setup exchange runs on it).
+        device: the device the data lives on (shared memory is for ``cpu`` only).
+        timeout_s: a peer's longest wait (``distributed_timeout_s``).
+        setup_group: the same ranks on gloo for the setup exchange (the control group, whose
+            timeout bounds it); None: ``group``.
+    Raises:
+        ValueError: an unknown ``$BATCHGEN_A2A_TRANSPORT``.
+    """
+    mode = os.environ.get(TRANSPORT_ENV, "auto").lower()
+    if mode not in ("auto", "gloo", "shm"):
+        raise ValueError(f"${TRANSPORT_ENV} must be auto, gloo or shm, got {mode!r}")
+    if mode == "gloo":
+        return GlooAllToAll(group)
+    data_group, group = group, setup_group if setup_group is not None else group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ok = device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+    ok = ok and dist.get_backend(data_group) == "gloo" and os.path.isdir(SHM_DIR)
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    prefix = f"{SHM_DIR}/batchgen_a2a_{token[0]}"
+    header_path, size = f"{prefix}_header", ShmAllToAll.header_bytes(world)
+    header = None
+    if rank == 0 and ok:
+        try:
+            header = _Segment(header_path, size, create=True)
+        except (OSError, RuntimeError) as exc:
+            logger.info("no shared-memory all-to-all: %s", exc)
+            ok = False
+    dist.barrier(group=group)
+    if rank != 0 and ok:
+        try:
+            header = _Segment(header_path, 0, create=False)
+            ok = header.size == size
+        except OSError:
+            ok = False
+    info = [None] * world
+    dist.all_gather_object(info, (ok, os.getpid()), group=group)
+    pids = [pid for _, pid in info]
+    ok = all(flag for flag, _ in info) and all(_alive(p) for p in pids)
+    agreed = [None] * world
+    dist.all_gather_object(agreed, ok, group=group)  # every rank saw every pid
+    if rank == 0 and header is not None:
+        os.unlink(header_path)  # every rank has mapped it (or gave up)
+    if all(agreed):
+        return ShmAllToAll(prefix, rank, world, pids, header, timeout_s)
+    if header is not None:
+        header.close()
+    if mode == "shm":
+        raise RuntimeError(
+            f"${TRANSPORT_ENV}=shm but the expert-parallel group cannot share memory here "
+            "(ranks on several hosts, not x86-64, not on the CPU, or no /dev/shm)"
+        )
+    return GlooAllToAll(data_group)
