@@ -317,13 +317,18 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
         """Send queued requests, then return the outputs that finished (waiting up to
         `STEP_WAIT_S` for the first).
 
+        A failure that ends the job (recovery off, or nothing left to run on) is raised only
+        once every output finished before it has been returned: outputs that arrived together
+        with the failure, or failed requests pinned to a rank retired for good, come back from
+        this call and the failure from the next one (none if no request is left).
+
         Raises:
-            RankFailedError: see `_receive`; outputs that arrived before are not lost: they
-                were returned by earlier calls.
+            RankFailedError: see `RankSet.receive` and `_recover`, when no finished output is
+                left to return; every later call raises it again.
             RuntimeError: after `shutdown`.
         """
-        self._check_open()
         try:
+            self._check_open()
             for rank in self._ranks:
                 self._flush(rank)
             deadline = time.monotonic() + STEP_WAIT_S
@@ -332,7 +337,13 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
                 if time.monotonic() >= deadline:
                     break
         except RankFailedError as failure:
-            self._recover(failure)  # raises unless the ranks run again
+            if self._fatal is None:
+                try:
+                    self._recover(failure)  # raises (and records ``_fatal``) unless they run
+                except RankFailedError:
+                    pass
+            if self._fatal is not None and not self._finished:
+                raise self._fatal
         finished, self._finished = self._finished, []
         return finished
 

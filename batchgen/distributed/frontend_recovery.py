@@ -20,6 +20,7 @@ client's ``config``, ``parallel``, ``rank_set``, ``_ranks``, ``requests``, ``rec
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -29,6 +30,7 @@ from batchgen.distributed.layout import resolve_layout
 from batchgen.distributed.rank_set import RankFailedError, RankSet
 from batchgen.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
 
 # How often the background thread polls while ranks started again are joining (seconds).
 JOIN_POLL_S = 0.5
@@ -196,10 +198,35 @@ def _watch(ref: weakref.ref) -> None:
         if client is None:
             return
         with client_lock(client):
-            if not _watch_once(client):
+            try:
+                going = _watch_once(client)
+            except BaseException as exc:  # noqa: BLE001  (a thread's exception is lost)
+                going = False
+                _give_up(client, exc)
+            if not going:
                 client._watcher = None  # under the lock: `_watch_joining` starts a new one
                 return
         del client
+
+
+def _give_up(client, exc: BaseException) -> None:
+    """The background thread raised ``exc`` (not a rank failure: a bug, or a bad message),
+    perhaps halfway through a recovery: stop every rank and make the client's next call raise
+    a `RankFailedError` that carries it (``__cause__``), as a failure recovery did not outlive
+    (`batchgen run` then keeps every finished result and suggests ``--resume``), rather than
+    lose it with the thread and leave the engine half-recovered."""
+    logger.error("elastic recovery's background thread failed", exc_info=exc)
+    fatal = RankFailedError(
+        f"elastic recovery's background thread failed: {type(exc).__name__}: {exc}; every "
+        "rank is stopped",
+        [],
+    )
+    fatal.__cause__ = exc
+    client._fatal = fatal
+    try:
+        client.rank_set.shutdown(timeout=5.0)
+    except Exception:  # noqa: BLE001  (the failure above is the one to report)
+        logger.exception("stopping the ranks after the background thread failed")
 
 
 def _watch_once(client) -> bool:
