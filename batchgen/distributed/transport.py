@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from batchgen.distributed.shm_transport import (
     SHM_DIR,
+    SEGMENT_MB_ENV,
     TRANSPORT_ENV,
     ShmAllToAll,
     _alive,
+    _segment_cap,
     _Segment,
 )
 
@@ -56,7 +58,9 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
         setup_group: the same ranks on gloo for the setup exchange (the control group, whose
             timeout bounds it); None: ``group``.
     Raises:
-        ValueError: an unknown ``$BATCHGEN_A2A_TRANSPORT``.
+        ValueError: an unknown ``$BATCHGEN_A2A_TRANSPORT``; with shared memory chosen, a bad
+            ``$BATCHGEN_A2A_SHM_SEGMENT_MB`` on any rank, or values that differ between the
+            ranks (on every rank alike: `_agreed_cap`).
     """
     mode = os.environ.get(TRANSPORT_ENV, "auto").lower()
     if mode not in ("auto", "gloo", "shm"):
@@ -85,16 +89,25 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
             ok = header.size == size
         except OSError:
             ok = False
+    try:
+        cap: int | str = _segment_cap(None)
+    except ValueError as exc:
+        cap = str(exc)
     info = [None] * world
-    dist.all_gather_object(info, (ok, os.getpid()), group=group)
-    pids = [pid for _, pid in info]
-    ok = all(flag for flag, _ in info) and all(_alive(p) for p in pids)
+    dist.all_gather_object(info, (ok, os.getpid(), cap), group=group)
+    pids = [pid for _, pid, _ in info]
+    ok = all(flag for flag, _, _ in info) and all(_alive(p) for p in pids)
     agreed = [None] * world
     dist.all_gather_object(agreed, ok, group=group)  # every rank saw every pid
     if rank == 0 and header is not None:
         os.unlink(header_path)  # every rank has mapped it (or gave up)
     if all(agreed):
-        return ShmAllToAll(prefix, rank, world, pids, header, timeout_s)
+        try:
+            cap = _agreed_cap([c for _, _, c in info])
+        except ValueError:
+            header.close()
+            raise
+        return ShmAllToAll(prefix, rank, world, pids, header, timeout_s, cap)
     if header is not None:
         header.close()
     if mode == "shm":
@@ -103,3 +116,28 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
             "(ranks on several hosts, not x86-64, not on the CPU, or no /dev/shm)"
         )
     return GlooAllToAll(data_group)
+
+
+def _agreed_cap(caps: list[int | str]) -> int:
+    """The segment cap every rank of the group uses (``caps``: each rank's `_segment_cap`, in
+    group rank order, or its error message).
+
+    The ranks must agree: each cuts an all-to-all into rounds of ``cap // (W x row bytes)``
+    rows per pair, so with different caps they would send and expect different rows in a
+    round (found only at the first op above the smaller cap, as a size mismatch); checked
+    here, at start-up, on every rank alike.
+
+    Raises:
+        ValueError: a rank's ``$BATCHGEN_A2A_SHM_SEGMENT_MB`` is bad, or the ranks' caps
+            differ (each rank's value is named).
+    """
+    for r, cap in enumerate(caps):
+        if isinstance(cap, str):
+            raise ValueError(f"rank {r} of the expert-parallel group: {cap}")
+    if len(set(caps)) > 1:
+        values = ", ".join(f"rank {r}: {c} bytes" for r, c in enumerate(caps))
+        raise ValueError(
+            f"${SEGMENT_MB_ENV} differs between the ranks of the expert-parallel group "
+            f"({values}); set the same value for every rank"
+        )
+    return caps[0]
