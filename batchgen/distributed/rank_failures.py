@@ -36,7 +36,12 @@ class RankFailures:
         follows) are kept for the next `receive`: a rank that runs on has forgotten its
         finished outputs once sent."""
         time.sleep(0.5)
-        ended = {r.rank for r in self.ranks if r.process is not None and r.process.done()}
+        # not a rank retired for good by an earlier failure: its process ended then
+        ended = {
+            r.rank
+            for r in self.ranks
+            if r.process is not None and not r.retired and r.process.done()
+        }
         self._read_last_words(broken, failed, got, ended)
         reporting = {r.rank for r, _ in failed}
         if failed and all(r.rank in reporting for r in broken) and not ended - reporting:
