@@ -137,3 +137,66 @@ def test_a_peer_dying_between_rounds_is_named_at_once():
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
+
+
+def test_stale_segments_of_dead_processes_are_swept(tmp_path):
+    """Files named with a dead creator's pid go; a live pid's, another format's, and an
+    unrelated file stay."""
+    import subprocess
+    import sys
+
+    from batchgen.distributed.shm_transport import sweep_stale_segments
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is gone (reuse within this test is not a concern)
+    dead, live = child.pid, os.getpid()
+    names = {
+        f"batchgen_a2a_0123456789abcdef_pid{dead}_r0_p1_g1": False,
+        f"batchgen_a2a_0123456789abcdef_pid{dead}_header": False,
+        f"batchgen_a2a_fedcba9876543210_pid{live}_r1_p0_g2": True,
+        "batchgen_a2a_0123456789abcdef_r0_p1_g1": True,  # the old names: no pid, kept
+        "something_else": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 16)
+    removed = sweep_stale_segments(str(tmp_path))
+    assert sorted(removed) == sorted(n for n, keep in names.items() if not keep)
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
+
+
+def test_a_small_dev_shm_is_reported_before_any_segment_is_made(monkeypatch, tmp_path):
+    """Docker's default 64 MiB /dev/shm cannot hold 2 ranks x 2 segments x 64 MiB: the reason
+    names the sizes and the variable; a large enough one passes."""
+    from batchgen.distributed import shm_transport
+
+    class _Stat:
+        f_frsize = 4096
+        f_bavail = (64 << 20) // 4096
+
+    monkeypatch.setattr(shm_transport.os, "statvfs", lambda _: _Stat)
+    why = shm_transport.shm_room(2, 64 << 20, str(tmp_path))
+    assert why is not None
+    assert "64 MiB free" in why and "256 MiB" in why and "BATCHGEN_A2A_SHM_SEGMENT_MB" in why
+    assert shm_transport.shm_room(2, 8 << 20, str(tmp_path)) is None  # 32 MiB fits
+
+
+def _room_rank(rank, world, mode):
+    import torch.distributed as dist
+
+    from batchgen.distributed.transport import make_transport
+
+    os.environ["BATCHGEN_A2A_TRANSPORT"] = mode
+    os.environ["BATCHGEN_A2A_SHM_SEGMENT_MB"] = str(1 << 30)  # 1 PiB segments: no room
+    try:
+        t = make_transport(dist.group.WORLD, torch.device("cpu"), 30.0)
+    except RuntimeError as exc:
+        return str(exc)
+    t.close()
+    return t.name
+
+
+@pytest.mark.timeout(120)
+def test_no_room_in_dev_shm_means_gloo_or_a_clear_error():
+    assert run_ranks(_room_rank, 2, "auto") == ["gloo", "gloo"]
+    for message in run_ranks(_room_rank, 2, "shm"):
+        assert "BATCHGEN_A2A_TRANSPORT=shm" in message and "MiB free" in message, message

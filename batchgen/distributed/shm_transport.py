@@ -43,6 +43,7 @@ import atexit
 import math
 import mmap
 import os
+import re
 import time
 
 import torch
@@ -68,6 +69,64 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+_STALE = re.compile(r"^batchgen_a2a_[0-9a-f]{16}_pid(\d+)_")
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the all-to-all files in ``shm_dir`` whose creating process is gone.
+
+    Every file of ours carries its creator's pid (``batchgen_a2a_<token>_pid<pid>_...``). A
+    rank unlinks its files one op after making them and at exit, but a rank killed by SIGKILL
+    between the two leaves them, and ``/dev/shm`` is memory: without a sweep, every killed
+    rank could leave up to two segments (64 MiB each at the cap) until the machine reboots.
+    `make_transport` sweeps at every start-up. A file whose pid runs (perhaps a reused pid) or
+    that another user owns is kept; files named before pids were added are not recognised.
+
+    Returns:
+        The names removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        match = _STALE.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # gone already (another rank swept it) or not ours to remove
+            pass
+    return removed
+
+
+def shm_room(world: int, cap: int, shm_dir: str = SHM_DIR) -> str | None:
+    """Why ``shm_dir`` cannot hold the group's segments at the cap, or None when it can.
+
+    The worst case is every rank of the group with both its segments at the cap: ``world x 2 x
+    cap`` bytes (the header is a few KiB). A container's ``/dev/shm`` is often 64 MiB (Docker's
+    default), where a segment growing mid-job would fail; checking at start-up lets the
+    automatic choice take gloo instead.
+    """
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError as exc:
+        return f"cannot read the free space of {shm_dir} ({exc})"
+    free, need = st.f_bavail * st.f_frsize, world * 2 * cap
+    if free >= need:
+        return None
+    return (
+        f"{shm_dir} has {free / (1 << 20):.0f} MiB free and the group may need "
+        f"{need / (1 << 20):.0f} MiB ({world} ranks x 2 segments x {cap / (1 << 20):g} MiB, "
+        f"{SEGMENT_MB_ENV})"
+    )
 
 
 class _Segment:
@@ -149,7 +208,7 @@ class ShmAllToAll:
         gen = self._word(self.rank, 2 + parity) + 1
         size = max(MIN_SEGMENT_BYTES, nbytes + nbytes // 2, 2 * (seg.size if seg else 0))
         size = min(size, max(self.max_segment_bytes, nbytes))
-        path = f"{self.prefix}_r{self.rank}_p{parity}_g{gen}"
+        path = f"{self.prefix}_pid{os.getpid()}_r{self.rank}_p{parity}_g{gen}"
         new = _Segment(path, size, create=True)
         self._to_unlink.append((self.seq, path))
         if seg is not None:
@@ -165,7 +224,8 @@ class ShmAllToAll:
             return cached[1]
         if cached is not None:
             cached[1].close()
-        seg = _Segment(f"{self.prefix}_r{src}_p{parity}_g{gen}", 0, create=False)
+        name = f"{self.prefix}_pid{self.pids[src]}_r{src}_p{parity}_g{gen}"
+        seg = _Segment(name, 0, create=False)
         self.peers[(src, parity)] = (gen, seg)
         return seg
 

@@ -1,6 +1,11 @@
 """Choosing the all-to-all under dispatch and combine: `ShmAllToAll` (this host's shared
 memory, `batchgen.distributed.shm_transport`) when every rank of the expert-parallel group can
 use it, else `GlooAllToAll` (``all_to_all_single`` on the group's backend).
+
+At start-up each rank first removes the all-to-all files that killed ranks left in
+``/dev/shm`` (`sweep_stale_segments`), and shared memory is chosen only when ``/dev/shm`` has
+room for every rank's two segments at the cap (`shm_room`: a container's 64 MiB ``/dev/shm``
+gets gloo, rather than a segment that fails to grow mid-job).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from batchgen.distributed.shm_transport import (
     _alive,
     _segment_cap,
     _Segment,
+    shm_room,
+    sweep_stale_segments,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,10 +78,26 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ok = device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
     ok = ok and dist.get_backend(data_group) == "gloo" and os.path.isdir(SHM_DIR)
-    token = [secrets.token_hex(8) if rank == 0 else None]
+    try:
+        cap: int | str = _segment_cap(None)
+    except ValueError as exc:
+        cap = str(exc)
+    why = None
+    if ok:
+        swept = sweep_stale_segments()
+        if swept:
+            shown = ", ".join(swept[:4]) + (" ..." if len(swept) > 4 else "")
+            logger.info("removed %d all-to-all file(s) of dead processes from %s: %s",
+                        len(swept), SHM_DIR, shown)
+        why = shm_room(world, cap) if isinstance(cap, int) else None
+        if why is not None:
+            logger.info("no shared-memory all-to-all: %s", why)
+            ok = False
+    token = [(secrets.token_hex(8), os.getpid()) if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    prefix = f"{SHM_DIR}/batchgen_a2a_{token[0]}"
-    header_path, size = f"{prefix}_header", ShmAllToAll.header_bytes(world)
+    prefix = f"{SHM_DIR}/batchgen_a2a_{token[0][0]}"
+    header_path = f"{prefix}_pid{token[0][1]}_header"
+    size = ShmAllToAll.header_bytes(world)
     header = None
     if rank == 0 and ok:
         try:
@@ -89,21 +112,17 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
             ok = header.size == size
         except OSError:
             ok = False
-    try:
-        cap: int | str = _segment_cap(None)
-    except ValueError as exc:
-        cap = str(exc)
     info = [None] * world
-    dist.all_gather_object(info, (ok, os.getpid(), cap), group=group)
-    pids = [pid for _, pid, _ in info]
-    ok = all(flag for flag, _, _ in info) and all(_alive(p) for p in pids)
+    dist.all_gather_object(info, (ok, os.getpid(), cap, why), group=group)
+    pids = [pid for _, pid, _, _ in info]
+    ok = all(flag for flag, _, _, _ in info) and all(_alive(p) for p in pids)
     agreed = [None] * world
     dist.all_gather_object(agreed, ok, group=group)  # every rank saw every pid
     if rank == 0 and header is not None:
         os.unlink(header_path)  # every rank has mapped it (or gave up)
     if all(agreed):
         try:
-            cap = _agreed_cap([c for _, _, c in info])
+            cap = _agreed_cap([c for _, _, c, _ in info])
         except ValueError:
             header.close()
             raise
@@ -111,9 +130,11 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
     if header is not None:
         header.close()
     if mode == "shm":
+        reasons = "; ".join(sorted({w for _, _, _, w in info if w}))
         raise RuntimeError(
             f"${TRANSPORT_ENV}=shm but the expert-parallel group cannot share memory here "
-            "(ranks on several hosts, not x86-64, not on the CPU, or no /dev/shm)"
+            + (f"({reasons})" if reasons else "(ranks on several hosts, not x86-64, not on the "
+               "CPU, or no /dev/shm)")
         )
     return GlooAllToAll(data_group)
 
