@@ -78,12 +78,16 @@ def test_onednn_linear_rejects_bad_inputs_by_name():
         ol.pack_onednn_weight(torch.zeros(16, 32))
 
 
-def _layer(n=40, k=64, bias=True, dtype=torch.bfloat16) -> PrepackedLinear:
+def _layer(n=40, k=64, bias=True) -> PrepackedLinear:
     torch.manual_seed(0)
-    layer = nn.Linear(k, n, bias=bias).to(dtype)
+    layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     assert enable_prepacked_linear(layer) == 1
     assert type(layer) is PrepackedLinear
     return layer
+
+
+def _packed_result(layer, x):
+    return ol.onednn_linear(x, ol.pack_onednn_weight(layer.weight), layer.bias)
 
 
 @needs_onednn
@@ -95,40 +99,52 @@ def test_prepacked_linear_packs_once_and_again_after_writes():
         assert first is not None  # packed by enable_prepacked_linear, before any forward
         y = layer(x)
         assert layer._packed is first
-        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=2 * BF16_EPS, atol=0)
+        assert torch.equal(y, _packed_result(layer, x))
+        ref = F.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(y, ref, rtol=2 * BF16_EPS, atol=0)
+        x3 = torch.randn(2, 64, 3).to(torch.bfloat16).transpose(1, 2)  # [2, 3, 64], strided
+        assert torch.equal(layer(x3), _packed_result(layer, x3.contiguous()))
+        with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+            layer(torch.zeros(2, 32, dtype=torch.bfloat16))
     with torch.no_grad():  # a write the version counter sees: repacked on the next forward
         layer.weight.mul_(-1)
     with torch.inference_mode():
-        assert torch.equal(layer(x), ol.onednn_linear(x, ol.pack_onednn_weight(layer.weight), layer.bias))
+        assert torch.equal(layer(x), _packed_result(layer, x))
     # a write it does not see (what the loader and update_weights do) needs the invalidation
     layer.weight.data.copy_(torch.randn(40, 64))
     layer.invalidate_packed_weights()
     with torch.inference_mode():
-        assert torch.equal(layer(x), ol.onednn_linear(x, ol.pack_onednn_weight(layer.weight), layer.bias))
+        assert torch.equal(layer(x), _packed_result(layer, x))
 
 
-@pytest.mark.parametrize("case", ["float32", "env_off", "autograd"])
-def test_prepacked_linear_falls_back_to_f_linear(case, monkeypatch):
-    dtype = torch.float32 if case == "float32" else torch.bfloat16
-    layer = _layer(dtype=dtype)
-    x = torch.randn(5, 64).to(dtype)
-    if case == "env_off":
-        monkeypatch.setenv(ol.ONEDNN_LINEAR_ENV, "0")
-    if case == "autograd":
-        x.requires_grad_(True)
-        y = layer(x)
-        y.float().sum().backward()  # F.linear has a backward; the oneDNN op has none
-        assert x.grad is not None
-        assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
-        return
+@needs_onednn
+def test_prepacked_linear_runs_f_linear_for_float32_and_autograd():
+    layer = _layer()
+    x32 = torch.randn(5, 64)
+    with pytest.raises(RuntimeError):  # as nn.Linear: a float32 input to bf16 weights fails
+        layer(x32)
+    layer.float()  # a float32 weight (the packed bf16 copy is not used)
     with torch.inference_mode():
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x32), F.linear(x32, layer.weight, layer.bias))
+    layer.bfloat16()
+    x = torch.randn(5, 64).to(torch.bfloat16).requires_grad_(True)
+    y = layer(x)  # F.linear has a backward; the oneDNN op has none
+    y.float().sum().backward()
+    assert x.grad is not None
+    assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 
 
-def test_enable_prepacked_linear_leaves_batch_invariant_layers_alone():
-    model = nn.Sequential(nn.Linear(8, 8), BatchInvariantLinear(8, 8))
-    assert enable_prepacked_linear(model) == 1
-    assert type(model[0]) is PrepackedLinear and type(model[1]) is BatchInvariantLinear
+def test_enable_prepacked_linear_converts_only_bf16_plain_linear_layers(monkeypatch):
+    model = nn.Sequential(
+        nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8), BatchInvariantLinear(8, 8).bfloat16()
+    )
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_ENV, "0")  # off: nothing converted
+    assert enable_prepacked_linear(model) == 0
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear, BatchInvariantLinear]
+    monkeypatch.delenv(ol.ONEDNN_LINEAR_ENV)
+    assert enable_prepacked_linear(model) == (1 if HAS_PATH else 0)
+    first = PrepackedLinear if HAS_PATH else nn.Linear
+    assert [type(m) for m in model] == [first, nn.Linear, BatchInvariantLinear]
 
 
 # ---- the engine ---------------------------------------------------------------------------
@@ -154,7 +170,8 @@ def test_bf16_engine_runs_every_dense_projection_prepacked(checkpoint_dir):
     llm = _llm(checkpoint_dir("mixtral"))
     assert not _linears(llm, nn.Linear)
     layers = _linears(llm, PrepackedLinear)
-    names = {n.rsplit(".", 1)[-1] for n, m in llm.llm_engine.runner.model.named_modules() if m in layers}
+    model = llm.llm_engine.runner.model
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m in layers}
     assert {"qkv_proj", "o_proj", "gate", "lm_head"} <= names
     assert all(m._packed is not None for m in layers)
     _tokens(llm)

@@ -64,19 +64,24 @@ def prepacked_linear_enabled() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
+def prepacked_linear_supported() -> bool:
+    """True when `onednn_linear` runs bfloat16 here: oneDNN in torch, a CPU with avx512_bf16
+    (`_onednn_bf16_fast`, logged once) and ``BATCHGEN_ONEDNN_LINEAR`` not ``0``. Read when a
+    model is converted (`batchgen.models.layers.linear.enable_prepacked_linear`), not per call."""
+    return prepacked_linear_enabled() and _onednn_bf16_fast()
+
+
 def prepacked_linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `onednn_linear` serves ``x @ weight.T`` here: both on CPU and bfloat16, no
-    autograd through them (the op has no backward), oneDNN with avx512_bf16 (`_onednn_bf16_fast`)
-    and the path not turned off by ``BATCHGEN_ONEDNN_LINEAR``."""
+    autograd through them (the op has no backward) and `prepacked_linear_supported`."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (
-        x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        x.is_cpu
+        and weight.is_cpu
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and not needs_grad
-        and prepacked_linear_enabled()
-        and _onednn_bf16_fast()
+        and prepacked_linear_supported()
     )
 
 
@@ -120,9 +125,5 @@ def onednn_linear(
             f"x and bias must be bfloat16, got {x.dtype} and "
             f"{None if bias is None else bias.dtype}"
         )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")  # [M, N]
-    return y.view(*lead, n)
+    # The op takes any leading dimensions and strides (tested), and rounds once to bf16.
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [..., N]
