@@ -147,6 +147,19 @@ def test_enable_prepacked_linear_converts_only_bf16_plain_linear_layers(monkeypa
     assert [type(m) for m in model] == [first, nn.Linear, BatchInvariantLinear]
 
 
+def test_no_avx512_bf16_means_no_conversion(monkeypatch):
+    """Without avx512_bf16 (oneDNN would emulate bf16, unmeasured) the model keeps F.linear."""
+    flags = ol.cpu_flags().replace("avx512_bf16", "").replace("amx_bf16", "")
+    monkeypatch.setattr(ol, "cpu_flags", lambda: flags)
+    ol._onednn_bf16_fast.cache_clear()
+    try:
+        model = nn.Sequential(nn.Linear(8, 8).bfloat16())
+        assert not ol.prepacked_linear_supported()
+        assert enable_prepacked_linear(model) == 0 and type(model[0]) is nn.Linear
+    finally:
+        ol._onednn_bf16_fast.cache_clear()  # the real answer again for later tests
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 PROMPTS = [[1, 9, 10, 11, 12, 13, 14, 15, 16, 17], [1, *range(100, 106)], [1, 300, 301]]

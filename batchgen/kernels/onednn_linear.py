@@ -4,18 +4,23 @@
 oneDNN reorders into its blocked (AMX / AVX512-BF16) layout on every call. Inductor's freezing
 pass avoids that by reordering once (``torch.ops.mkldnn._reorder_linear_weight``) and calling
 ``torch.ops.mkldnn._linear_pointwise`` on the opaque packed tensor; `onednn_linear` does the
-same for the engine. Measured on a 2-core AVX512-BF16/AMX machine, torch 2.13, 2 threads, with
-other jobs running (``benchmarks/bf16_linear.py``, docs/performance.md): 1.3-1.9x F.linear at
-4-512 rows on the bench model's projections (hidden 512) and on a 2048-hidden model; at one row
-1.3-1.6x F.linear, still slower than float32 ``F.linear`` on the small shapes (a fixed cost of
-oneDNN per call of about 10 us). The result is oneDNN's: float32 accumulation, one rounding to
-bfloat16 (bit-identical to ``F.linear`` in bfloat16 on every shape measured; the tests bound it
-against the float32 product of the same bfloat16 inputs).
+same for the engine. Measured on a 2-core AMX-BF16 machine shared with other jobs, torch 2.13,
+one thread, process CPU time, fastest of 30 alternated calls, as module calls
+(``benchmarks/bf16_linear.py --threads 1 --clock cpu``, docs/performance.md): on a hidden-2048
+model's projections 1.0-1.56x ``F.linear`` (qkv, o and the LM head 1.1-1.56x, the down
+projection about 1.0x); on the bench model's (hidden 512) 0.8-1.3x, about 1.1x below 64 rows
+and even from 256 rows, where the call's fixed cost of about 15-20 us dominates. At one row
+neither bf16 path reaches float32 ``F.linear`` (MKL) on the hidden-512 shapes (9-10 against
+12-14 GFLOP/s). The result is oneDNN's inner product: float32 accumulation, one rounding to
+bfloat16; it was bit-identical to ``F.linear`` in bfloat16 on every shape measured, and the
+tests bound it against the exact product of the same bfloat16 inputs.
 
-Used by `batchgen.models.layers.linear.PrepackedLinear` where `prepacked_linear_available` says
-so: CPU, bfloat16, oneDNN built into torch, a CPU with avx512_bf16 (without it oneDNN emulates
-bfloat16 and nothing is measured), and ``BATCHGEN_ONEDNN_LINEAR`` not ``0``. Elsewhere the
-engine runs ``F.linear``.
+Used by `batchgen.models.layers.linear.PrepackedLinear` (every dense projection of a bfloat16
+model on CPU) where `prepacked_linear_supported`: oneDNN built into torch, a CPU with
+avx512_bf16 (without it oneDNN emulates bfloat16 and nothing was measured), and
+``BATCHGEN_ONEDNN_LINEAR`` not ``0`` (off: the engine runs ``F.linear`` as before, for A/B
+runs). The fused-MoE micro-kernels as a one-expert dense MLP (candidate (b) of issue 19) were
+0.9-1.35x ``F.linear`` below 64 rows and 0.65-0.98x from 256 rows, so a library path it is.
 
 Cost: the packed weight is a second copy of the weight (N x K bfloat16 per layer).
 """

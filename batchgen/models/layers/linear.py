@@ -5,7 +5,7 @@ projections, dense MLPs, shared experts, the router gate, the LM head) run on on
 packed once (`batchgen.kernels.onednn_linear`) instead of ``F.linear``, which repacks the
 weight on every call. The class changes in place and the parameters stay, so weight loading,
 tying (``lm_head.weight is embed_tokens.weight``) and `update_weights` are untouched: the packed
-copy is keyed on the weight's storage, version counter and shape, and is dropped by
+copy is keyed on the weight's storage and version counter, and is dropped by
 `invalidate_packed_weights` (called by the loader and by `update_weights`, whose writes go
 through ``.data`` or inference-mode tensors that the version counter does not see).
 
