@@ -50,6 +50,7 @@ from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.kernels.cpu_build import kernels_enabled
 from batchgen.models.batch_invariant import check_batch_invariant_support, enable_batch_invariant
+from batchgen.models.layers.linear import enable_prepacked_linear
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
@@ -137,6 +138,8 @@ class LLMEngine(EngineRequests, RequestOutputs):
         model = load_model(path, cfg, self.device, self.dtype, held)
         if config.batch_invariant:
             enable_batch_invariant(model)
+        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            enable_prepacked_linear(model)  # oneDNN-packed dense weights where avx512_bf16
         logger.info(
             "loaded %s (%s) on %s in %.1f s",
             path,

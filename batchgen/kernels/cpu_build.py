@@ -80,7 +80,9 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (``"flags : fpu ... avx512_bf16 ..."``), or the
+    machine name where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -124,7 +126,7 @@ def _build(source: Path, cxx: list[str]) -> Path:
                 " ".join(CXX_FLAGS + LINK_FLAGS).encode(),
                 shlex.join(cxx).encode(),
                 version.encode(),
-                _cpu_flags().encode(),
+                cpu_flags().encode(),
             ]
         )
     ).hexdigest()[:16]
