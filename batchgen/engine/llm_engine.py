@@ -35,6 +35,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine.cpu_threads import configure_cpu_threads
+from batchgen.engine.engine_setup import load_engine_model, resolve_max_model_len
 from batchgen.engine.engine_requests import EngineRequests
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
@@ -49,10 +50,9 @@ from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.kernels.cpu_build import kernels_enabled
-from batchgen.models.batch_invariant import check_batch_invariant_support, enable_batch_invariant
-from batchgen.models.layers.linear import enable_prepacked_linear
+from batchgen.models.batch_invariant import check_batch_invariant_support
 from batchgen.models.layers.moe import SparseMoeBlock
-from batchgen.models.loader import load_model, resolve_dtype, resolve_model_path
+from batchgen.models.loader import resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -133,37 +133,14 @@ class LLMEngine(EngineRequests, RequestOutputs):
             tune_glibc_malloc()
             kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
-        t0 = time.perf_counter()
         held = rank.held_experts(cfg) if rank is not None else None
-        model = load_model(path, cfg, self.device, self.dtype, held)
-        if config.batch_invariant:
-            enable_batch_invariant(model)
-        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            enable_prepacked_linear(model)  # oneDNN-packed dense weights where avx512_bf16
-        logger.info(
-            "loaded %s (%s) on %s in %.1f s",
-            path,
-            cfg.architecture,
-            self.device,
-            time.perf_counter() - t0,
-        )
+        model = load_engine_model(path, cfg, self.device, self.dtype, held, config.batch_invariant)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(path, cfg)
 
         num_blocks = num_kv_blocks(config, cfg, self.dtype, self.device)
         capacity = num_blocks * config.block_size
-        max_len = config.max_model_len or cfg.max_position_embeddings
-        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={cfg.max_position_embeddings}"
-            )
-        if max_len > capacity:
-            logger.warning(
-                "max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity
-            )
-            max_len = capacity
-        self.max_model_len = max_len
+        self.max_model_len = max_len = resolve_max_model_len(config.max_model_len, cfg, capacity)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)
         # A cache hit computes the rest of a prompt against cached K/V instead of inside its
         # chunk, which changes the last bits: the batch-invariant mode caches nothing.
