@@ -251,6 +251,31 @@ def test_blank_lines_between_requests_are_skipped_with_a_warning(tmp_path, caplo
     assert "3 blank lines skipped" in summary.describe()
 
 
+def test_requests_naming_another_model_run_with_one_warning_per_name(tmp_path, caplog):
+    lines = [
+        completion_line("a", model="gpt-4o-mini"),
+        completion_line("b", model="gpt-4o-mini"),
+        completion_line("c"),  # the served name: no warning
+        chat_line("d"),  # no model: no warning
+        chat_line("e", model="gpt-3.5-turbo-instruct"),
+        completion_line("f", model="gpt-4o-mini", temperature="hot"),  # did not run
+        completion_line("g", model="gpt-4o-mini"),
+    ]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.batch_runner"):
+        summary = run(FakeEngine(), src, tmp_path / "out.jsonl")
+    assert (summary.succeeded, summary.failed) == (6, 1)
+    results = by_id(read_results(tmp_path / "out.jsonl"))
+    assert results["a"]["response"]["body"]["model"] == "fake-model"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"{src}: 3 lines name model 'gpt-4o-mini'; they ran on 'fake-model' "
+        "(--served-model-name sets the name)",
+        f"{src}: 1 line names model 'gpt-3.5-turbo-instruct'; it ran on 'fake-model' "
+        "(--served-model-name sets the name)",
+    ]
+
+
 @pytest.mark.parametrize("tail", ["\n", "\n\n", "\n  \n"])
 def test_a_trailing_newline_or_empty_last_line_is_silent(tmp_path, caplog, tail):
     src = tmp_path / "in.jsonl"

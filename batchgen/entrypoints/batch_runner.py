@@ -51,6 +51,7 @@ from batchgen.entrypoints.openai_protocol import (
     response_body,
     success_line,
 )
+from batchgen.entrypoints.model_names import ModelNameTally
 from batchgen.entrypoints.snapshot_store import (
     SnapshotTakenOverError,
     SnapshotWriteError,
@@ -335,6 +336,7 @@ class _BatchRun:
         self.in_flight: dict[str, BatchRequest] = {}  # engine request id -> request
         self.seen_ids: set[str] = set()
         self.blank = BlankLines()
+        self.models = ModelNameTally(engine.model_name)
         self._start = time.perf_counter()
 
     def run(self, lines: Iterator[tuple[int, bytes]]) -> BatchRunSummary:
@@ -409,6 +411,7 @@ class _BatchRun:
             code, param = rejected_error(api, err)
             self._fail(error_line(request.custom_id, code, message, param=param, line=request.line))
             return
+        self.models.add(api.model)
         self.in_flight[request_id] = request
 
     def _step(self) -> None:
@@ -550,7 +553,9 @@ def run_batch_file(
         engine: an `LLMEngine` (``add_request``, ``apply_chat_template``, ``step``,
             ``has_unfinished_requests``, ``abort_request``, ``tokenizer``, ``model_name``).
         input_path: JSONL input, one request per line (see `parse_batch_line`); blank lines are
-            skipped, with a warning naming those before the last request line.
+            skipped, with a warning naming those before the last request line. A line whose
+            body names a ``model`` other than ``engine.model_name`` runs on the engine's model;
+            the run ends with one warning per such name (`ModelNameTally`).
         output_path: JSONL output, written in completion order (not input order); match lines
             by ``custom_id``. Overwritten unless ``resume``.
         resume: keep the results already in ``output_path`` (cutting a half-written last line),
@@ -636,4 +641,5 @@ def run_batch_file(
             input_path,
             batch_run.blank.describe(),
         )
+    batch_run.models.warn(logger, str(input_path))
     return summary
