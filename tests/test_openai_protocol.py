@@ -28,6 +28,7 @@ from batchgen.entrypoints.openai_protocol import (
     success_line,
 )
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.sampling_params import SamplingParams
 
 
 class CharTokenizer:
@@ -211,7 +212,9 @@ def test_missing_prompt():
         ("model", 3, "'model' must be a string"),
         ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
         ("n", 0, "n must be an integer >= 1"),
-        ("logprobs", 21, "logprobs must be an integer in [0, 20]"),
+        ("logprobs", 21, "logprobs must be an integer in [0, 20] or null, got 21"),
+        # SamplingParams says None (Python, vLLM's wording); a JSON line says null.
+        ("max_tokens", 0, "max_tokens must be an integer >= 1 or null, got 0"),
         ("presence_penalty", 3, "presence_penalty must be in [-2, 2]"),
         # Values no engine tensor holds fail their line with the range, not the engine step.
         ("top_k", 2**63, "top_k must be an integer >= 1, or 0 or -1 to disable it, and at most"),
@@ -224,6 +227,11 @@ def test_wrong_fields_name_the_field(field, value, words):
     assert words in str(err), str(err)
     assert err.param == field and err.custom_id == "req-1"
     assert str(err).startswith("line 3: ")
+
+
+def test_the_python_api_keeps_none_in_its_messages():
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1 or None, got 0"):
+        SamplingParams(max_tokens=0)
 
 
 @pytest.mark.parametrize(
@@ -346,7 +354,13 @@ def test_custom_id_with_a_lone_surrogate_fails_its_line_only():
 def test_envelope_errors():
     missing = line_error(json.dumps({"url": COMPLETIONS_URL, "body": completion()}))
     assert missing.custom_id is None and missing.code == MISSING_REQUIRED_PARAMETER
-    assert "'custom_id'" in str(missing)
+    assert str(missing) == "line 3: missing 'custom_id'" and missing.param == "custom_id"
+    null = line_error(json.dumps({"custom_id": None, "url": COMPLETIONS_URL, "body": {}}))
+    assert str(null) == "line 3: 'custom_id' must be a non-empty string, got null (null)"
+    assert null.code == MISSING_REQUIRED_PARAMETER
+    empty = line_error(json.dumps({"custom_id": "", "url": COMPLETIONS_URL, "body": {}}))
+    assert "'custom_id' must be a non-empty string, got" in str(empty)
+    assert empty.code == "invalid_request"
     numeric = line_error(json.dumps({"custom_id": 5, "url": COMPLETIONS_URL, "body": {}}))
     assert numeric.custom_id is None and "got 5 (integer)" in str(numeric)
     url = line_error(envelope(completion(), url="/v1/embeddings"))

@@ -447,7 +447,8 @@ def _sampling_params(
         return SamplingParams(**kwargs)
     except ValueError as err:
         # SamplingParams' messages start with its field name; name the OpenAI one instead.
-        message = str(err)
+        # They speak Python ("or None", vLLM's wording); a JSON body writes that null.
+        message = str(err).replace(" or None, ", " or null, ")
         field = message.split(" ", 1)[0]
         if is_chat and field == "logprobs":
             message, field = "top_logprobs" + message[len("logprobs") :], "top_logprobs"
@@ -703,7 +704,15 @@ def _custom_id(value: Any, line: int) -> str:
 
 
 def _parse_envelope(obj: dict[str, Any], line: int) -> tuple[str, str, Any]:
-    custom_id = _custom_id(obj.get("custom_id"), line)
+    if "custom_id" not in obj:
+        raise BatchLineError(
+            "missing 'custom_id'",
+            line=line,
+            custom_id=None,
+            code=MISSING_REQUIRED_PARAMETER,
+            param="custom_id",
+        )
+    custom_id = _custom_id(obj["custom_id"], line)
     unknown = sorted(set(obj) - {"custom_id", *_ENVELOPE_KEYS})
     if unknown:
         raise BatchLineError(
