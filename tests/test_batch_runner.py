@@ -385,6 +385,36 @@ def test_resume_after_a_crash_runs_each_custom_id_exactly_once(tmp_path):
     assert read_results(dst) == results
 
 
+def test_an_invalid_json_line_keeps_the_custom_id_its_text_names_and_resume_skips_it(tmp_path):
+    lines = [
+        completion_line("a"),
+        '{"custom_id": "bad-json", "url": "/v1/completions", "body": {"prompt": "x"',  # cut short
+        completion_line("b"),
+        '{"custom_id": "c1", "custom_id": "c2", "body":',  # two: no id recovered
+        completion_line("bad-json"),  # a valid line with the id: a duplicate, as for any error
+    ]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    dst = tmp_path / "out.jsonl"
+    with pytest.raises(Stop):  # killed after the error lines and one success are written
+        run(FakeEngine(per_step=1, crash_after=1), src, dst)
+    first = read_results(dst)
+    bad = next(r for r in first if r["error"] and r["error"]["line"] == 2)
+    assert bad["custom_id"] == "bad-json" and bad["error"]["code"] == "invalid_json_line"
+    assert bad["error"]["message"].startswith("line 2: not valid JSON at column")
+    no_id = next(r for r in first if r["error"] and r["error"]["line"] == 4)
+    assert no_id["custom_id"] is None
+    dup = next(r for r in first if r["error"] and r["error"]["line"] == 5)
+    assert (dup["custom_id"], dup["error"]["code"]) == ("bad-json", "duplicate_custom_id")
+
+    summary = run(FakeEngine(), src, dst, resume=True)
+    assert summary.skipped == len(first) and summary.failed == 0
+    results = read_results(dst)
+    keys = Counter((r["custom_id"], r["error"] and r["error"]["line"]) for r in results)
+    assert keys == {("a", None): 1, ("b", None): 1, ("bad-json", 2): 1, (None, 4): 1,
+                    ("bad-json", 5): 1}  # every line answered exactly once
+    assert run(FakeEngine(), src, dst, resume=True).skipped == 5
+
+
 def test_resume_runs_a_first_occurrence_whose_duplicate_was_already_reported(tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [completion_line("a"), completion_line("a")])
     dst = tmp_path / "out.jsonl"

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from batchgen.entrypoints.openai_protocol import (
+    batch_line_custom_id,
     CHAT_COMPLETIONS_URL,
     COMPLETIONS_URL,
     INVALID_JSON_LINE,
@@ -339,6 +340,28 @@ def test_invalid_json_names_the_line_and_the_column_in_it(raw, message):
     assert (err.code, err.param, err.line) == (INVALID_JSON_LINE, None, 8)
     assert (str(err) + "\n").startswith(f"line 8: {message}")
     assert "line 2" not in str(err) and "(char" not in str(err)
+
+
+@pytest.mark.parametrize(
+    ("raw", "custom_id"),
+    [
+        ('{"custom_id": "bad-json", "url": "/v1/completions", "body": {"prompt": "x"', "bad-json"),
+        (b'{"custom_id":"r\\"7", "prompt": NaN}\n', 'r"7'),  # escapes decoded
+        (b'{"prompt": "\xff", "custom_id": "u-1"}', "u-1"),  # invalid UTF-8 elsewhere
+        ('{"url": 1, "custom_id": "a", "custom_id": "b"', None),  # two: which one?
+        ('{"prompt": "a, \\"custom_id\\": \\"x\\"" 1}', None),  # inside a string
+        ('{"custom_id": "", "prompt": 1 1}', None),  # empty
+        ('{"custom_id": 5, "prompt": 1 1}', None),  # not a string
+        ('{"custom_id": "\\ud800" 1}', None),  # lone surrogate
+        ('{"custom_id": "cut', None),  # the string never ends
+        ('{not json "custom_id": "x"}', None),  # not where a key can be
+        ("[1, 2]", None),  # valid JSON, not an object: nothing is salvaged
+    ],
+)
+def test_an_invalid_json_line_keeps_the_custom_id_its_raw_text_names(raw, custom_id):
+    err = line_error(raw, line=6)
+    assert (err.code, err.line, err.custom_id) == (INVALID_JSON_LINE, 6, custom_id)
+    assert batch_line_custom_id(raw, 6) == custom_id
 
 
 def test_custom_id_with_a_lone_surrogate_fails_its_line_only():

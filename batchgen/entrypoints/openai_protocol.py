@@ -71,6 +71,7 @@ from batchgen.entrypoints.openai_responses import (  # noqa: F401  (re-exported)
     success_line,
     usage,
 )
+from batchgen.entrypoints.custom_id_salvage import salvage_custom_id
 from batchgen.entrypoints.structured_body import (
     STRUCTURED_BODY_FIELDS,
     BodyFieldError,
@@ -181,8 +182,9 @@ class BatchLineError(ProtocolError):
     """An invalid batch input line. The message starts with ``line <N>:``.
 
     Attributes:
-        custom_id: the line's custom_id when it has a valid one (plain lines: ``line-<N>``),
-            else None.
+        custom_id: the line's custom_id when it has a valid one (plain lines: ``line-<N>``;
+            a line that is not valid JSON: the one its raw text plainly names, see
+            `salvage_custom_id`), else None.
         line: 1-based line number in the input file.
     """
 
@@ -628,27 +630,32 @@ def parse_batch_line(raw: str | bytes, line: int) -> BatchRequest:
 def batch_line_custom_id(raw: str | bytes, line: int) -> str | None:
     """The custom_id `parse_batch_line` gives a line (or its `BatchLineError` carries), found
     without checking the body, so about ten times faster; None for a line whose result a
-    custom_id cannot name (invalid JSON, not an object, no usable custom_id)."""
+    custom_id cannot name (invalid JSON naming no custom_id plainly, not an object, no usable
+    custom_id)."""
     try:
         obj = _decode_batch_line(raw, line)
         if any(key in obj for key in _ENVELOPE_KEYS):
             return _custom_id(obj.get("custom_id"), line)
         return _custom_id(obj.get("custom_id", f"line-{line}"), line)
-    except BatchLineError:
-        return None
+    except BatchLineError as err:
+        return err.custom_id
 
 
 def _decode_batch_line(raw: str | bytes, line: int) -> dict[str, Any]:
     """A batch line's JSON object (`parse_batch_line`'s first half)."""
+    # A line that is not JSON keeps the custom_id its raw text plainly names, if any
+    # (`salvage_custom_id`).
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        # Without its newline, json's error position is a position in this line.
-        text = text.lstrip("\ufeff").rstrip("\r\n")
-        obj = json.loads(text, parse_constant=_strict_constant)
     except UnicodeDecodeError:
+        salvaged = salvage_custom_id(raw.decode("utf-8", "replace"))
         raise BatchLineError(
-            "not valid UTF-8", line=line, custom_id=None, code=INVALID_JSON_LINE
+            "not valid UTF-8", line=line, custom_id=salvaged, code=INVALID_JSON_LINE
         ) from None
+    # Without its newline, json's error position is a position in this line.
+    text = text.lstrip("\ufeff").rstrip("\r\n")
+    try:
+        obj = json.loads(text, parse_constant=_strict_constant)
     except json.JSONDecodeError as err:
         # err.pos: 0-based character offset in the line (a column past the end: the line ended
         # too early). Some of json's messages end in "at" (they expect a position after them).
@@ -656,7 +663,7 @@ def _decode_batch_line(raw: str | bytes, line: int) -> dict[str, Any]:
         raise BatchLineError(
             f"not valid JSON at column {err.pos + 1} (in characters): {msg}",
             line=line,
-            custom_id=None,
+            custom_id=salvage_custom_id(text),
             code=INVALID_JSON_LINE,
         ) from None
     except RecursionError:
@@ -669,7 +676,10 @@ def _decode_batch_line(raw: str | bytes, line: int) -> dict[str, Any]:
         if "digits" in detail and "limit" in detail:
             detail = f"an integer has more than {sys.get_int_max_str_digits()} digits"
         raise BatchLineError(
-            f"not valid JSON: {detail}", line=line, custom_id=None, code=INVALID_JSON_LINE
+            f"not valid JSON: {detail}",
+            line=line,
+            custom_id=salvage_custom_id(text),
+            code=INVALID_JSON_LINE,
         ) from None
     if not isinstance(obj, dict):
         raise BatchLineError(
