@@ -78,6 +78,10 @@ def test_run_examples_with_default_model(tmp_path):
         if limit is not None:
             assert usage["completion_tokens"] <= limit * req.get("n", 1)
     assert "49 ok, 0 failed" in proc.stderr
+    # The first use builds the default model, and says so; the example names the served model.
+    built = tmp_path / "cache" / DEFAULT_MODEL_NAME
+    assert f"building the default model into {built} (first use, random weights)" in proc.stderr
+    assert "lines name model" not in proc.stderr and "line names model" not in proc.stderr
     # The first run says why its text is gibberish, at start and in the summary.
     assert proc.stderr.count("has random weights, so its text is gibberish") == 2
     assert "batchgen run: note: the default model batchgen/default-mixtral-v1" in proc.stderr

@@ -171,3 +171,25 @@ def test_bfloat16_on_two_ranks(checkpoint_dir, strategy):
         assert _run(llm) == want
     finally:
         llm.shutdown()
+
+
+def test_two_ranks_on_the_default_model_log_the_random_weights_note(monkeypatch, caplog):
+    """The frontend logs the note one process logs (the ranks get a path, not None); stopped
+    before any rank starts."""
+    import logging
+
+    from batchgen.models import default_model, loader
+    from batchgen.models.default_model import RANDOM_WEIGHTS_NOTE
+
+    class Stop(Exception):
+        pass
+
+    def stop(path):
+        raise Stop(path)
+
+    monkeypatch.setattr(default_model, "default_model_path", lambda: "/cache/default-mixtral-v1")
+    monkeypatch.setattr(loader, "resolve_model_path", stop)
+    with caplog.at_level(logging.WARNING), pytest.raises(Stop, match="default-mixtral-v1"):
+        LLM(data_parallel_size=2, enable_expert_parallel=True)
+    notes = [r for r in caplog.records if r.getMessage() == RANDOM_WEIGHTS_NOTE]
+    assert [r.name for r in notes] == ["batchgen.distributed.frontend"]

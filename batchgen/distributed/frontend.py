@@ -121,10 +121,15 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
 
         self.config, self.parallel = config, parallel
         if config.model is None:
-            from batchgen.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+            from batchgen.models.default_model import (
+                DEFAULT_MODEL_NAME,
+                RANDOM_WEIGHTS_NOTE,
+                default_model_path,
+            )
 
             config.model = str(default_model_path())
             self.model_name = f"batchgen/{DEFAULT_MODEL_NAME}"
+            logger.warning(RANDOM_WEIGHTS_NOTE)  # as `LLMEngine`; the ranks get the path
         else:
             self.model_name = served_model_name(config.model)
         self.model_name = config.served_model_name or self.model_name

@@ -8,10 +8,13 @@ model behind and concurrent first uses are safe.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "default-mixtral-v1"
 # What `batchgen run` / `serve` / `LLM()` say when they run it: at start and in the run summary.
@@ -32,13 +35,16 @@ def cached_model(name: str, arch: str, seed: int = 0, **overrides) -> str:
     """Path of checkpoint ``name`` in the cache dir, built by `make_model` on first use.
 
     The build goes to a temporary directory renamed into place: a crash never leaves a
-    half-written model and concurrent first uses are safe.
+    half-written model and concurrent first uses are safe. A build logs one line (INFO)
+    naming the folder.
     """
     from batchgen.models.make_model import make_model
 
     target = cache_dir() / name
     if (target / "model.safetensors").is_file():
         return str(target)
+    what = "the default model" if name == DEFAULT_MODEL_NAME else f"model {name!r}"
+    logger.info("building %s into %s (first use, random weights)", what, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
