@@ -48,3 +48,19 @@ def test_the_readme_points_at_the_architecture_in_the_repository():
         assert f"\n## {topic}" in arch
     assert "## Not built yet" in arch and "phase-specific parallelism" in arch
     assert "(docs/distributed.md)" in readme and "(distributed.md)" in arch
+
+
+def test_the_readme_commands_read_files_that_exist_at_the_repo_root():
+    """Every `.venv/bin/batchgen ...` command of the README runs from a fresh checkout: the
+    input files (`-i`), cluster files (`--config`, `config check`) it names exist."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = re.findall(r"^\.venv/bin/batchgen (.+)$", text, flags=re.M)
+    inputs = []
+    for command in commands:
+        words = command.split("#", 1)[0].split()
+        for flag, value in zip(words, words[1:]):
+            if flag in ("-i", "--input", "--config", "check"):
+                inputs.append(value)
+    assert len(inputs) >= 5
+    missing = [path for path in inputs if not (REPO / path).is_file()]
+    assert missing == []
