@@ -375,3 +375,29 @@ def _is_uri_or_path(text: str) -> bool:
             rest and scheme[:1].isalpha() and all(c.isalnum() or c in "+-." for c in scheme)
         )
     return bool(text.strip()) and re.match(r"^[A-Za-z][\w+.-]+:", text) is None
+
+
+def check_tensor_parallel_size(value: object, *, flag: bool = False) -> None:
+    """Accept vLLM's ``tensor_parallel_size`` at 1 (a no-op: vLLM users pass it) and refuse any
+    other value: BatchGen does not shard a layer across ranks.
+
+    Args:
+        value: the size given (an int; a bool is not one).
+        flag: word the error for ``--tensor-parallel-size`` (argparse prefixes the flag's
+            name) instead of ``LLM(tensor_parallel_size=...)``.
+
+    Raises:
+        ValueError: ``value`` is not the integer 1; the message points to data-parallel ranks
+            with expert parallelism, BatchGen's way to use several devices.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+        return
+    if flag:
+        name, hint = "", "--data-parallel-size N --enable-expert-parallel"
+    else:
+        name, hint = "tensor_parallel_size ", "data_parallel_size=N, enable_expert_parallel=True"
+    raise ValueError(
+        f"{name}must be 1, got {value!r}: BatchGen has no tensor parallelism (1 is accepted as "
+        f"a no-op); for several ranks use {hint} (data-parallel attention, the experts "
+        "sharded over the ranks: docs/distributed.md)"
+    )

@@ -542,6 +542,33 @@ def test_cli_run_with_a_fake_engine(tmp_path, monkeypatch, capsys):
     assert "in.jsonl: skipped 1 blank line (line 2) between requests" in err
 
 
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp"])
+def test_cli_run_accepts_vllms_tensor_parallel_size_1_and_refuses_others(
+    tmp_path, monkeypatch, capsys, flag
+):
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    given: dict = {}
+
+    def fake_start(kwargs):
+        given.update(kwargs)
+        return FakeEngine()
+
+    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--no-progress"]
+    assert cli.main([*argv, flag, "1"]) == 0
+    assert given == {} and "1 ok, 0 failed" in capsys.readouterr().err  # a no-op
+    for value, got in (("2", "2"), ("x", "'x'")):
+        with pytest.raises(SystemExit) as info:
+            cli.main([*argv, flag, value])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert (
+            f"argument -tp/--tensor-parallel-size: must be 1, got {got}: "
+            "BatchGen has no tensor parallelism (1 is accepted as a no-op); for several ranks "
+            "use --data-parallel-size N --enable-expert-parallel"
+        ) in err
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -193,3 +193,21 @@ def test_two_ranks_on_the_default_model_log_the_random_weights_note(monkeypatch,
         LLM(data_parallel_size=2, enable_expert_parallel=True)
     notes = [r for r in caplog.records if r.getMessage() == RANDOM_WEIGHTS_NOTE]
     assert [r.name for r in notes] == ["batchgen.distributed.frontend"]
+
+
+def test_llm_accepts_vllms_tensor_parallel_size_1_and_refuses_others():
+    from batchgen.entrypoints.llm import _resolve_configs
+
+    engine, parallel, _ = _resolve_configs(None, None, {"tensor_parallel_size": 1})
+    assert (engine.model, parallel.data_parallel_size) == (None, 1)  # a no-op
+    for value in (2, True, "1"):
+        with pytest.raises(ValueError) as info:
+            LLM(tensor_parallel_size=value)
+        assert str(info.value) == (
+            f"tensor_parallel_size must be 1, got {value!r}: BatchGen has no tensor parallelism "
+            "(1 is accepted as a no-op); for several ranks use data_parallel_size=N, "
+            "enable_expert_parallel=True (data-parallel attention, the experts sharded over "
+            "the ranks: docs/distributed.md)"
+        )
+    with pytest.raises(ValueError, match=r"unknown LLM arguments \['pipeline_parallel_size'\]"):
+        LLM(pipeline_parallel_size=2)

@@ -34,6 +34,7 @@ from batchgen import __version__
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.config_fields import GIVEN_AS
 from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOTE
+from batchgen.parallel_config import check_tensor_parallel_size
 
 PROG = "batchgen"
 
@@ -115,15 +116,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     field (absent flags keep the file's setting or the default)."""
     add_cluster_file_argument(parser)
     add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
-    add_config_flags(
-        parser.add_argument_group(
-            "parallel options",
-            "Several ranks (processes), each with its own requests and KV cache; vLLM's "
-            "`--data-parallel-size N --enable-expert-parallel` is one expert-parallel group of "
-            "N ranks here too. See docs/distributed.md.",
-        ),
-        ParallelConfig,
+    parallel = parser.add_argument_group(
+        "parallel options",
+        "Several ranks (processes), each with its own requests and KV cache; vLLM's "
+        "`--data-parallel-size N --enable-expert-parallel` is one expert-parallel group of "
+        "N ranks here too. See docs/distributed.md.",
     )
+    add_config_flags(parallel, ParallelConfig)
+    parallel.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=_tensor_parallel_size,
+        default=argparse.SUPPRESS,
+        metavar="1",
+        help="vLLM's flag, accepted at 1 (a no-op); BatchGen has no tensor parallelism: "
+        "use --data-parallel-size N --enable-expert-parallel",
+    )
+
+
+def _tensor_parallel_size(text: str) -> int:
+    """``--tensor-parallel-size``: 1, else an argparse error naming the flag and the way to use
+    several ranks (`check_tensor_parallel_size`)."""
+    try:
+        value: object = int(text)
+    except ValueError:
+        value = text
+    try:
+        check_tensor_parallel_size(value, flag=True)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return 1
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

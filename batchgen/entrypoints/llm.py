@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.parallel_config import check_tensor_parallel_size
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.weight_update import WeightsLike, update_weights
 from batchgen.entrypoints.openai_protocol import parse_messages
@@ -35,7 +36,7 @@ class LLM:
             `ParallelConfig` field (``data_parallel_size``, ``enable_expert_parallel``,
             ``prefill_strategy``, ...). With more than one rank the engine is a
             `DPEngineClient` driving rank processes; call `shutdown` (or let the object go) to
-            stop them.
+            stop them. vLLM's ``tensor_parallel_size`` is accepted at 1 (a no-op).
 
     Raises:
         ValueError: invalid settings (the message names the field), unsupported architecture,
@@ -279,6 +280,9 @@ def _resolve_configs(
     ``this_machine``: also check that this machine can start the job, before any rank does:
     ``device='cuda'`` needs CUDA, and the ranks started here a CUDA device each."""
     engine_fields, parallel_fields = EngineConfig.field_names(), ParallelConfig.field_names()
+    if "tensor_parallel_size" in kwargs:  # vLLM's; 1 is a no-op, others are refused
+        kwargs = dict(kwargs)
+        check_tensor_parallel_size(kwargs.pop("tensor_parallel_size"))
     unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
     if unknown:
         raise ValueError(
