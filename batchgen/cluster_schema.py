@@ -134,9 +134,7 @@ def schema_markdown() -> str:
         return text.replace("|", "\\|")
 
     def default(key: SchemaKey) -> str:
-        if key.name == "model":
-            return "required"
-        if key.default is None:
+        if key.default is None:  # `model`: the embedded model as a flag, required in the file
             return "see meaning" if "default" in key.help else "unset"
         if isinstance(key.default, bool):
             return f"`{str(key.default).lower()}`"

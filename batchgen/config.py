@@ -40,7 +40,8 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=meta(
-            "HF model directory or hub id (default: embedded model; required in the cluster YAML)",
+            "HF model directory or hub id (default: the embedded random-weights model; "
+            "required in the cluster YAML)",
             section=TOP_LEVEL,
         ),
     )

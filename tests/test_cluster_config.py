@@ -664,6 +664,12 @@ def test_every_field_is_one_key_and_the_docs_table_is_current():
     assert len({k.path for k in keys}) == len(keys)
     docs = (REPO / "docs/cluster-config.md").read_text()
     assert schema_markdown() in docs, "regenerate the table: batchgen config schema"
+    # `model` is optional as a flag (the embedded model) and required in the file: one story.
+    row = next(r for r in schema_markdown().splitlines() if r.startswith("| `model` |"))
+    assert row == (
+        "| `model` | `--model` | see meaning | HF model directory or hub id (default: the "
+        "embedded random-weights model; required in the cluster YAML) |"
+    )
 
 
 # ---- batchgen config check
