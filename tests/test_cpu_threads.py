@@ -52,6 +52,31 @@ def test_wait_policy_follows_the_load_and_never_overrides_the_user():
         assert ct.set_openmp_wait_policy(env, load=5.0) == {} and env == {name: value}
 
 
+def test_running_tasks_is_the_median_run_queue_less_the_reader(tmp_path):
+    f = tmp_path / "loadavg"
+    f.write_text("3.10 2.50 1.90 1/87 30159\n")  # only the reader runs: idle, whatever the average
+    assert ct.running_tasks(f, samples=3, interval_s=0) == 0
+    f.write_text("0.20 0.10 0.05 3/87 30159\n")
+    assert ct.running_tasks(f, samples=1, interval_s=0) == 2
+    assert ct.running_tasks(tmp_path / "missing", samples=2, interval_s=0) is None
+    f.write_text("garbage\n")
+    assert ct.running_tasks(f, samples=1, interval_s=0) is None
+
+
+def test_wait_policy_follows_the_run_queue_not_the_load_average(monkeypatch):
+    # After an earlier job the 1-minute average stays high on an idle machine: the run queue
+    # decides. Another task running now: sleep at once.
+    spin, sleep = {"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert ct.set_openmp_wait_policy({}, load=3.0, running=0) == spin
+    assert ct.set_openmp_wait_policy({}, load=0.1, running=1) == sleep
+    monkeypatch.setattr(ct, "running_tasks", lambda: 0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 2.0, 1.0))
+    assert ct.set_openmp_wait_policy({}) == spin
+    monkeypatch.setattr(ct, "running_tasks", lambda: None)  # no /proc/loadavg: the average
+    assert ct.set_openmp_wait_policy({}) == sleep
+    assert ct.set_openmp_wait_policy({"KMP_BLOCKTIME": "5"}, running=0) == {}
+
+
 def test_threads_are_the_cpus_divided_among_local_processes(fresh, monkeypatch, caplog):
     monkeypatch.setattr(ct, "available_cpus", lambda: 8)
     with caplog.at_level(logging.INFO, logger="batchgen.engine.cpu_threads"):

@@ -12,7 +12,7 @@ Two settings, made once per process:
   milliseconds) before it sleeps. On idle cores that saves a wake-up; beside another busy
   process it burns the time slices the straggling thread needs, and a step can take tens of
   times longer. `set_openmp_wait_policy` bounds the spin: on a machine already busy when
-  BatchGen starts (1-minute load average of 1 or more) threads sleep at once
+  BatchGen starts (another task running: the run queue, sampled for 40 ms) threads sleep at once
   (``OMP_WAIT_POLICY=PASSIVE``, the largest gain there); on an idle one they spin at most
   10,000 iterations (``GOMP_SPINCOUNT``: under a millisecond, which keeps the idle speed and
   limits the loss if load arrives later). Measured with `benchmarks/cpu_threads.py`. The
@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 BUSY_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}  # another process is already running
 IDLE_WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
-BUSY_LOAD = 1.0  # a 1-minute load average from this on means "busy" at start
+BUSY_LOAD = 1.0  # where the run queue cannot be read: a 1-minute load average this high is busy
+RUN_QUEUE_SAMPLES, RUN_QUEUE_INTERVAL_S = 5, 0.01  # `running_tasks`: 5 reads over 40 ms
 
 _configured: int | None = None  # threads chosen by `configure_cpu_threads` in this process
 _warned_oversubscribed = False
@@ -59,29 +60,65 @@ def available_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     return max(1, cpus)
 
 
-def set_openmp_wait_policy(environ: dict | None = None, load: float | None = None) -> dict:
+def running_tasks(
+    loadavg: str | Path = "/proc/loadavg",
+    samples: int = RUN_QUEUE_SAMPLES,
+    interval_s: float = RUN_QUEUE_INTERVAL_S,
+) -> int | None:
+    """Tasks running or runnable now on the whole machine besides the caller: the median of
+    ``samples`` reads of ``/proc/loadavg``'s fourth field (``running/total``, the reader
+    included), ``interval_s`` apart, less one. None where the file cannot be read (not Linux)."""
+    import time
+
+    counts = []
+    for i in range(samples):
+        try:
+            counts.append(int(Path(loadavg).read_text().split()[3].split("/")[0]))
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return max(0, sorted(counts)[len(counts) // 2] - 1)
+
+
+def set_openmp_wait_policy(
+    environ: dict | None = None, load: float | None = None, running: int | None = None
+) -> dict:
     """Bound how long idle OpenMP threads spin: `BUSY_WAIT_POLICY` (sleep at once) when the
     machine is busy, else `IDLE_WAIT_POLICY` (a short spin); nothing when one of
     `WAIT_POLICY_VARS` is set already (the user's choice wins).
+
+    Busy means another task is running now (`running_tasks`: the run queue, sampled for 40 ms).
+    Not the 1-minute load average, which stays above 1 on 2 cores for a minute or two after any
+    earlier job: after a benchmark run it chose sleeping threads on an idle machine, and those
+    cost 5-28% (`batchgen bench` rollouts, docs/performance.md). The load average decides only
+    where the run queue cannot be read.
 
     Takes effect only in a process that has not loaded torch yet (and in its children).
 
     Args:
         environ: the environment to change (default ``os.environ``).
-        load: the 1-minute load average (default ``os.getloadavg()[0]``); `BUSY_LOAD` or more
-            is busy: another process already competes for the cores.
+        load: a 1-minute load average to judge instead (`BUSY_LOAD` or more is busy); used
+            when given and ``running`` is not.
+        running: other tasks running now (default `running_tasks`); 1 or more is busy.
     Returns:
         The variables set (empty when the user had chosen).
     """
     env = os.environ if environ is None else environ
     if any(name in env for name in WAIT_POLICY_VARS):
         return {}
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            load = 0.0
-    policy = BUSY_WAIT_POLICY if load >= BUSY_LOAD else IDLE_WAIT_POLICY
+    if running is None and load is None:
+        running = running_tasks()
+    if running is not None:
+        busy = running >= 1
+    else:
+        if load is None:
+            try:
+                load = os.getloadavg()[0]
+            except OSError:
+                load = 0.0
+        busy = load >= BUSY_LOAD
+    policy = BUSY_WAIT_POLICY if busy else IDLE_WAIT_POLICY
     env.update(policy)
     return dict(policy)
 

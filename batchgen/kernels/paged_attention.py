@@ -96,6 +96,7 @@ def paged_decode_attention(
     sliding_window: int | None,
     out: torch.Tensor,
     isa: str = "auto",
+    context_checked: bool = False,
 ) -> None:
     """One decode token per sequence attends to its cached context; writes ``out``.
 
@@ -112,6 +113,10 @@ def paged_decode_attention(
         out: ``[B, Hq, D]``, q's dtype, contiguous: receives the result.
         isa: bfloat16 only: ``"auto"`` (the widest vector path, `decode_kernel_isa`), or
             ``"avx2"`` / ``"generic"`` to force a narrower one (tests, A/B measurements).
+        context_checked: the caller has run `check_decode_context` on these very
+            ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
+            step share them: `batchgen.models.layers.attention.paged_attention` checks once per
+            step); the shape, dtype and layout checks run on every call regardless.
     Raises:
         RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
         Hkv); ValueError (naming the argument) for a wrong dtype, a non-contiguous cache or
@@ -123,7 +128,8 @@ def paged_decode_attention(
         raise RuntimeError("the CPU paged decode attention kernel is not available")
     if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
         raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
-    _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
+    args = (q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
+    _check(*args, context_checked)
     if q.dtype == torch.bfloat16:
         fn, extra = lib.batchgen_paged_decode_attention_bf16, (ISAS[isa],)
     else:
@@ -156,7 +162,9 @@ def paged_decode_attention(
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 
 
-def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window) -> None:
+def _check(
+    q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window, context_checked
+) -> None:
     dims = (("q", q, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3), ("out", out, 3))
     for name, t, want in (*dims, ("block_tables", block_tables, 2), ("kv_lens", kv_lens, 1)):
         if t.dim() != want:
@@ -191,14 +199,28 @@ def _check(q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_
             f"block_tables {tuple(block_tables.shape)} and kv_lens {tuple(kv_lens.shape)} "
             f"must have one row per query ({q.shape[0]})"
         )
-    if q.shape[0] == 0:
-        return
+    if q.shape[0] and not context_checked:
+        check_decode_context(block_tables, kv_lens, block_size, k_cache.shape[0] // block_size)
+
+
+def check_decode_context(
+    block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """The checks of `paged_decode_attention` that read the metadata's values: every context
+    length in ``[1, block_tables width x block_size]`` and every block id a context reaches in
+    ``[0, num_blocks)`` (the kernel reads raw memory there).
+
+    Args:
+        block_tables: ``[B, n]`` int64; kv_lens: ``[B]`` int64 (B >= 1); block_size: tokens
+            per block; num_blocks: blocks in the cache.
+    Raises:
+        ValueError: naming ``kv_lens`` or ``block_tables``.
+    """
     if kv_lens.min() < 1 or kv_lens.max() > block_tables.shape[1] * block_size:
         raise ValueError(
             f"kv_lens must be in [1, {block_tables.shape[1] * block_size}] (block_tables width "
             f"x block_size), got [{int(kv_lens.min())}, {int(kv_lens.max())}]"
         )
-    num_blocks = k_cache.shape[0] // block_size
     # Only the entries a context reaches are read; padding past it may hold anything.
     used = torch.arange(block_tables.shape[1]) < (kv_lens[:, None] + block_size - 1) // block_size
     ids = block_tables[used]

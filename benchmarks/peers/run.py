@@ -15,6 +15,9 @@ its defaults (``LLM(path, dtype, kv_cache_memory_gb, max_model_len)``). Each eng
 same KV budget and an untimed warm-up; engine start-up is not timed. Prints both useful
 tokens/s, their ratio (BatchGen over vLLM), how many sequences and tokens agree, and the
 prefix-cache hit rates; ``--json`` prints the whole record instead, ``--out FILE`` writes it.
+``--profile DIR`` traces both timed runs with torch.profiler (vLLM's own worker profiler; BatchGen
+in this process, its steps annotated as vLLM's) and prints where each engine's time goes
+(`trace_summary.py`: time per operator class, outside operators, steps, rows per decode step).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def _job(workload, path: str, args) -> dict:
         "max_num_seqs": args.vllm_max_num_seqs,
         "workload": spec,
         "workloads_py": str(REPO / "batchgen" / "bench" / "workloads.py"),
+        "profile_dir": str(Path(args.profile).resolve() / "vllm") if args.profile else None,
     }
 
 
@@ -154,12 +158,15 @@ def run_batchgen(workload, path: str, args) -> dict:
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)
     llm.llm_engine.reset_metrics()
+    profiler = _StepProfiler(llm.llm_engine, args.profile) if args.profile else None
     t0 = time.perf_counter()
     if isinstance(workload, TreeSearch):
         outputs = [out for _, out in workload.run(generate)]
     else:
         outputs = generate(workload.requests)
     seconds = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.stop()
     m = llm.get_metrics()
     c = llm.llm_engine.config
     return {
@@ -176,6 +183,46 @@ def run_batchgen(workload, path: str, args) -> dict:
         },
         "prefix_cache": {"queries": m["prefix_cache_queries"], "hits": m["prefix_cache_hits"]},
     }
+
+
+class _StepProfiler:
+    """torch.profiler over BatchGen's timed run, each engine step annotated as vLLM's worker
+    annotates its steps (``execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)``)
+    so that `trace_summary.py` reads both traces alike; written to ``DIR/batchgen/trace.json``."""
+
+    def __init__(self, engine, out_dir: str) -> None:
+        import torch
+
+        self.engine, self.step = engine, engine.step
+        self.path = Path(out_dir).resolve() / "batchgen" / "trace.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        scheduler = engine.schedule
+
+        def schedule():
+            sched = scheduler()
+            ctx = [e.num_new_tokens for e in sched.scheduled if e.seq.num_output_tokens == 0]
+            gen = len(sched.scheduled) - len(ctx)
+            name = f"execute_context_{len(ctx)}({sum(ctx)})_generation_{gen}({gen})"
+            self._scope = torch.profiler.record_function(name)
+            self._scope.__enter__()
+            return sched
+
+        def step():
+            try:
+                return self.step()
+            finally:
+                if getattr(self, "_scope", None) is not None:
+                    self._scope.__exit__(None, None, None)
+                    self._scope = None
+
+        engine.schedule, engine.step = schedule, step
+        self.prof.start()
+
+    def stop(self) -> None:
+        self.prof.stop()
+        del self.engine.schedule, self.engine.step
+        self.prof.export_chrome_trace(str(self.path))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -232,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-max-num-seqs", type=int, default=None, help="default: vLLM's (256)")
     p.add_argument("--engines", default="vllm,batchgen", help="comma-separated, run in this order")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="vLLM worker's time limit")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="trace each engine's timed run with torch.profiler into DIR/vllm and "
+        "DIR/batchgen and print where the time goes (trace_summary.py; slows both engines)",
+    )
     p.add_argument("--json", action="store_true", help="print the record as JSON")
     p.add_argument("--out", default=None, help="also write the JSON record to this file")
     args = p.parse_args(argv)
@@ -281,7 +335,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record) if args.json else format_record(record))
+    if args.profile:
+        _print_profiles(Path(args.profile), engines)
     return 0
+
+
+def _print_profiles(out: Path, engines: list[str]) -> None:
+    """`trace_summary.py`'s reading of each engine's trace."""
+    sys.path.insert(0, str(HERE))
+    from trace_summary import format_summary, summarize
+
+    for engine in engines:
+        traces = sorted((out / engine).glob("*trace.json*"))
+        if not traces:
+            print(f"{engine}: no trace in {out / engine}")
+        for trace in traces:
+            print(f"{engine}: {format_summary(summarize(str(trace)))}")
 
 
 def format_record(r: dict) -> str:

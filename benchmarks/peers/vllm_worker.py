@@ -4,7 +4,8 @@
 
 JOB.json (written by run.py): ``model``, ``dtype``, ``max_model_len``, ``max_num_seqs`` (None:
 vLLM's default), ``workload`` (``{"kind": "requests", "requests": [[prompt ids, output_len],
-...]}`` or ``{"kind": "tree", "tree": TreeSearch fields}``) and ``workloads_py`` (the path of
+...]}`` or ``{"kind": "tree", "tree": TreeSearch fields}``) and ``profile_dir`` (optional: vLLM's
+torch profiler traces the timed run's steps into it) and ``workloads_py`` (the path of
 `batchgen/bench/workloads.py`, loaded by file so that a tree runs through the very same
 `TreeSearch.run` as BatchGen's, without importing the batchgen package and its dependencies).
 
@@ -63,6 +64,14 @@ def main() -> None:
     )
     if job["max_num_seqs"] is not None:
         engine_args["max_num_seqs"] = job["max_num_seqs"]
+    profile_dir = job.get("profile_dir")
+    if profile_dir:  # vLLM's worker traces its steps (`trace_summary.py` reads the trace)
+        engine_args["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": profile_dir,
+            "torch_profiler_with_stack": False,
+            "ignore_frontend": True,
+        }
     llm = LLM(**engine_args)
 
     def generate(requests: list[tuple[list[int], int]]) -> list[list[int]]:
@@ -77,6 +86,8 @@ def main() -> None:
     generate([([1, 5, 6, 7], 4)] * 4)  # warm-up, untimed
     before = _prefix_counters(llm)
     spec = job["workload"]
+    if profile_dir:
+        llm.start_profile()
     t0 = time.perf_counter()
     if spec["kind"] == "tree":
         wl = _load_workloads(job["workloads_py"])
@@ -86,6 +97,8 @@ def main() -> None:
     else:
         outputs = generate([(ids, n) for ids, n in spec["requests"]])
     seconds = time.perf_counter() - t0
+    if profile_dir:
+        llm.stop_profile()
     after = _prefix_counters(llm)
     sched = llm.llm_engine.vllm_config.scheduler_config
     settings = {

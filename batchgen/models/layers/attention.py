@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.kernels.paged_attention import decode_kernel_available, paged_decode_attention
+from batchgen.kernels.paged_attention import (
+    check_decode_context,
+    decode_kernel_available,
+    paged_decode_attention,
+)
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary import RotaryEmbedding
 
@@ -72,6 +76,8 @@ class DecodeBucket:
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     _masks: dict = field(default_factory=dict, repr=False)
+    # Cache blocks the decode kernel's `check_decode_context` passed for, once per step.
+    checked_num_blocks: int | None = field(default=None, repr=False)
 
     def mask(
         self, positions: torch.Tensor, block_size: int, sliding_window: int | None
@@ -134,6 +140,8 @@ class AttentionMetadata:
         decode_buckets: those decode rows, cut into buckets of similar context length.
         block_size: tokens per KV block (the cache is ``[num_blocks * block_size, ...]``).
         prefills: the prefill chunks that follow the decode tokens.
+        rope_cache: the rotary cos/sin at ``positions``, computed by the first layer and
+            reused by the others (`RotaryEmbedding.forward`'s ``cache``).
     """
 
     positions: torch.Tensor
@@ -142,6 +150,7 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     block_size: int = 1
     prefills: list[PrefillSpan] = field(default_factory=list)
+    rope_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -200,6 +209,12 @@ def paged_attention(
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
         if in_place:  # CPU float32 / bfloat16: attend straight from the paged cache
+            num_blocks = k_cache.shape[0] // meta.block_size
+            if bucket.checked_num_blocks != num_blocks:  # the first layer of the step checks
+                check_decode_context(
+                    bucket.block_tables, bucket.kv_lens, meta.block_size, num_blocks
+                )
+                bucket.checked_num_blocks = num_blocks
             paged_decode_attention(
                 q[rows],
                 k_cache,
@@ -210,6 +225,7 @@ def paged_attention(
                 scale,
                 sliding_window,
                 out[rows],
+                context_checked=True,
             )
             continue
         kd = bucket.gather(k_cache, meta.block_size).transpose(1, 2)  # [b, Hkv, L, D]
@@ -313,6 +329,6 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(meta.positions, q, k)
+        q, k = self.rotary_emb(meta.positions, q, k, meta.rope_cache)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -59,13 +59,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key tensors at given absolute positions.
 
-    cos/sin are computed per call from float32 ``positions x inv_freq`` (as HF does, so that
-    results match bit-for-bit in fp32) and cast to the activation dtype.
+    cos/sin are computed from float32 ``positions x inv_freq`` (as HF does, so that results
+    match bit-for-bit in fp32) and cast to the activation dtype: once per step when the caller
+    passes the step's ``cache`` dict (`AttentionMetadata.rope_cache`: every layer with the same
+    rotary dim and parameters reuses the first layer's cos/sin, the very same values), else
+    per call.
     """
 
     def __init__(self, rotary_dim: int, rope_parameters: dict) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        # Layers whose key is equal compute equal inv_freq, hence equal cos/sin.
+        self.cache_key = (rotary_dim, repr(sorted(rope_parameters.items())))
         # A plain CPU tensor, not a buffer: the model is built on the meta device and
         # materialised with `to_empty`, which would leave a buffer uninitialised.
         with torch.device("cpu"):
@@ -77,14 +82,31 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq = self._inv_freq_cpu.to(device)
         return self._inv_freq
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]`` (int64)."""
+        """``cos, sin [T, 1, D]`` in ``dtype`` at ``positions [T]`` (int64)."""
         freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = emb.cos().to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cache: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]`` (int64).
+        ``cache``: a dict that lives as long as ``positions`` (one step), shared by the layers
+        that rotate at these positions; None computes cos/sin here."""
+        if cache is None:
+            cos, sin = self.cos_sin(positions, q.dtype)
+        else:
+            key = (self.cache_key, q.dtype)
+            if key not in cache:
+                cache[key] = self.cos_sin(positions, q.dtype)
+            cos, sin = cache[key]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k
