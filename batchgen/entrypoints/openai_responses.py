@@ -19,7 +19,8 @@ from batchgen.engine.detokenizer import token_bytes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 
 if TYPE_CHECKING:
-    from batchgen.entrypoints.openai_protocol import ApiRequest
+    from batchgen.entrypoints.openai_errors import BatchLineError
+    from batchgen.entrypoints.request_body import ApiRequest
 
 # OpenAI clamps -inf log-probabilities the same way (vLLM does too): JSON has no infinity.
 MIN_LOGPROB = -9999.0
@@ -300,3 +301,8 @@ def dumps_line(obj: dict[str, Any]) -> str:
     except UnicodeEncodeError:
         text = json.dumps(obj, separators=(",", ":"))
     return text
+
+
+def error_line_from(err: BatchLineError) -> dict[str, Any]:
+    """The output line of a batch line that failed to parse."""
+    return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)
