@@ -1,7 +1,7 @@
 """The input side of ``batchgen run``: streaming passes over a batch input file before the
 run (its request count for the progress bar, and the result keys it can have, which decide
 what a snapshot may restore). Lines are parsed and validated by
-`batchgen.entrypoints.openai_protocol.parse_batch_line` as the run admits them.
+`batchgen.entrypoints.batch_lines.parse_batch_line` as the run admits them.
 """
 
 from __future__ import annotations
