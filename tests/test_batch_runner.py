@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.entrypoints import cli
+from batchgen.entrypoints import cli, cli_flags
 from batchgen.entrypoints.batch_runner import (
     BatchFileError,
     load_resume_state,
@@ -531,7 +531,7 @@ def test_cli_run_with_a_fake_engine(tmp_path, monkeypatch, capsys):
         given.update(kwargs)
         return FakeEngine()
 
-    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(cli_flags, "start_engine", fake_start)
     argv = ["run", "-i", str(src), "-o", str(dst), "--no-progress", "--max-num-seqs", "8"]
     assert cli.main([*argv, "--dtype", "float32", "--kv-cache-memory-gb", "0.5"]) == 0
     assert given == {"max_num_seqs": 8, "dtype": "float32", "kv_cache_memory_gb": 0.5}
@@ -553,7 +553,7 @@ def test_cli_run_accepts_vllms_tensor_parallel_size_1_and_refuses_others(
         given.update(kwargs)
         return FakeEngine()
 
-    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(cli_flags, "start_engine", fake_start)
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--no-progress"]
     assert cli.main([*argv, flag, "1"]) == 0
     assert given == {} and "1 ok, 0 failed" in capsys.readouterr().err  # a no-op
@@ -580,7 +580,7 @@ def test_cli_run_accepts_vllms_tensor_parallel_size_1_and_refuses_others(
 )
 def test_cli_user_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, words):
     write_lines(tmp_path / "in.jsonl", [completion_line("a")])
-    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: FakeEngine())
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: FakeEngine())
     assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("batchgen run: error: ") and words in err

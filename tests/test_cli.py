@@ -14,7 +14,7 @@ from test_batch_runner import FakeEngine, completion_line, write_lines
 
 import batchgen
 from batchgen.config import EngineConfig
-from batchgen.entrypoints import cli
+from batchgen.entrypoints import cli, cli_flags
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def serve_calls(monkeypatch):
 
     import batchgen.service.server as server
 
-    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(cli_flags, "start_engine", fake_start)
     monkeypatch.setattr(server, "run_server", fake_run_server)
     return calls
 
@@ -107,7 +107,7 @@ def test_run_keeps_at_most_max_num_seqs_requests_in_flight(tmp_path, monkeypatch
     engine = FakeEngine(per_step=1, limit=3)
     engine.config = EngineConfig(max_num_seqs=3)
 
-    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: engine)
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: engine)
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
     assert cli.main([*argv, "--max-num-seqs", "3"]) == 0
     assert engine.max_unfinished == 3  # the engine's limit, not a fixed 1024

@@ -21,7 +21,7 @@ from batchgen.cluster_config import (
 )
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.config_fields import SECTIONS
-from batchgen.entrypoints import cli
+from batchgen.entrypoints import cli, cli_flags
 from batchgen.entrypoints.llm import make_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -624,7 +624,7 @@ def test_serve_passes_the_file_and_the_flags_given(tmp_path, monkeypatch):
     import batchgen.service.server as server
 
     calls = []
-    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: calls.append(kwargs))
     monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: None)
     state = ["--state-dir", str(tmp_path)]
     assert cli.main(["serve", "--config", str(SEED), *state]) == 0

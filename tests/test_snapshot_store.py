@@ -27,7 +27,7 @@ from test_batch_runner import (
 )
 
 from batchgen.config import ParallelConfig
-from batchgen.entrypoints import cli
+from batchgen.entrypoints import cli, cli_flags
 from batchgen.entrypoints.batch_runner import run_batch_file
 from batchgen.entrypoints.snapshot_store import (
     Manifest,
@@ -290,7 +290,7 @@ def test_a_memory_uri_is_refused_before_the_engine_starts(tmp_path, monkeypatch,
     with pytest.raises(SnapshotError, match="memory:// keeps the snapshot in this process"):
         SnapshotStore("memory://job")
     started = []
-    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: started.append(kwargs))
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: started.append(kwargs))
     out = tmp_path / "out.jsonl"
     argv = ["run", "-i", str(_job(tmp_path, 2)), "-o", str(out), "--no-progress"]
     assert cli.main([*argv, "--model", "tiny", "--snapshot-storage-uri", "memory://job"]) == 2
@@ -493,7 +493,7 @@ def test_batchgen_run_takes_the_uri_from_the_cluster_file_and_keeps_it_from_the_
         given.update(kwargs)
         return FakeEngine()
 
-    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(cli_flags, "start_engine", fake_start)
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--no-progress"]
     assert cli.main([*argv, "--config", str(config)]) == 0
     assert given["snapshot_storage_uri"] is None and given["snapshot_interval_results"] is None
@@ -537,7 +537,7 @@ def test_a_store_that_fails_mid_run_stops_the_run_and_resume_completes_it(tmp_pa
 @pytest.mark.timeout(60)
 def test_a_store_unwritable_mid_run_says_where_the_results_are(tmp_path, monkeypatch, capsys):
     src, snap, out = _job(tmp_path), tmp_path / "snap", tmp_path / "out.jsonl"
-    monkeypatch.setattr(cli, "_start_engine", lambda kwargs: FakeEngine(per_step=2))
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: FakeEngine(per_step=2))
     real_put = SnapshotStore._put
 
     def put(self, path, data):  # the store turns read-only after its first segment

@@ -71,7 +71,7 @@ def add_arguments(p) -> None:
         "--model", default=argparse.SUPPRESS, help="checkpoint (overrides --arch and --config's)"
     )
     from batchgen.config import ParallelConfig
-    from batchgen.entrypoints.cli import add_cluster_file_argument, add_config_flags
+    from batchgen.entrypoints.cli_flags import add_cluster_file_argument, add_config_flags
 
     add_cluster_file_argument(p)
 

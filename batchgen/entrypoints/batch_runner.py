@@ -17,33 +17,53 @@ Per-line failures (invalid JSON, missing or duplicate custom_id, unknown url, ba
 prompt the engine rejects with ValueError, a request that fails inside the engine) become error
 lines; every other line still runs. Any other exception from the engine propagates: it is a bug,
 not a bad request.
+
+This module holds the run loop (`run_batch_file`); the output writer and resume bookkeeping are
+in `batchgen.entrypoints.batch_output`, the passes over the input before the run in
+`batchgen.entrypoints.batch_input`, the counts in `batchgen.entrypoints.batch_summary`
+(their names are re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import stat
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tqdm import tqdm
 
+from batchgen.entrypoints.batch_input import (  # noqa: F401  (re-exported)
+    count_request_lines,
+    input_result_keys,
+)
+from batchgen.entrypoints.batch_output import (  # noqa: F401  (re-exported)
+    FSYNC_INTERVAL_S,
+    BatchFileError,
+    ResultWriter,
+    ResumeState,
+    complete_prefix_size,
+    load_resume_state,
+    result_key,
+    sync_with_snapshot,
+    truncate_partial_last_line,
+)
+from batchgen.entrypoints.batch_summary import (  # noqa: F401  (re-exported)
+    BatchRunSummary,
+    note_prefix_cache,
+)
+from batchgen.entrypoints.model_names import ModelNameTally
 from batchgen.entrypoints.openai_protocol import (
     DUPLICATE_CUSTOM_ID,
     REQUEST_FAILED,
     BatchLineError,
     BatchRequest,
     BlankLines,
-    batch_line_custom_id,
-    dumps_line,
     error_line,
     error_line_from,
     parse_batch_line,
@@ -51,7 +71,6 @@ from batchgen.entrypoints.openai_protocol import (
     response_body,
     success_line,
 )
-from batchgen.entrypoints.model_names import ModelNameTally
 from batchgen.entrypoints.snapshot_store import (
     SnapshotTakenOverError,
     SnapshotWriteError,
@@ -61,260 +80,6 @@ from batchgen.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# Results are flushed to the OS after every engine step; fsync'ed at most this often and at the
-# end (flush alone survives a killed process; fsync also survives a machine crash).
-FSYNC_INTERVAL_S = 30.0
-
-
-class BatchFileError(ValueError):
-    """The input or output file cannot be used (message for the user)."""
-
-
-@dataclass
-class BatchRunSummary:
-    """What `run_batch_file` did.
-
-    Attributes:
-        total: non-blank input lines seen.
-        succeeded / failed: result lines written by this run (success / error).
-        skipped: lines skipped because the output already held their result (``resume``) or
-            the snapshot did.
-        restored: results copied from the snapshot into the output (counted in ``skipped``).
-        ignored: results in the snapshot for no request of this input (another job's), left
-            out of the output.
-        blank_lines: blank lines between request lines, skipped (blank lines after the last
-            request line are not counted).
-        prompt_tokens / generated_tokens: over the requests that succeeded in this run
-            (generated tokens summed over all ``n`` samples).
-        elapsed_s: wall-clock seconds of the run (after counting lines and reading the old
-            output).
-        prefix_cache_queries / prefix_cache_hits: the engine's prefix cache over the run
-            (`LLMEngine.get_metrics`): prompt tokens looked up, and those found cached.
-    """
-
-    total: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    skipped: int = 0
-    restored: int = 0
-    ignored: int = 0
-    blank_lines: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    elapsed_s: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    @property
-    def generated_tokens_per_s(self) -> float:
-        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def describe(self) -> str:
-        """One human-readable line."""
-        skipped = f", {self.skipped} skipped (already done)" if self.skipped else ""
-        if self.restored:
-            skipped += f", {self.restored} of them restored from the snapshot"
-        if self.ignored:
-            skipped += f", {self.ignored} snapshot results ignored (no such request in the input)"
-        blank = ""
-        if self.blank_lines:
-            noun = "line" if self.blank_lines == 1 else "lines"
-            blank = f"; {self.blank_lines} blank {noun} skipped"
-        return (
-            f"{self.succeeded} ok, {self.failed} failed{skipped} of {self.total} requests"
-            f"{blank}; "
-            f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
-            f"{self.elapsed_s:.1f} s ({self.generated_tokens_per_s:.1f} generated tokens/s)"
-            f"{self._prefix_cache_text()}"
-        )
-
-    def _prefix_cache_text(self) -> str:
-        if not self.prefix_cache_queries:
-            return ""
-        rate = 100 * self.prefix_cache_hits / self.prefix_cache_queries
-        return (
-            f"; prefix cache: {self.prefix_cache_hits} of {self.prefix_cache_queries} prompt "
-            f"tokens cached ({rate:.1f}%)"
-        )
-
-
-def _note_prefix_cache(summary: BatchRunSummary, engine: Any) -> None:
-    """Copy the engine's prefix-cache counters into ``summary`` (an engine without
-    ``get_metrics``, as in tests, leaves them 0)."""
-    get_metrics = getattr(engine, "get_metrics", None)
-    if get_metrics is None:
-        return
-    metrics = get_metrics()
-    summary.prefix_cache_queries = int(metrics.get("prefix_cache_queries", 0))
-    summary.prefix_cache_hits = int(metrics.get("prefix_cache_hits", 0))
-
-
-@dataclass
-class ResumeState:
-    """Which input lines already have a result in an existing output file.
-
-    Attributes:
-        done_ids: custom_ids with a success line or an error line of their own.
-        done_lines: 1-based input line numbers of error lines that a custom_id cannot stand for:
-            lines without a usable custom_id, and duplicate-custom_id errors (whose custom_id
-            belongs to an earlier line, which may itself not be done yet).
-    """
-
-    done_ids: set[str] = field(default_factory=set)
-    done_lines: set[int] = field(default_factory=set)
-
-    def add(self, result: dict[str, Any]) -> None:
-        key = result_key(result)
-        if key is None:
-            return
-        kind, value = key
-        (self.done_lines if kind == "line" else self.done_ids).add(value)
-
-    def has(self, result: dict[str, Any]) -> bool:
-        key = result_key(result)
-        if key is None:
-            return False
-        kind, value = key
-        return value in (self.done_lines if kind == "line" else self.done_ids)
-
-
-def result_key(result: dict[str, Any]) -> tuple[str, Any] | None:
-    """What a result line answers: ``("id", custom_id)``, or ``("line", n)`` for an error line
-    a custom_id cannot stand for (`ResumeState`); None for neither."""
-    custom_id, error = result.get("custom_id"), result.get("error")
-    if isinstance(error, dict) and (custom_id is None or error.get("code") == DUPLICATE_CUSTOM_ID):
-        line = error.get("line")
-        return ("line", line) if isinstance(line, int) else None
-    return ("id", custom_id) if isinstance(custom_id, str) else None
-
-
-def complete_prefix_size(path: str | os.PathLike) -> int:
-    """Size in bytes of the file up to and including its last newline (0 when it has none)."""
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        while end > 0:
-            start = max(0, end - (1 << 16))
-            f.seek(start)
-            newline = f.read(end - start).rfind(b"\n")
-            if newline >= 0:
-                return start + newline + 1
-            end = start
-    return 0
-
-
-def truncate_partial_last_line(path: str | os.PathLike) -> int:
-    """Cut a file back to its last newline (a line half-written by a killed process).
-
-    Returns the number of bytes removed (0 when the file ends with a newline or is empty).
-    """
-    keep = complete_prefix_size(path)
-    size = os.path.getsize(path)
-    if keep < size:
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-    return size - keep
-
-
-def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
-    """Read the results already in ``output_path``, then cut a partial last line.
-
-    Every complete line is checked before anything is truncated, so pointing ``--resume`` at
-    a file that is not a results file changes nothing in it.
-
-    Raises:
-        BatchFileError: a complete line is not a JSON result line, or the file has content but
-            no complete line (i.e. it is not an output of ``batchgen run``).
-    """
-    keep = complete_prefix_size(output_path)
-    size = os.path.getsize(output_path)
-    if keep == 0 and size > 0:
-        raise BatchFileError(
-            f"{output_path} has {size} bytes but no complete result line; cannot resume "
-            "(move the file away to start over)"
-        )
-    state = ResumeState()
-    with open(output_path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.endswith(b"\n"):
-                break  # the partial last line, cut below
-            if not raw.strip():
-                continue
-            try:
-                result = json.loads(raw)
-            except ValueError:
-                result = None
-            if not isinstance(result, dict) or "custom_id" not in result:
-                raise BatchFileError(
-                    f"{output_path}:{number} is not a batch result line; cannot resume "
-                    "(move the file away to start over)"
-                )
-            state.add(result)
-    truncate_partial_last_line(output_path)
-    return state
-
-
-def count_request_lines(path: str | os.PathLike) -> int:
-    """Number of non-blank lines of a file, read in a streaming pass."""
-    with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
-
-
-def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
-    """(non-blank lines, the keys of the results the input can have) in one streaming pass.
-
-    The keys are what `result_key` gives the result line `run_batch_file` writes for each
-    request line: its custom_id, or its line number for a line without a usable custom_id and
-    for a duplicate (`ResumeState`). Memory: the set of custom_ids (which the run holds anyway).
-    """
-    keys = ResumeState()
-    count = 0
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            count += 1
-            custom_id = batch_line_custom_id(raw, line)
-            if custom_id is None or custom_id in keys.done_ids:
-                keys.done_lines.add(line)
-            else:
-                keys.done_ids.add(custom_id)
-    return count, keys
-
-
-class _ResultWriter:
-    """Appends JSONL result lines; `flush` pushes them to the OS, fsync'ing now and then, and
-    then to the snapshot when one is due."""
-
-    def __init__(self, sink: IO[bytes], snapshot: SnapshotWriter | None = None):
-        self._sink = sink
-        self._snapshot = snapshot
-        self._last_fsync = time.monotonic()
-        # fsync only makes sense for a regular file (``-o /dev/null`` or a pipe rejects it).
-        self._can_fsync = stat.S_ISREG(os.fstat(sink.fileno()).st_mode)
-
-    def write(self, result: dict[str, Any]) -> None:
-        line = (dumps_line(result) + "\n").encode("utf-8")
-        self._sink.write(line)
-        if self._snapshot is not None:
-            self._snapshot.add(line)
-
-    def flush(self, *, fsync: bool = False) -> None:
-        self._sink.flush()
-        if self._can_fsync and (fsync or time.monotonic() - self._last_fsync > FSYNC_INTERVAL_S):
-            os.fsync(self._sink.fileno())
-            self._last_fsync = time.monotonic()
-        if self._snapshot is not None:
-            self._snapshot.maybe_flush()
-
-    def close(self, *, finished: bool, snapshot: bool = True) -> None:
-        """Flush and fsync the output, then store every buffered line in the snapshot (unless
-        not ``snapshot``)."""
-        self._sink.flush()
-        if self._can_fsync:
-            os.fsync(self._sink.fileno())
-        if self._snapshot is not None and snapshot:
-            self._snapshot.flush(finished=finished)
-
 
 class _BatchRun:
     """The state of one `run_batch_file` call: requests in flight, ids seen, counters."""
@@ -322,7 +87,7 @@ class _BatchRun:
     def __init__(
         self,
         engine: Any,
-        writer: _ResultWriter,
+        writer: ResultWriter,
         resume: ResumeState,
         max_in_flight: int,
         bar: tqdm,
@@ -471,72 +236,6 @@ class _BatchRun:
         self.in_flight.clear()
 
 
-def _sync_with_snapshot(
-    snapshot: SnapshotWriter,
-    sink: IO[bytes],
-    state: ResumeState,
-    output_path: Path,
-    local_size: int,
-    expected: ResumeState,
-) -> tuple[int, int]:
-    """Make the output and the snapshot hold the same results before a run starts.
-
-    Appends to ``sink`` (the output, its first ``local_size`` bytes the results it already
-    held, recorded in ``state``) each snapshot result it lacks, adding it to ``state``; then
-    stores in the snapshot each of those ``local_size`` bytes' results the snapshot lacks (a
-    run killed between its two writes). Only results for a request of this input (their keys
-    in ``expected``, `input_result_keys`) are copied: a snapshot holding others (another
-    job's) never puts a line in the output for a custom_id the input does not have, nor its
-    text under one it has by chance. Streams both: memory is one segment plus the keys.
-    Returns the number of results copied from the snapshot and the number ignored.
-    """
-    stored = ResumeState()
-    held = restored = ignored = 0
-    for line in snapshot.store.iter_result_lines():
-        try:
-            result = json.loads(line)
-        except ValueError:
-            result = None
-        if not isinstance(result, dict) or result_key(result) is None:
-            logger.warning("snapshot %s: ignoring a line that is not a result", snapshot.store.uri)
-            continue
-        if not expected.has(result):
-            ignored += 1
-            continue
-        if stored.has(result):
-            continue  # a second copy (never written by batchgen; tolerated)
-        stored.add(result)
-        held += 1
-        if not state.has(result):
-            sink.write(line)
-            state.add(result)
-            restored += 1
-    sink.flush()
-    if ignored:
-        logger.warning(
-            "snapshot %s: ignored %d results for requests this input does not have (another "
-            "job's results are stored there)",
-            snapshot.store.uri,
-            ignored,
-        )
-    snapshot.stored_results = held
-    if local_size:
-        with open(output_path, "rb") as f:
-            remaining = local_size
-            for raw in f:
-                remaining -= len(raw)
-                if remaining < 0:
-                    break  # past what the output held: the lines just restored
-                result = json.loads(raw) if raw.strip() else None
-                if result is not None and result_key(result) and not stored.has(result):
-                    stored.add(result)
-                    snapshot.add(raw)
-        if snapshot.pending:
-            logger.info("storing %d results the snapshot lacked", snapshot.pending)
-            snapshot.flush()
-    return restored, ignored
-
-
 def run_batch_file(
     engine: Any,
     input_path: str | os.PathLike,
@@ -616,10 +315,10 @@ def run_batch_file(
         restored = ignored = 0
         if snapshot is not None:
             snapshot.total = total
-            restored, ignored = _sync_with_snapshot(
+            restored, ignored = sync_with_snapshot(
                 snapshot, sink, state, output_path, local_size, expected or ResumeState()
             )
-        writer = _ResultWriter(sink, snapshot)
+        writer = ResultWriter(sink, snapshot)
         batch_run = _BatchRun(engine, writer, state, max_in_flight, bar)
         try:
             summary = batch_run.run(enumerate(source, start=1))
@@ -632,7 +331,7 @@ def run_batch_file(
                 logger.warning("could not store the last results in the snapshot: %s", close_err)
             raise
         writer.close(finished=True)
-        _note_prefix_cache(summary, engine)
+        note_prefix_cache(summary, engine)
         summary.restored = restored
         summary.ignored = ignored
     if batch_run.blank.count:

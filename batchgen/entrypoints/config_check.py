@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchgen.entrypoints.cli import CliError
+from batchgen.entrypoints.cli_flags import CliError
 
 if TYPE_CHECKING:
     from batchgen.cluster_config import ClusterConfig

@@ -1,10 +1,11 @@
 """OpenAI response objects and batch output lines, built from finished `RequestOutput`s.
-Pure functions, no I/O; split from `batchgen.entrypoints.openai_protocol` (which re-exports
-them), which keeps the request side: bodies, batch lines and their errors.
+Pure functions, no I/O; re-exported by `batchgen.entrypoints.openai_protocol`, as is the
+request side (`request_body`, `chat_messages`, `batch_lines`, `openai_errors`).
 
 * `completion_response_body` / `chat_response_body` (`response_body` picks one): the OpenAI
   ``text_completion`` / ``chat.completion`` objects, with ``logprobs`` in each API's shape.
-* `success_line` / `error_line`: one line of an OpenAI Batch output file; `dumps_line` its text.
+* `success_line` / `error_line`: one line of an OpenAI Batch output file; `error_line_from` the
+  error line of a batch line that failed to parse; `dumps_line` a line's text.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from batchgen.engine.detokenizer import token_bytes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 
 if TYPE_CHECKING:
-    from batchgen.entrypoints.openai_protocol import ApiRequest
+    from batchgen.entrypoints.openai_errors import BatchLineError
+    from batchgen.entrypoints.request_body import ApiRequest
 
 # OpenAI clamps -inf log-probabilities the same way (vLLM does too): JSON has no infinity.
 MIN_LOGPROB = -9999.0
@@ -300,3 +302,8 @@ def dumps_line(obj: dict[str, Any]) -> str:
     except UnicodeEncodeError:
         text = json.dumps(obj, separators=(",", ":"))
     return text
+
+
+def error_line_from(err: BatchLineError) -> dict[str, Any]:
+    """The output line of a batch line that failed to parse."""
+    return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)

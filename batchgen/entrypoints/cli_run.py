@@ -1,0 +1,148 @@
+"""``batchgen run``: its arguments, the snapshot it opens, and the run itself.
+
+`add_arguments` adds ``-i/-o``, ``--resume``, ``--max-in-flight``, ``--no-progress`` and the
+engine flags; `run` checks the paths, opens the ``--snapshot-storage-uri`` snapshot (before any
+model loads, so a mismatched snapshot fails fast), starts the engine without the snapshot
+settings (`SNAPSHOT_FIELDS`, which ``run`` acts on itself) and streams the file through
+`batchgen.entrypoints.batch_runner.run_batch_file`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from batchgen.entrypoints import cli_flags
+from batchgen.entrypoints.cli_flags import PROG, CliError, add_engine_arguments, engine_kwargs
+from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOTE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``batchgen run``'s flags (``-i``, ``-o``, ``--resume``...) and the engine flags."""
+    parser.add_argument("-i", "--input", required=True, help="OpenAI Batch API input (JSONL)")
+    parser.add_argument("-o", "--output", required=True, help="results (JSONL, completion order)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the results already in the output file and run only the missing requests",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most requests in the engine at once (default: the engine's running-sequence "
+        "limit, --max-num-seqs)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_arguments(parser)
+
+
+def _check_run_paths(args: argparse.Namespace) -> None:
+    if not Path(args.input).is_file():
+        raise CliError(f"input file {args.input!r} does not exist")
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir():
+        raise CliError(f"output directory {str(out_dir)!r} does not exist")
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        raise CliError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+
+
+def _max_running_seqs(engine) -> int:
+    """The engine's limit on sequences running at once (`EngineConfig.max_running_seqs`)."""
+    return int(getattr(getattr(engine, "config", None), "max_running_seqs", 1024))
+
+
+# The settings `batchgen run` acts on itself; the engine is started without them.
+SNAPSHOT_FIELDS = ("snapshot_storage_uri", "snapshot_interval_results", "snapshot_interval_s")
+
+
+def _open_snapshot(args: argparse.Namespace, kwargs: dict):
+    """The `SnapshotWriter` of ``--snapshot-storage-uri`` (or the cluster file's), its store
+    checked against this job; None without one. Loads no model."""
+    from batchgen.cluster_config import ClusterConfigError
+    from batchgen.entrypoints.llm import make_configs
+    from batchgen.entrypoints.snapshot_store import (
+        SnapshotError,
+        SnapshotStore,
+        SnapshotWriter,
+        job_manifest,
+    )
+
+    try:
+        engine_config, parallel = make_configs(**kwargs)
+    except ClusterConfigError as err:
+        raise CliError(str(err)) from err
+    except ValueError as err:
+        raise CliError(f"cannot start the engine: {err}") from err
+    if parallel.snapshot_storage_uri is None:
+        return None
+    try:
+        store = SnapshotStore(parallel.snapshot_storage_uri)
+        store.open_job(job_manifest(args.input, engine_config, parallel))
+    except SnapshotError as err:
+        raise CliError(str(err)) from err
+    except Exception as err:  # unreachable store, missing bucket, refused credentials...
+        message = f"cannot use the snapshot at {parallel.snapshot_storage_uri}: {err!r}"
+        raise CliError(message) from err
+    return SnapshotWriter(
+        store,
+        max_results=parallel.snapshot_interval_results or SnapshotWriter.DEFAULT_MAX_RESULTS,
+        max_age_s=parallel.snapshot_interval_s or SnapshotWriter.DEFAULT_MAX_AGE_S,
+    )
+
+
+def _without_snapshot(kwargs: dict) -> dict:
+    """The engine's arguments: ``kwargs`` less the snapshot settings, the cluster file's too."""
+    out = {k: v for k, v in kwargs.items() if k not in SNAPSHOT_FIELDS}
+    if "config" in kwargs:
+        out.update(dict.fromkeys(SNAPSHOT_FIELDS))  # None: the default, over the file's
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``batchgen run``. Returns 0, or 1 when the run stopped early (a rank failed, the
+    snapshot was taken over or could not be written; the message says where the results are).
+
+    Raises:
+        CliError: a missing input, an unusable output or snapshot, an engine that cannot start.
+    """
+    from batchgen.distributed.frontend import RankFailedError
+    from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
+    from batchgen.entrypoints.snapshot_store import SnapshotTakenOverError, SnapshotWriteError
+
+    _check_run_paths(args)
+    kwargs = engine_kwargs(args)
+    snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
+    engine = cli_flags.start_engine(_without_snapshot(kwargs))
+    try:
+        summary = run_batch_file(
+            engine,
+            args.input,
+            args.output,
+            resume=args.resume,
+            max_in_flight=args.max_in_flight or _max_running_seqs(engine),
+            progress=not args.no_progress,
+            snapshot=snapshot,
+        )
+    except (SnapshotTakenOverError, SnapshotWriteError) as err:
+        # Their messages say where the results are and what to do.
+        print(f"{PROG} run: error: {err}", file=sys.stderr)
+        return 1
+    except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
+        raise CliError(str(err)) from err
+    except RankFailedError as err:
+        where = f"{args.output}" + (f" and {snapshot.store.uri}" if snapshot else "")
+        print(
+            f"{PROG} run: error: {err}; every result finished before it is in {where}: "
+            "rerun with --resume to finish the rest",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        cli_flags.shutdown_engine(engine)
+    print(f"{PROG} run: {summary.describe()}; results in {args.output}", file=sys.stderr)
+    if getattr(engine, "model_name", None) == f"batchgen/{DEFAULT_MODEL_NAME}":
+        print(f"{PROG} run: note: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+    return 0
