@@ -51,7 +51,7 @@ def test_core_parallel_experts_match_one_thread(workers):
 
 
 def test_expert_ranges_split_rows_evenly():
-    from batchgen.models.layers.moe import _split_by_rows, cpu_expert_workers
+    from batchgen.models.layers.moe_cpu import _split_by_rows, cpu_expert_workers
 
     starts = [0, 10, 10, 12, 30, 31, 40]  # 6 experts, 40 rows
     assert _split_by_rows(starts, 2) == [(0, 4), (4, 6)]  # first cut at >= half the rows

@@ -9,21 +9,30 @@ I = moe_intermediate_size.
 
 Expert weights use vLLM's `FusedMoE` layout: ``w13_weight [E, 2I, H]`` (gate rows, then up
 rows) and ``w2_weight [E, H, I]``.
+
+Beside this module: `moe_sort` (sorting by expert, the slot-order sum every path shares),
+`moe_cpu` (the CPU torch path), `batchgen.kernels.grouped_moe` (grouped GEMMs, the CUDA path)
+and `expert_path` (which of them runs, chosen in one place).
 """
 
 from __future__ import annotations
-
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.fused_moe import fused_moe_available, fused_moe_silu, pack_expert_weights
+from batchgen.kernels.grouped_moe import fused_experts_grouped_mm
 from batchgen.kernels.invariant_linear import invariant_linear
 from batchgen.models.batch_invariant import invariant_activation
+from batchgen.models.layers.expert_path import expert_path
 from batchgen.models.layers.mlp import GatedMLP, get_activation
+from batchgen.models.layers.moe_cpu import (  # noqa: F401 (re-exported: the CPU torch path)
+    CORE_PARALLEL_MAX_MEAN_ROWS,
+    cpu_expert_workers,
+    fused_experts_per_expert,
+)
+from batchgen.models.layers.moe_sort import route_rows, sort_by_expert, sum_slots  # noqa: F401
 from batchgen.models.model_config import RouterConfig
 
 
@@ -74,30 +83,6 @@ def select_experts(
     )
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Order token activations by expert.
-
-    Returns ``order [T*A]`` (indices into the flattened ``topk_ids``, grouped by expert, stable)
-    and ``counts`` (a Python list of E rows-per-expert). Example: topk_ids = [[2, 0], [0, 1]]
-    flattens to [2, 0, 0, 1]; order = [1, 2, 3, 0]; counts = [2, 1, 1].
-    """
-    flat = topk_ids.reshape(-1)  # [T*A]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, counts
-
-
-def _route_rows(
-    topk_ids: torch.Tensor, num_experts: int, stats
-) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """`sort_by_expert` plus the source token of each sorted activation (``order // A``,
-    ``[T*A]``); records the rows per expert in ``stats`` when given."""
-    order, counts = sort_by_expert(topk_ids, num_experts)
-    if stats is not None:
-        stats.record(counts)
-    return order, counts, order // topk_ids.shape[1]
-
-
 def fused_experts_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -122,7 +107,7 @@ def fused_experts_reference(
         on CPU than `index_add_`.
     """
     num_tokens, top_k = topk_ids.shape
-    order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
+    order, counts, token_idx = route_rows(topk_ids, w13.shape[0], stats)
     x_sorted = x.index_select(0, token_idx)  # [T*A, H]
     y_sorted = torch.empty_like(x_sorted, dtype=torch.float32)  # [T*A, H]
     start = 0
@@ -136,148 +121,6 @@ def fused_experts_reference(
     # Un-sort (a permutation, so a gather with the inverse order), then sum over the top-k.
     y = y_sorted.index_select(0, torch.argsort(order))  # [T*A, H] in (token, slot) order
     return sum_slots(y.view(num_tokens, top_k, x.shape[1])).to(out_dtype or x.dtype)  # [T, H]
-
-
-def sum_slots(pairs: torch.Tensor) -> torch.Tensor:
-    """``pairs [T, K, H]`` -> ``[T, H]`` float32: ``((y_0 + y_1) + y_2) + ...`` in slot order,
-    exactly the fused CPU kernel's last pass (``csrc/fused_moe.cpp``). Every expert path sums
-    this way, so a token's result does not depend on which experts ran where, on how many
-    threads, or on which rank (expert parallelism combines with it too)."""
-    out = pairs[:, 0].to(torch.float32, copy=True)
-    for a in range(1, pairs.shape[1]):
-        out += pairs[:, a]
-    return out
-
-
-# Expert-parallel across CPU cores: below this many rows per expert on average, each expert's
-# GEMMs run single-threaded and the experts are split over `torch.get_num_threads()` worker
-# threads (see `fused_experts_per_expert`).
-CORE_PARALLEL_MAX_MEAN_ROWS = 512
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
-_pool_lock = threading.Lock()
-
-
-def _expert_pool(workers: int) -> ThreadPoolExecutor:
-    """The process's expert worker pool, grown to at least ``workers`` threads."""
-    global _pool, _pool_workers
-    with _pool_lock:
-        if _pool is None or _pool_workers < workers:
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="batchgen-experts")
-            _pool_workers = workers
-        return _pool
-
-
-def _split_by_rows(starts: list[int], parts: int) -> list[tuple[int, int]]:
-    """Cut experts ``0..E-1`` (rows ``starts[e]:starts[e+1]``) into ``parts`` contiguous
-    ranges of about equal rows."""
-    num_experts, total = len(starts) - 1, starts[-1]
-    bounds, e = [0], 0
-    for k in range(1, parts):
-        while e < num_experts and starts[e] < total * k / parts:
-            e += 1
-        bounds.append(e)
-    bounds.append(num_experts)
-    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
-
-
-def fused_experts_per_expert(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act=F.silu,
-    stats=None,
-    num_workers: int = 1,
-    out_dtype: torch.dtype | None = None,
-    linear=F.linear,
-) -> torch.Tensor:
-    """Expert computation without whole-batch sorted intermediates (the CPU path).
-
-    Same arguments, result and GEMMs as `fused_experts_reference` (one GEMM chain per
-    non-empty expert over the rows routed to it), but each expert gathers its own rows and
-    writes its weighted float32 output to the rows' ``(token, slot)`` places of a ``[T*A, H]``
-    buffer, summed over the slots at the end in slot order (`sum_slots`), so the result is
-    the reference's bit for bit whatever the worker split. The reference also materialises
-    ``[T*A, H]`` sorted inputs and outputs; above glibc's 32 MiB mmap threshold (4,096 tokens
-    x top-8 x hidden 512 in fp32 = 64 MiB) each was a fresh page run on every call: with
-    per-expert gathers into a ``[T, H]`` accumulator this path ran 1.32x faster at 4,096
-    tokens on the bench model and the same at <= 2,048 (measured before the slot-order sum).
-
-    With ``num_workers`` > 1 the experts are cut into that many ranges of about equal rows, each
-    run on a worker thread with single-threaded GEMMs into its own accumulator, summed at the
-    end in range order. MKL's two-thread GEMM barely beats one thread at a few rows (measured
-    on the bench model's 512x512 expert GEMMs with cold weights: 245 vs 265 us at 4 rows), so
-    two experts at once on two cores is faster: the bench MoE layer took 18.0 vs 28.6 ms at 24
-    tokens (3 rows per expert) and 30.2 vs 37.7 ms at 128 tokens. With the host allocator tuned
-    (`batchgen.engine.host_allocator`) it also wins at larger batches: 55.9 vs 73.2 ms at 512
-    tokens, 73.8 vs 99.5 ms at 1,024, 126 vs 138 ms at 2,048, and loses slightly at 4,096 (252
-    vs 246 ms), hence `CORE_PARALLEL_MAX_MEAN_ROWS`. End to end, 24 sequences decoding on the
-    bench model ran 1.10-1.17x faster (decode-only 186-200 vs 169-171 tokens/s, two rounds in
-    one process). ``torch.set_num_threads(1)`` is in force for the whole process during the
-    call and restored after.
-
-    ``linear``: the GEMM, ``(x [m, K], w [N, K]) -> [m, N]`` (`invariant_linear` in the
-    batch-invariant mode).
-
-    Before the slot-order sum, the top-k sums ran in expert order per worker: results then
-    depended on the thread count in the last bits (and in bf16 that changed tokens), and
-    differed from an expert-parallel rank's.
-    """
-    num_tokens, top_k = topk_ids.shape
-    order, counts, token_idx = _route_rows(topk_ids, w13.shape[0], stats)
-    weights = topk_weights.reshape(-1).index_select(0, order)  # [T*A] float32, sorted
-    starts = [0]
-    for m in counts:
-        starts.append(starts[-1] + m)
-
-    # [T*A, H] float32 in (token, slot) order; every place is written once (a token meets an
-    # expert at most once), by one worker.
-    pairs = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
-
-    def run(lo: int, hi: int) -> None:
-        for expert in range(lo, hi):
-            start, end = starts[expert], starts[expert + 1]
-            if start == end:
-                continue
-            rows = token_idx[start:end]  # [m]
-            gate, up = linear(x.index_select(0, rows), w13[expert]).chunk(2, dim=-1)  # [m, I]
-            y = linear(act(gate) * up, w2[expert]).float()  # [m, H]
-            pairs.index_copy_(0, order[start:end], y.mul_(weights[start:end, None]))
-
-    def result() -> torch.Tensor:
-        return sum_slots(pairs.view(num_tokens, top_k, x.shape[1])).to(out_dtype or x.dtype)
-
-    if num_workers <= 1:
-        run(0, len(counts))
-        return result()
-    ranges = _split_by_rows(starts, num_workers)
-    # Grad and inference modes are per thread: the workers take the caller's.
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-    def run_in_caller_mode(lo: int, hi: int) -> torch.Tensor:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return run(lo, hi)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pool = _expert_pool(num_workers)
-        futures = [pool.submit(run_in_caller_mode, lo, hi) for lo, hi in ranges]
-        for f in futures:
-            f.result()
-    finally:
-        torch.set_num_threads(threads)
-    return result()
-
-
-def cpu_expert_workers(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Worker threads for `fused_experts_per_expert`: ``torch.get_num_threads()`` when the
-    experts get fewer than `CORE_PARALLEL_MAX_MEAN_ROWS` rows on average, else 1."""
-    if num_tokens * top_k >= CORE_PARALLEL_MAX_MEAN_ROWS * num_experts:
-        return 1
-    return max(1, torch.get_num_threads())
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -393,25 +236,36 @@ class SparseMoeBlock(nn.Module):
         ``topk_ids [T, A]`` *slots* of this block (equal to the logical ids unless the experts
         are sharded) -> ``[T, H]`` of ``out_dtype`` (default x's dtype):
         ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in float32 in slot order,
-        rounded once at the end. The fused kernel serves float32 and, on CPUs with
-        avx512_bf16 (AMX-BF16 where usable), bfloat16 (`batchgen.kernels.fused_moe`). The fast path is chosen here, by
-        measurement on CPU (see `batchgen.kernels.fused_moe` and `fused_experts_per_expert`);
-        CUDA keeps the reference until it is measured there."""
-        if self.uses_kernel(x):
-            order, counts = sort_by_expert(topk_ids, self.w13_weight.shape[0])
+        rounded once at the end. The path (fused CPU kernel, CPU torch path, grouped GEMMs or
+        the reference loop) is chosen by `batchgen.models.layers.expert_path.expert_path`,
+        and nowhere else."""
+        w13, w2 = self.w13_weight, self.w2_weight
+        path = expert_path(
+            x.device,
+            x.dtype,
+            batch_invariant=self.batch_invariant,
+            cpu_kernel=self.uses_kernel(x),
+            hidden_size=w13.shape[2],
+            intermediate_size=w2.shape[2],
+            num_experts=w13.shape[0],
+        )
+        if path == "cpu_kernel":
+            order, counts = sort_by_expert(topk_ids, w13.shape[0])
             if self.stats is not None:
                 self.stats.record(counts)
             w13_packed, w2_packed = self.packed_expert_weights()
             out = fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
             return out.to(out_dtype or x.dtype)  # [T, H], summed over the slots in float32
-        args = (x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act, self.stats)
+        args = (x, w13, w2, topk_weights, topk_ids, self.act, self.stats)
+        if path == "grouped_mm":
+            return fused_experts_grouped_mm(*args, out_dtype=out_dtype)
+        if path == "reference":
+            return fused_experts_reference(*args, out_dtype=out_dtype)
         if self.batch_invariant:  # one worker: the fallback GEMM's rounding follows threads
             args = (*args[:5], invariant_activation(self.act), self.stats)
             return fused_experts_per_expert(*args, out_dtype=out_dtype, linear=invariant_linear)
-        if x.device.type == "cpu":
-            workers = cpu_expert_workers(x.shape[0], self.top_k, self.w13_weight.shape[0])
-            return fused_experts_per_expert(*args, num_workers=workers, out_dtype=out_dtype)
-        return fused_experts_reference(*args, out_dtype=out_dtype)
+        workers = cpu_expert_workers(x.shape[0], self.top_k, w13.shape[0])
+        return fused_experts_per_expert(*args, num_workers=workers, out_dtype=out_dtype)
 
     def forward(self, x: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``. ``local_rows`` (expert parallelism only): rows whose
