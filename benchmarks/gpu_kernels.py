@@ -174,7 +174,8 @@ def _decode_meta(kv_lens, tables, block, device, in_place, block_bytes) -> Atten
         plan = [(0, len(tables))]
     else:
         cpu_cap = max(1, CPU_DECODE_GATHER_BYTES // block_bytes)
-        plan = plan_decode_buckets(nblocks, max_bucket_blocks=cpu_cap if device.type == "cpu" else None)
+        cap = cpu_cap if device.type == "cpu" else None
+        plan = plan_decode_buckets(nblocks, max_bucket_blocks=cap)
     buckets = []
     for start, end in plan:
         width = max(nblocks[start:end])
@@ -210,7 +211,8 @@ def bench_decode_attention(args, device, dtype, time_fn) -> dict:
             v_cache = torch.randn_like(k_cache)
             q = torch.randn(seqs, hq, d, device=device, dtype=dtype)
             k_new, v_new = torch.randn(2, seqs, hkv, d, device=device, dtype=dtype)
-            meta = _decode_meta([ctx] * seqs, tables, block, device, in_place, block * hkv * d * elem)
+            block_bytes = block * hkv * d * elem
+            meta = _decode_meta([ctx] * seqs, tables, block, device, in_place, block_bytes)
 
             def step(q=q, k=k_new, v=v_new, kc=k_cache, vc=v_cache, meta=meta):
                 paged_attention(q, k, v, (kc, vc), meta, d**-0.5)
@@ -309,7 +311,9 @@ def main(argv=None) -> int:
     time_fn = _timer(device, args.warmup, args.iters)
     record = dict(
         device=args.device,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        device_name=(
+            torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+        ),
         dtype=args.dtype,
         torch=torch.__version__,
         peak_tflops=args.peak_tflops,
