@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,53 @@ def checkpoint_dir(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+@dataclass(frozen=True)
+class OracleTarget:
+    """Where the model-vs-`transformers` oracle tests run: ``device`` ("cpu" or "cuda") and
+    ``dtype`` (None: each test's own choice, float32 for the tiny checkpoints; "float32" or
+    "bfloat16": engine and reference both in it). Read from ``BATCHGEN_TEST_DEVICE`` and
+    ``BATCHGEN_TEST_DTYPE``; unset, the tests run as they always did (CPU, their dtypes)."""
+
+    device: str = "cpu"
+    dtype: str | None = None
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == "bfloat16"
+
+    def llm_kwargs(self, dtype: str | None = None) -> dict:
+        """``device`` and ``dtype`` for `LLM`: the target's dtype, else ``dtype`` if given."""
+        chosen = self.dtype or dtype
+        return {"device": self.device, **({"dtype": chosen} if chosen else {})}
+
+
+ORACLE_DEVICES, ORACLE_DTYPES = ("cpu", "cuda"), ("float32", "bfloat16")
+
+
+def read_oracle_target(env=os.environ) -> OracleTarget:
+    """`OracleTarget` from the environment; ValueError naming the variable for a bad value."""
+    device = env.get("BATCHGEN_TEST_DEVICE", "cpu") or "cpu"
+    dtype = env.get("BATCHGEN_TEST_DTYPE") or None
+    if device not in ORACLE_DEVICES:
+        raise ValueError(f"BATCHGEN_TEST_DEVICE must be one of {ORACLE_DEVICES}, got {device!r}")
+    if dtype is not None and dtype not in ORACLE_DTYPES:
+        raise ValueError(f"BATCHGEN_TEST_DTYPE must be one of {ORACLE_DTYPES}, got {dtype!r}")
+    return OracleTarget(device, dtype)
+
+
+@pytest.fixture(scope="session")
+def oracle_target() -> OracleTarget:
+    """The oracle tests' `OracleTarget`. Fails (never skips) when CUDA is asked for and absent,
+    so that a device run cannot pass by running nothing."""
+    try:
+        target = read_oracle_target()
+    except ValueError as err:
+        pytest.fail(str(err))
+    if target.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("BATCHGEN_TEST_DEVICE=cuda but torch.cuda.is_available() is False")
+    return target

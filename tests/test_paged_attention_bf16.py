@@ -53,14 +53,16 @@ def assert_greedy_agrees_with_reference(name, prompts, outs, ref) -> None:
     position our token is within 4 bf16 ulps at the largest logit of the reference's best,
     and at least 90% of positions are its argmax (shared with `test_fused_moe_bf16`)."""
     exact = total = 0
+    dev = next(ref.parameters()).device  # the reference's device (CUDA in the device run)
     for prompt, out in zip(prompts, outs):
         ours = list(out.outputs[0].token_ids)
         with torch.no_grad():
-            logits = ref(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1].float()
+            logits = ref(torch.tensor([prompt + ours], device=dev)).logits[0, len(prompt) - 1 : -1]
+        logits = logits.float()
         delta = 4 * 2.0**-7 * logits.abs().max().item()
-        chosen = logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+        chosen = logits.gather(1, torch.tensor(ours, device=dev)[:, None])[:, 0]
         assert (chosen >= logits.max(-1).values - delta).all(), (name, ours)
-        exact += int((logits.argmax(-1) == torch.tensor(ours)).sum())
+        exact += int((logits.argmax(-1) == torch.tensor(ours, device=dev)).sum())
         total += len(ours)
     assert exact >= 0.9 * total, f"{exact}/{total} positions are the reference's argmax"
 
