@@ -112,7 +112,7 @@ def test_a_headless_group_killed_mid_job_is_retired_and_the_job_completes(
         headless.wait(10)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(360)
 def test_an_idle_engine_hands_a_replacement_its_setup(checkpoint_dir):
     """Rank 1 is killed, its failure found by a `step`, and then nobody calls the engine: the
     replacement still gets its setup, loads and is taken in (by the frontend's background
@@ -120,8 +120,12 @@ def test_an_idle_engine_hands_a_replacement_its_setup(checkpoint_dir):
     llm = LLM(str(checkpoint_dir("mixtral")), data_parallel_size=2, enable_elastic_recovery=True)
     engine = llm.llm_engine
     try:
-        engine.add_request("a", "idle prompt", _greedy(300), data_parallel_rank=1)
+        # Long enough not to finish before the kill: the tiny model decodes some 600 tokens/s
+        # on a quiet machine, and a `step` with no request left returns at once without
+        # reading the ranks, so a 300-token "a" that finished first left the death unseen.
+        engine.add_request("a", "idle prompt", _greedy(2000), data_parallel_rank=1)
         engine.step()
+        assert "a" in engine.requests, "the request finished before the kill"
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not engine._ranks[1].joining:  # the failure is found and rank 1 started again
@@ -143,12 +147,12 @@ def test_an_idle_engine_hands_a_replacement_its_setup(checkpoint_dir):
         for rank in (0, 1):
             engine.add_request(f"b{rank}", "same prompt", _greedy(12), data_parallel_rank=rank)
         got = {}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while engine.has_unfinished_requests():
             assert time.monotonic() < deadline
             got.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
         assert set(got) == {"a", "b0", "b1"} and got["b0"] == got["b1"]
-        assert len(got["a"]) == 300
+        assert len(got["a"]) == 2000
     finally:
         llm.shutdown()
 
