@@ -343,8 +343,11 @@ def test_shutdown_while_a_replacement_starts_does_not_wait_for_it(
     engine = llm.llm_engine
     try:
         _delay_new_ranks(tmp_path, monkeypatch, 60, while_loading=phase == "loading")
-        engine.add_request("a", "hello there", _greedy(400), data_parallel_rank=1)
+        # Long enough not to finish before the kill (a step with no request left does not
+        # read the ranks, so a finished request would leave the death unseen).
+        engine.add_request("a", "hello there", _greedy(2000), data_parallel_rank=1)
         engine.step()
+        assert "a" in engine.requests, "the request finished before the kill"
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
 
