@@ -120,8 +120,11 @@ def test_recovery_gives_up_after_the_restart_budget(checkpoint_dir, monkeypatch)
     llm = _elastic_llm(checkpoint_dir)
     engine = llm.llm_engine
     try:
-        engine.add_request("a", "hello", _greedy(200))
+        # Long enough not to finish before the kill (a step with no request left does not
+        # read the ranks, so a finished request would leave the death unseen).
+        engine.add_request("a", "hello", _greedy(2000))
         engine.step()
+        assert "a" in engine.requests, "the request finished before the kill"
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         with pytest.raises(RankFailedError, match=r"rank 1 .*SIGKILL.*gave up after 0 restarts"):
             _drain(engine, timeout=60)
@@ -307,8 +310,11 @@ def test_recovery_gives_up_when_the_restarts_keep_failing(checkpoint_dir, monkey
     llm = _elastic_llm(checkpoint_dir)
     engine = llm.llm_engine
     try:
-        engine.add_request("a", "hello", _greedy(200))
+        # Long enough not to finish before the kill (a step with no request left does not
+        # read the ranks, so a finished request would leave the death unseen).
+        engine.add_request("a", "hello", _greedy(2000))
         engine.step()
+        assert "a" in engine.requests, "the request finished before the kill"
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         pattern = r"rank 1 .*died: killed by SIGKILL.*gave up after 1 restarts"
         with pytest.raises(RankFailedError, match=pattern) as info:
