@@ -705,9 +705,12 @@ def test_killing_each_replacement_spends_the_restart_budget_then_retires_the_ran
     engine = llm.llm_engine
     try:
         _delay_new_ranks(tmp_path, monkeypatch, 60)  # a replacement never connects by itself
-        engine.add_request("one", "on rank one", _greedy(400), data_parallel_rank=1)
+        # "one" is long enough not to finish before the kill (a finished one would leave
+        # nothing on rank 1 to fail).
+        engine.add_request("one", "on rank one", _greedy(2000), data_parallel_rank=1)
         engine.add_request("zero", "on rank zero", _greedy(60), data_parallel_rank=0)
         outs = {o.request_id: o for o in engine.step()}
+        assert "one" in engine.requests, "the request finished before the kill"
         processes = list(engine.rank_set._processes)
         os.kill(engine._ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
@@ -726,8 +729,9 @@ def test_killing_each_replacement_spends_the_restart_budget_then_retires_the_ran
         assert "data_parallel_rank 1 was retired" in outs["one"].error
         assert "restart budget is spent" in outs["one"].error
         assert outs["zero"].error is None and len(outs["zero"].outputs[0].token_ids) == 60
-        engine.add_request("last", "on rank zero", _greedy(400))
+        engine.add_request("last", "on rank zero", _greedy(2000))
         engine.step()
+        assert "last" in engine.requests, "the request finished before the kill"
         os.kill(engine._ranks[0].pid, signal.SIGKILL)
         with pytest.raises(RankFailedError) as info:
             while True:
