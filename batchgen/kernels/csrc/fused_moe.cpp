@@ -76,13 +76,13 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
     // a_buf and act hold kRowChunk rows rounded up to whole row blocks, in K's layout.
     constexpr int64_t kPanelRows = (kRowChunk + MR - 1) / MR * MR;
     thread_local std::vector<In> a_buf, act;
-    thread_local std::vector<float> g_buf, act_f32;
+    thread_local std::vector<float> g_buf;
     thread_local std::vector<float> scale(kRowChunk);
     thread_local std::vector<float*> g_rows(kRowChunk), y_rows(kRowChunk);
     if (a_buf.size() < static_cast<size_t>(kPanelRows * h)) a_buf.resize(kPanelRows * h);
-    if (g_buf.size() < static_cast<size_t>(kRowChunk * i2)) g_buf.resize(kRowChunk * i2);
+    if (!K::kFusedSilu && g_buf.size() < static_cast<size_t>(kRowChunk * i2))
+      g_buf.resize(kRowChunk * i2);
     if (act.size() < static_cast<size_t>(kPanelRows * inter)) act.resize(kPanelRows * inter);
-    if (act_f32.size() < static_cast<size_t>(inter)) act_f32.resize(inter);
     for (int64_t r = 0; r < kRowChunk; ++r) g_rows[r] = g_buf.data() + r * i2;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < num_experts; ++e) {
@@ -112,28 +112,26 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         const int64_t m_pad = (m + MR - 1) / MR * MR;
         if constexpr (K::kZeroPadRows)  // row-major: rows m .. m_pad - 1 are one range
           std::fill(a_buf.data() + m * h, a_buf.data() + m_pad * h, In{0});
-        K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr);  // [m, 2I]: gate, up
-        for (int64_t r = 0; r < m; ++r) {
-          const float* g = g_buf.data() + r * i2;
-          In* o = act.data() + K::row_offset(r, inter);
-          // exp's argument capped below float overflow (exp(88) = 1.65e38): under fast math
-          // 1 / (1 + inf) is computed as rcp(inf) plus a Newton step, which gives NaN, not 0.
-          if constexpr (sizeof(In) == 4) {
+        if constexpr (K::kFusedSilu) {  // [m, I] bf16 straight from the GEMM's tiles
+          K::gemm_silu(a_buf.data(), m, h, w13, inter, act.data());
+        } else {
+          K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr);  // [m, 2I]: gate, up
+          for (int64_t r = 0; r < m; ++r) {
+            const float* g = g_buf.data() + r * i2;
+            In* o = act.data() + K::row_offset(r, inter);
+            // exp's argument capped below float overflow (exp(88) = 1.65e38): under fast math
+            // 1 / (1 + inf) is computed as rcp(inf) plus a Newton step, which gives NaN, not 0.
+            if constexpr (sizeof(In) == 4) {
 #pragma omp simd
-            for (int64_t j = 0; j < inter; ++j) {
-              const float ex = std::exp(std::min(-g[j], 88.0f));
-              o[j * kStep] = g[j] / (1.0f + ex) * g[inter + j];
+              for (int64_t j = 0; j < inter; ++j) {
+                const float ex = std::exp(std::min(-g[j], 88.0f));
+                o[j * kStep] = g[j] / (1.0f + ex) * g[inter + j];
+              }
+            } else {  // 16 lanes of AVX-512, rounded into bf16 pairs (fused_moe_bf16.h)
+#if BATCHGEN_HAVE_BF16
+              silu_mul_to_bf16_pairs(g, g + inter, inter, reinterpret_cast<uint32_t*>(o), kStep);
+#endif
             }
-          } else {  // float32 first (a vector loop), then rounded into bf16 pairs
-            float* f = act_f32.data();
-#pragma omp simd
-            for (int64_t j = 0; j < inter; ++j) {
-              const float ex = std::exp(std::min(-g[j], 88.0f));
-              f[j] = g[j] / (1.0f + ex) * g[inter + j];
-            }
-            uint32_t* o32 = reinterpret_cast<uint32_t*>(o);
-            for (int64_t j = 0; j < inter / 2; ++j)
-              o32[j * kStep] = to_bf16(f[2 * j]) | (uint32_t{to_bf16(f[2 * j + 1])} << 16);
           }
         }
         if constexpr (K::kZeroPadRows)

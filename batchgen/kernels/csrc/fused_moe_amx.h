@@ -14,6 +14,7 @@
 // Tile state is per thread: `gemm` loads its configuration and releases it before returning.
 #pragma once
 
+#include "fused_moe_bf16.h"
 #include "fused_moe_common.h"
 
 #if BATCHGEN_HAVE_AMX
@@ -25,7 +26,8 @@
 namespace {
 
 #if BATCHGEN_HAVE_AMX
-#define BATCHGEN_AMX_TARGET __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
+#define BATCHGEN_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 struct AmxTileConfig {  // the 64-byte operand of ldtilecfg
   uint8_t palette_id;
@@ -41,24 +43,22 @@ struct AmxBf16 {
   static constexpr int64_t kRowChunk = 128;
   static constexpr int64_t kStep = 1;  // row-major: consecutive k pairs are adjacent words
   static constexpr bool kZeroPadRows = true;
+  static constexpr bool kFusedSilu = true;  // gemm_silu: gate/up GEMM and activation in one
   static int64_t row_offset(int64_t row, int64_t k_size) { return row * k_size; }
   static bool usable(int64_t k_size) { return k_size % 32 == 0; }
 
-  // k per cache block: the gate/up GEMM (K = H) runs its k in blocks of kKc so that a panel
-  // pair's block (kKc x 32 bf16 = 16 KiB) stays in L1 while the row blocks stream past it;
-  // with the whole K = 512 a panel pair (32 KiB) and a 32-row block of A (32 KiB) overflowed
-  // the 48 KiB L1, and both came from L2 at every k step.
+  // k per cache block: a GEMM with K > kKc (the bench layer's gate/up, K = H = 512) runs its
+  // k in blocks so that a panel pair's block (kKc x 32 bf16 = 16 KiB) stays in L1 while the
+  // row blocks stream past it; with the whole K = 512 a panel pair (32 KiB) and a 32-row block
+  // of A (32 KiB) overflowed the 48 KiB L1, and both came from L2 at every k step.
   static constexpr int64_t kKc = 256;
 
-  // MT x NT tiles of C (rows 16 MT of a, panels b0 and the next) over k in [k0, k1): the tiles
-  // start at zero (first) or at cbuf's partial sums, and end in cbuf [4][16][16]. pf: where
-  // the next block of B starts in its first panel (null: none), prefetched into L2 at the pace
-  // this block reads its own (prefetches never fault, so a shorter next block is harmless).
+  // MT x NT tiles of C (rows 16 MT of a; panels b0, b1) over k in [k0, k1): the tiles start at
+  // zero (first) or at cbuf's partial sums, and end in cbuf [4][16][16].
   template <int MT, int NT>
   BATCHGEN_AMX_TARGET static void block(const uint16_t* a, int64_t k_size, const uint16_t* b0,
-                                        int64_t k0, int64_t k1, bool first, float* cbuf,
-                                        const uint16_t* pf) {
-    const uint16_t* b1 = b0 + k_size * kPanel;
+                                        const uint16_t* b1, int64_t k0, int64_t k1, bool first,
+                                        float* cbuf) {
     const uint16_t* a1 = a + 16 * k_size;
     const int64_t stride = k_size * 2;  // bytes per activation row
     if (first) {
@@ -87,14 +87,6 @@ struct AmxBf16 {
         _tile_dpbf16ps(2, 5, 6);
       }
       if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
-      if (pf != nullptr) {  // 1 KiB (16 lines) of each of the next block's two panels
-        const char* q0 = reinterpret_cast<const char*>(pf + (k - k0) * kPanel);
-        const char* q1 = q0 + k_size * kPanel * 2;
-        for (int l = 0; l < 16; ++l) {
-          _mm_prefetch(q0 + 64 * l, _MM_HINT_T1);
-          _mm_prefetch(q1 + 64 * l, _MM_HINT_T1);
-        }
-      }
     }
     _tile_stored(0, cbuf, 64);
     if constexpr (NT == 2) _tile_stored(1, cbuf + 256, 64);
@@ -102,12 +94,7 @@ struct AmxBf16 {
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf + 768, 64);
   }
 
-  // a: rows [round_up(m, 16)][K] bf16 (rows past m zero), m <= kRowChunk; packed
-  // [N / 16][K / 2][16][2]. Loops: panel pairs, k blocks, row blocks of 32; each output is
-  // summed over k = 0, 32, 64, ... in order (the partial sums wait in cacc between k blocks).
-  BATCHGEN_AMX_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
-                                       const uint16_t* packed, int64_t n, float* const* c_rows,
-                                       const float* scale) {
+  BATCHGEN_AMX_TARGET static void load_tile_config() {
     AmxTileConfig cfg;
     std::memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
@@ -116,40 +103,97 @@ struct AmxBf16 {
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
+  }
+
+  // The loop nest of both GEMMs: pairs of panels (b0 = pair_b0(q), b1 = b0 + stride_b1,
+  // nt of them real), k blocks, row blocks of 32; after the last k block of a row block,
+  // epilogue(row block start i, rows mt * 16, nt, q, cbuf). Each output is summed over
+  // k = 0, 32, 64, ... in order (partial sums wait in cacc between k blocks). m <= kRowChunk.
+  template <class Epilogue>
+  BATCHGEN_AMX_TARGET static void for_each_block(const uint16_t* a, int64_t m, int64_t k_size,
+                                                 const uint16_t* packed, int64_t num_pairs,
+                                                 int64_t pair_step, int64_t b1_offset, int last_nt,
+                                                 Epilogue& epilogue) {
     alignas(64) float cacc[(kRowChunk + 31) / 32 * 1024];  // [row block][4][16][16]
-    const int64_t num_panels = n / kPanel;
-    for (int64_t p = 0; p < num_panels; p += 2) {
-      const int nt = num_panels - p >= 2 ? 2 : 1;
-      const uint16_t* b0 = packed + p * k_size * kPanel;
+    for (int64_t q = 0; q < num_pairs; ++q) {
+      const int nt = q + 1 < num_pairs ? 2 : last_nt;
+      const uint16_t* b0 = packed + q * pair_step;
+      const uint16_t* b1 = b0 + b1_offset;
       for (int64_t k0 = 0; k0 < k_size; k0 += kKc) {
         const int64_t k1 = std::min(k0 + kKc, k_size);
-        // The block of B after this one (the next k block, or the next panel pair's first).
-        const uint16_t* next = k1 < k_size           ? b0 + k1 * kPanel
-                               : p + 2 < num_panels ? b0 + nt * k_size * kPanel
-                                                    : nullptr;
         for (int64_t i = 0; i < m; i += 32) {
           const int mt = m - i > 16 ? 2 : 1;
           const uint16_t* ai = a + i * k_size;
           float* cbuf = cacc + (i / 32) * 1024;
-          const uint16_t* pf = i == 0 ? next : nullptr;
-          if (mt == 2 && nt == 2) block<2, 2>(ai, k_size, b0, k0, k1, k0 == 0, cbuf, pf);
-          else if (mt == 2) block<2, 1>(ai, k_size, b0, k0, k1, k0 == 0, cbuf, pf);
-          else if (nt == 2) block<1, 2>(ai, k_size, b0, k0, k1, k0 == 0, cbuf, pf);
-          else block<1, 1>(ai, k_size, b0, k0, k1, k0 == 0, cbuf, pf);
-          if (k1 < k_size) continue;
-          for (int tm = 0; tm < mt; ++tm)
-            for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
-              const int64_t row = i + 16 * tm + r;
-              const __m512 s = _mm512_set1_ps(scale != nullptr ? scale[row] : 1.0f);
-              for (int tn = 0; tn < nt; ++tn) {
-                __m512 v = _mm512_load_ps(cbuf + (2 * tm + tn) * 256 + r * 16);
-                if (scale != nullptr) v = _mm512_mul_ps(v, s);
-                _mm512_storeu_ps(c_rows[row] + (p + tn) * kPanel, v);
-              }
-            }
+          if (mt == 2 && nt == 2) block<2, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
+          else if (mt == 2) block<2, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
+          else if (nt == 2) block<1, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
+          else block<1, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
+          if (k1 == k_size) epilogue(i, mt, nt, q, cbuf);
         }
       }
     }
+  }
+
+  struct StoreRows {  // c_rows[row][cols of pair q] = scale[row] * C
+    int64_t m;
+    float* const* c_rows;
+    const float* scale;
+    BATCHGEN_AMX_TARGET void operator()(int64_t i, int mt, int nt, int64_t q,
+                                        const float* cbuf) const {
+      for (int tm = 0; tm < mt; ++tm)
+        for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
+          const int64_t row = i + 16 * tm + r;
+          const __m512 s = _mm512_set1_ps(scale != nullptr ? scale[row] : 1.0f);
+          for (int tn = 0; tn < nt; ++tn) {
+            __m512 v = _mm512_load_ps(cbuf + (2 * tm + tn) * 256 + r * 16);
+            if (scale != nullptr) v = _mm512_mul_ps(v, s);
+            _mm512_storeu_ps(c_rows[row] + (2 * q + tn) * kPanel, v);
+          }
+        }
+    }
+  };
+
+  struct SiluRows {  // act[row][16 q .. 16 q + 15] = bf16(silu(gate) * up), gate and up in C
+    int64_t m, inter;
+    uint16_t* act;
+    BATCHGEN_AMX_TARGET void operator()(int64_t i, int mt, int, int64_t q,
+                                        const float* cbuf) const {
+      for (int tm = 0; tm < mt; ++tm)
+        for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
+          const float* gate = cbuf + 2 * tm * 256 + r * 16;
+          uint16_t* o = act + (i + 16 * tm + r) * inter + q * kPanel;
+          silu_mul_to_bf16_pairs(gate, gate + 256, kPanel, reinterpret_cast<uint32_t*>(o), 1);
+        }
+    }
+  };
+
+  // a: rows [round_up(m, 16)][K] bf16 (rows past m zero), m <= kRowChunk; packed
+  // [N / 16][K / 2][16][2]; c_rows[r][0 : N] = scale[r] * (a[r] . W^T) (scale null: 1).
+  BATCHGEN_AMX_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
+                                       const uint16_t* packed, int64_t n, float* const* c_rows,
+                                       const float* scale) {
+    load_tile_config();
+    const int64_t num_panels = n / kPanel, panel = k_size * kPanel;
+    StoreRows store{m, c_rows, scale};
+    for_each_block(a, m, k_size, packed, (num_panels + 1) / 2, 2 * panel, panel,
+                   num_panels % 2 ? 1 : 2, store);
+    _tile_release();
+  }
+
+  // The gate/up GEMM with the activation in its epilogue: packed is w13's [2I / 16][K / 2]
+  // [16][2] (gate panels, then up panels); each block pairs gate panel q with up panel
+  // I / 16 + q, so a row's 16 gates and 16 ups of columns 16 q .. 16 q + 15 meet in one
+  // cbuf and leave as act [round_up(m, 16)][I] bf16 rows (rows < m written), rounded once as
+  // in the other kernels (silu_mul_to_bf16_pairs, the same function of the same floats). No
+  // float32 [m, 2I] buffer is written and read back. I a multiple of 16.
+  BATCHGEN_AMX_TARGET static void gemm_silu(const uint16_t* a, int64_t m, int64_t k_size,
+                                            const uint16_t* packed, int64_t inter,
+                                            uint16_t* act) {
+    load_tile_config();
+    const int64_t panel = k_size * kPanel;
+    SiluRows silu{m, inter, act};
+    for_each_block(a, m, k_size, packed, inter / kPanel, panel, inter * k_size, 2, silu);
     _tile_release();
   }
 };

@@ -6,6 +6,46 @@
 namespace {
 
 #if BATCHGEN_HAVE_BF16
+// glibc's libmvec expf, 16 lanes (AVX-512; the x86-64 vector function ABI's name; glibc
+// 2.22+). GCC's vectoriser picks the 8-lane AVX2 one (_ZGVdN8v_expf) on CPUs where it prefers
+// 256-bit vectors, as on this project's machines. Both variants are within 4 ULP of the
+// correctly rounded result (glibc's manual, "Errors in Math Functions": the vector variants
+// of expf on x86_64), far below the bf16 rounding that follows.
+extern "C" __attribute__((target("avx512f"))) __m512 _ZGVeN16v_expf(__m512);
+
+// The SiLU-gated activation of one row, rounded to bf16: for j < n (n even),
+//   act_j = silu(gate_j) * up_j = gate_j / (1 + exp(-gate_j)) * up_j
+// in float32, rounded to nearest even like `to_bf16`, written as pairs: word j / 2 (elements
+// j, j + 1) at out32[(j / 2) * step]. exp's argument is capped at 88 (exp(88) = 1.65e38, as
+// in the float32 path): a gate below -88 gives a tiny silu instead of an inf denominator.
+// Elementwise with one code path for every lane (a short last vector is masked, not a scalar
+// tail), so an element's result does not depend on n or on its position.
+#define BATCHGEN_BF16_ACT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+BATCHGEN_BF16_ACT_TARGET inline void silu_mul_to_bf16_pairs(const float* gate, const float* up,
+                                                            int64_t n, uint32_t* out32,
+                                                            int64_t step) {
+  const __m512 cap = _mm512_set1_ps(88.0f), one = _mm512_set1_ps(1.0f);
+  const __m512i half = _mm512_set1_epi32(0x7fff), lsb = _mm512_set1_epi32(1);
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t len = std::min<int64_t>(16, n - j);
+    const __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + j);
+    const __m512 u = _mm512_maskz_loadu_ps(mask, up + j);
+    const __m512 ex = _ZGVeN16v_expf(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
+    const __m512 f = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, ex)), u);
+    __m512i b = _mm512_castps_si512(f);  // bits + 0x7fff + lowest kept bit, then >> 16
+    b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), lsb)));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));  // 16 x bf16 = 8 words
+    if (step == 1) {
+      _mm256_mask_storeu_epi32(out32 + j / 2, static_cast<__mmask8>((1u << (len / 2)) - 1), h);
+    } else {
+      alignas(32) uint32_t w[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), h);
+      for (int64_t q = 0; q < len / 2; ++q) out32[(j / 2 + q) * step] = w[q];
+    }
+  }
+}
+
 // ---- AVX512-BF16: bf16 x bf16 -> float32, 12 rows x 32 columns ---------------------------
 // Only gemm carries the target attribute (it is called once per expert chunk); the gather and
 // the activation are plain C++ and round with integer arithmetic.

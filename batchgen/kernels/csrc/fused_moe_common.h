@@ -10,6 +10,9 @@
 //              elements): the driver gathers rows and writes the activation through these;
 //   kZeroPadRows  whether gemm reads the rows from m up to the next multiple of kMR (the
 //              driver zeroes them);
+//   kFusedSilu whether the kernel has gemm_silu(a, m, k_size, w13_packed, inter, act): the
+//              gate/up GEMM with the SiLU-gated activation written in its epilogue (else the
+//              driver runs gemm into float32 rows and the activation as a pass of its own);
 //   gemm(a, m, k_size, packed, n, c_rows, scale): c_rows[r][0 : n] = scale[r] * (A[r] . W^T)
 //              for r < m (scale null: 1), W packed in 16-column panels (fused_moe.cpp).
 #pragma once
@@ -76,6 +79,7 @@ struct MicroPanelLayout {
   static constexpr int64_t kRowChunk = 120;  // 120 x 512 floats = 240 KiB (L2)
   static constexpr int64_t kStep = MR;
   static constexpr bool kZeroPadRows = false;  // row tails run narrower micro-kernels
+  static constexpr bool kFusedSilu = false;
   static int64_t row_offset(int64_t row, int64_t k_size) {
     return (row / MR) * k_size * MR + (row % MR) * kPerWord;
   }
