@@ -249,3 +249,28 @@ def test_bf16_greedy_tokens_agree_with_transformers_in_bf16(checkpoint_dir, name
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     assert_greedy_agrees_with_reference(name, prompts, outs, ref)
+
+
+@needs_amx
+def test_amx_kernel_gives_the_same_bits_with_a_misaligned_slot_buffer():
+    """The down GEMM writes its weighted rows into the per-slot buffer with non-temporal
+    stores where a row is 64-byte aligned, else with ordinary stores: a buffer 4 bytes off
+    (every row misaligned) gives the same bits as the aligned workspace."""
+    x, w13, w2, weights, ids = _case(40, 4, 2, 64, 32, seed=9)
+    want = _kernel(x, w13, w2, weights, ids, "amx")
+    order, counts = sort_by_expert(ids, 4)
+    starts = torch.zeros(5, dtype=torch.int64)
+    torch.cumsum(torch.tensor(counts), 0, out=starts[1:])
+    w13p, w2p = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    weights = weights.float().contiguous()
+    order = order.contiguous()
+    y_slots = torch.empty(40 * 2 * 64 + 16)
+    assert y_slots.data_ptr() % 64 == 0
+    out = torch.empty(40, 64)
+    rc = fm._library().batchgen_fused_moe_silu_bf16(
+        x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), weights.data_ptr(), order.data_ptr(),
+        starts.data_ptr(), y_slots.data_ptr() + 4, out.data_ptr(), 40, 64, 32, 2, 4, 1,
+        fm.ISAS[torch.bfloat16]["amx"],
+    )
+    assert rc == 0
+    assert torch.equal(out, want)

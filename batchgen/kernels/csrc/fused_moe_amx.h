@@ -135,7 +135,14 @@ struct AmxBf16 {
     }
   }
 
-  struct StoreRows {  // c_rows[row][cols of pair q] = scale[row] * C
+  // c_rows[row][cols of pair q] = scale[row] * C. With a scale (the down GEMM, whose rows are
+  // y_slots rows that only the slot-sum pass reads, after every expert is done) the rows are
+  // written with non-temporal stores where 64-byte aligned: no read for ownership of lines of
+  // a buffer far larger than the caches (T x top-k x H floats, 33.5 MB at 2,048 tokens of the
+  // bench layer), and no eviction of the weights and activations the GEMMs reuse. Measured
+  // (single thread, process time, bench layer, machine loaded): 2,048 tokens 30.8 -> 22.2 ms,
+  // 512 tokens 9.0 -> 8.2, 16 tokens 2.19 -> 2.03. gemm fences them before it returns.
+  struct StoreRows {
     int64_t m;
     float* const* c_rows;
     const float* scale;
@@ -144,11 +151,19 @@ struct AmxBf16 {
       for (int tm = 0; tm < mt; ++tm)
         for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
           const int64_t row = i + 16 * tm + r;
-          const __m512 s = _mm512_set1_ps(scale != nullptr ? scale[row] : 1.0f);
+          float* c = c_rows[row] + 2 * q * kPanel;
+          const float* t = cbuf + 2 * tm * 256 + 16 * r;  // row r of tile (tm, 0)
+          if (scale == nullptr) {
+            for (int tn = 0; tn < nt; ++tn)
+              _mm512_storeu_ps(c + tn * kPanel, _mm512_load_ps(t + tn * 256));
+            continue;
+          }
+          const __m512 s = _mm512_set1_ps(scale[row]);
+          const bool aligned = (reinterpret_cast<uintptr_t>(c) & 63) == 0;
           for (int tn = 0; tn < nt; ++tn) {
-            __m512 v = _mm512_load_ps(cbuf + (2 * tm + tn) * 256 + r * 16);
-            if (scale != nullptr) v = _mm512_mul_ps(v, s);
-            _mm512_storeu_ps(c_rows[row] + (2 * q + tn) * kPanel, v);
+            const __m512 v = _mm512_mul_ps(_mm512_load_ps(t + tn * 256), s);
+            if (aligned) _mm512_stream_ps(c + tn * kPanel, v);
+            else _mm512_storeu_ps(c + tn * kPanel, v);
           }
         }
     }
@@ -178,6 +193,7 @@ struct AmxBf16 {
     StoreRows store{m, c_rows, scale};
     for_each_block(a, m, k_size, packed, (num_panels + 1) / 2, 2 * panel, panel,
                    num_panels % 2 ? 1 : 2, store);
+    if (scale != nullptr) _mm_sfence();  // the non-temporal stores, before other threads read
     _tile_release();
   }
 

@@ -34,7 +34,8 @@ BATCHGEN_BF16_ACT_TARGET inline void silu_mul_to_bf16_pairs(const float* gate, c
     const __m512 ex = _ZGVeN16v_expf(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
     const __m512 f = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, ex)), u);
     __m512i b = _mm512_castps_si512(f);  // bits + 0x7fff + lowest kept bit, then >> 16
-    b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), lsb)));
+    const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(b, 16), lsb);
+    b = _mm512_add_epi32(b, _mm512_add_epi32(half, lowest_kept));
     const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));  // 16 x bf16 = 8 words
     if (step == 1) {
       _mm256_mask_storeu_epi32(out32 + j / 2, static_cast<__mmask8>((1u << (len / 2)) - 1), h);
