@@ -73,12 +73,18 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
         for (int q = 0; q < NP; ++q) c[q][r] = _mm512_dpbf16_ps(c[q][r], ar, b[q]);
       }
     }
-    for (int r = 0; r < MR; ++r)
+    // With a scale (the down GEMM into y_slots rows): non-temporal stores where aligned, as
+    // in the AMX kernel (AmxBf16::StoreRows says why); gemm fences them.
+    for (int r = 0; r < MR; ++r) {
+      float* c_row = c_rows[r] + col;
+      const bool stream = scale != nullptr && (reinterpret_cast<uintptr_t>(c_row) & 63) == 0;
       for (int q = 0; q < NP; ++q) {
         __m512 v = c[q][r];
         if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_set1_ps(scale[r]));
-        _mm512_storeu_ps(c_rows[r] + col + q * kPanel, v);
+        if (stream) _mm512_stream_ps(c_row + q * kPanel, v);
+        else _mm512_storeu_ps(c_row + q * kPanel, v);
       }
+    }
   }
   template <int NP>
   struct Tail {
@@ -108,6 +114,7 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
       panels<2>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale);
     if (p < num_panels)
       panels<1>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale);
+    if (scale != nullptr) _mm_sfence();
   }
 };
 #endif
