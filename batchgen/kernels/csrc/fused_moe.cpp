@@ -47,6 +47,11 @@
 // input; the down GEMM, the router weighting and the slot sum are float32. The torch path
 // rounds gate, up, silu(gate), their product and the down output to bf16 instead.
 // vdpbf16ps and tdpbf16ps treat bf16 subnormal inputs as zero and flush subnormal results.
+// The bf16 activation is silu_mul_to_bf16_pairs (fused_moe_bf16.h: libmvec's 16-lane expf);
+// AMX computes it in the gate/up GEMM's epilogue (AmxBf16::gemm_silu), the vdpbf16ps kernel
+// in a pass over float32 rows: the same function of the same float32 sums. Both bf16 kernels
+// write the down GEMM's weighted rows into y_slots with non-temporal stores (the buffer is
+// read only by the slot-sum pass and is far larger than the caches at large calls).
 //
 // Experts are spread over OpenMP threads (dynamic: experts differ in rows); the library joins
 // torch's OpenMP runtime like paged_decode_attention.cpp.

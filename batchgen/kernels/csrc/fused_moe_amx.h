@@ -8,10 +8,17 @@
 // a multiple of 16 (their outputs are dropped); K must be a multiple of 32 (`usable`), else
 // the driver runs the vdpbf16ps kernel for that GEMM.
 //
+// Two GEMMs share one loop nest (for_each_block: panel pairs, k blocks of kKc, row blocks):
+// `gemm` (the down projection: float32 rows, weighted, non-temporal into y_slots) and
+// `gemm_silu` (gate/up: gate panel q beside up panel I / 16 + q, the activation computed
+// from the tiles and written as bf16 rows for the down GEMM).
+//
 // Batch invariance: each output row of tdpbf16ps depends on its own A row only, and sums the k
 // tiles in order k = 0, 32, 64, ...; so a row's result does not depend on the number of rows.
+// Between k blocks the float32 partial sums are stored and reloaded exactly (same order).
 // Within one tile the hardware's order of the 32 products is fixed (not documented; tested).
-// Tile state is per thread: `gemm` loads its configuration and releases it before returning.
+// Tile state is per thread: `gemm` and `gemm_silu` load the configuration and release it
+// before returning.
 #pragma once
 
 #include "fused_moe_bf16.h"
