@@ -80,7 +80,10 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
     // Per-thread scratch kept across calls (OpenMP reuses its threads): no fresh pages per call.
     // a_buf and act hold kRowChunk rows rounded up to whole row blocks, in K's layout.
     constexpr int64_t kPanelRows = (kRowChunk + MR - 1) / MR * MR;
-    thread_local std::vector<In> a_buf, act;
+    // bf16: cache-line aligned (AMX tile rows); float32: as before.
+    using InBuffer = std::conditional_t<sizeof(In) == 2, std::vector<In, CacheAligned<In>>,
+                                        std::vector<In>>;
+    thread_local InBuffer a_buf, act;
     thread_local std::vector<float> g_buf;
     thread_local std::vector<float> scale(kRowChunk);
     thread_local std::vector<float*> g_rows(kRowChunk), y_rows(kRowChunk);

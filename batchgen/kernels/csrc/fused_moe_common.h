@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -46,6 +48,26 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per packed panel
+
+// A std::vector allocator aligned to cache lines. The bf16 kernels' scratch (the gathered
+// rows, the activation) is read by AMX tile loads, 64 bytes per row: from a buffer malloc
+// aligned to 16 bytes (a 128 KiB vector is mmap'ed at a page + 16) every row of every tile
+// load spans two cache lines. In a GEMM-only test (m 128, K 512, N 512, 64 experts) A 16 bytes
+// off ran at 815 GFLOP/s against 944 aligned.
+template <class T>
+struct CacheAligned {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheAligned() = default;
+  template <class U>
+  CacheAligned(const CacheAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const CacheAligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const CacheAligned<U>&) const { return false; }
+};
 
 // Tail dispatch: calls F::template run<R>(args...) for R = rem (1 <= rem < MR).
 template <class F, int MR, int R = 1, class... Args>
