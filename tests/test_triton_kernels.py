@@ -1,0 +1,182 @@
+"""The Triton kernels (`batchgen.kernels.triton_moe`, `batchgen.kernels.triton_paged_attention`)
+against the torch oracles: `fused_experts_reference` and the torch decode attention path.
+
+Without CUDA the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (numpy executes each
+program); with CUDA they compile and run on the GPU, and the bf16 cases run too. An autouse
+fixture sets the variable before the kernel modules are first imported (``triton.jit`` reads it
+when it decorates them; nothing the engine imports at start imports triton).
+
+bfloat16 under the interpreter: triton 3.9.0's interpreter converts float32 to bf16 wrongly
+(checked here: a float32 -> bf16 store is off by up to 2 bf16 ulps against torch's
+round-to-nearest-even, and ``tl.dot`` of bf16 tiles returns garbage; loading bf16 and widening
+to float32 is exact). The MoE kernels round each GEMM output to the activations' dtype as the
+reference does, so bf16 MoE is proven on a GPU only; the CPU run covers float32 and float16.
+
+Tolerances: float32 differs from the oracle only in the order a GEMM sums its K terms (1e-5);
+float16 / bf16 by at most one rounding of an intermediate in that dtype (2 ulps at the output's
+scale: 2e-3 for fp16, 1.6e-2 for bf16).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
+from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference
+from batchgen.models.model_config import RouterConfig
+
+try:
+    import importlib.util
+
+    _TRITON = importlib.util.find_spec("triton") is not None
+except ImportError:  # pragma: no cover
+    _TRITON = False
+
+pytestmark = pytest.mark.skipif(not _TRITON, reason="triton is not installed on this platform")
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _experts(num_tokens, e, h, i, a, seed, dtype, ids=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, h, generator=g)
+    w13 = torch.randn(e, 2 * i, h, generator=g) * h**-0.5
+    w2 = torch.randn(e, h, i, generator=g) * i**-0.5
+    probs = torch.softmax(torch.randn(num_tokens, e, generator=g), dim=-1)
+    tw, topk = torch.topk(probs, a, dim=-1)  # [T, A]
+    ids = topk if ids is None else torch.tensor(ids, dtype=torch.int64)
+    return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), tw, ids)]
+
+
+# (T, E, H, I, A): E not a multiple of anything (7, 5, 3), top-k 1, 2 and 3, H and I that are
+# not multiples of the tiles (40, 24, 72), rows per expert from <1 to > BLOCK_M.
+SHAPES = [(5, 7, 32, 48, 2), (1, 3, 64, 32, 1), (9, 5, 40, 24, 3), (40, 3, 72, 16, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_triton_moe_equals_the_reference(shape, dtype):
+    from batchgen.kernels.triton_moe import fused_experts_triton
+
+    t, e, h, i, a = shape
+    x, w13, w2, tw, ids = _experts(t, e, h, i, a, seed=sum(shape), dtype=dtype)
+    got = fused_experts_triton(x, w13, w2, tw, ids)
+    want = fused_experts_reference(x, w13, w2, tw, ids)
+    assert got.dtype == dtype and got.shape == (t, h)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_moe_experts_with_zero_and_one_token(dtype):
+    """Experts 0 and 4 get no token, expert 3 exactly one, expert 1 most (E = 5, A = 2)."""
+    from batchgen.kernels.triton_moe import fused_experts_triton
+
+    ids = [[1, 2], [2, 1], [1, 3], [2, 1], [1, 2]]
+    x, w13, w2, tw, ids = _experts(5, 5, 32, 16, 2, seed=3, dtype=dtype, ids=ids)
+    assert torch.bincount(ids.reshape(-1).cpu(), minlength=5).tolist() == [0, 5, 4, 1, 0]
+    got = fused_experts_triton(x, w13, w2, tw, ids, out_dtype=torch.float32)
+    want = fused_experts_reference(x, w13, w2, tw, ids, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_triton_moe_other_activation_and_empty_batch_and_stats():
+    from batchgen.engine.metrics import ExpertGemmStats
+    from batchgen.kernels.triton_moe import fused_experts_triton
+
+    x, w13, w2, tw, ids = _experts(6, 4, 32, 16, 2, seed=5, dtype=torch.float32)
+    gelu = F.gelu
+    got = fused_experts_triton(x, w13, w2, tw, ids, act=gelu)
+    torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, tw, ids, act=gelu))
+    stats, ref_stats = ExpertGemmStats(), ExpertGemmStats()
+    fused_experts_triton(x, w13, w2, tw, ids, stats=stats)
+    fused_experts_reference(x, w13, w2, tw, ids, stats=ref_stats)
+    assert stats.__dict__ == ref_stats.__dict__
+    empty = fused_experts_triton(x[:0], w13, w2, tw[:0], ids[:0])
+    assert empty.shape == (0, 32)
+
+
+def test_triton_moe_rejects_bad_input(monkeypatch):
+    from batchgen.kernels.triton_moe import fused_experts_triton
+
+    x, w13, w2, tw, ids = _experts(3, 4, 16, 8, 2, seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_experts_triton(x.half(), w13, w2, tw, ids)
+    with pytest.raises(ValueError, match=r"w2 \(2, 16, 8\)"):
+        fused_experts_triton(x, w13, w2[:2], tw, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_experts_triton(x, w13, w2, tw, ids[:2])
+    if not CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="device cpu"):
+            fused_experts_triton(x, w13, w2, tw, ids)
+
+
+def test_moe_align_block_size_pads_each_expert_to_the_tile():
+    from batchgen.kernels.triton_moe import moe_align_block_size
+
+    ids, eids, post = moe_align_block_size(torch.tensor([[2, 0], [0, 1]]), 2, 3)
+    assert ids.tolist() == [1, 2, 3, 4, 0, 4, 4, 4]
+    assert eids.tolist() == [0, 1, 2, 2] and post.tolist() == [6]
+    g = torch.Generator().manual_seed(0)
+    topk = torch.randint(0, 11, (37, 3), generator=g)
+    block_m = 4
+    ids, eids, post = moe_align_block_size(topk, block_m, 11)
+    flat, r = topk.reshape(-1), topk.numel()
+    used = ids[: int(post)]
+    assert sorted(used[used < r].tolist()) == list(range(r))  # every activation exactly once
+    assert (ids[int(post) :] == r).all()
+    for b in range(int(post) // block_m):
+        rows = used[b * block_m : (b + 1) * block_m]
+        rows = rows[rows < r].long()
+        assert len(rows) and (flat[rows] == eids[b]).all()  # one expert per block, none empty
+    counts = torch.bincount(flat, minlength=11)
+    assert int(post) == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_sparse_moe_block_runs_the_forced_triton_path_and_logs_it_once(monkeypatch, caplog):
+    import batchgen.models.layers.expert_path as ep
+    import batchgen.models.layers.moe as moe
+
+    monkeypatch.setattr(ep, "_logged", set())
+    monkeypatch.setenv(MOE_PATH_ENV, "triton")
+    torch.manual_seed(0)
+    block = SparseMoeBlock(32, 16, 6, 2, RouterConfig()).to(DEVICE)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    calls = []
+    real = moe.fused_experts_triton
+    monkeypatch.setattr(
+        moe, "fused_experts_triton", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    x = torch.randn(11, 32, device=DEVICE)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger=ep.__name__):
+        tw, ids = block.route(x)
+        want = fused_experts_reference(x, block.w13_weight, block.w2_weight, tw, ids)
+        torch.testing.assert_close(block(x), want, **TOL[torch.float32])
+        block(x)
+    assert len(calls) == 2
+    assert len([r for r in caplog.records if "triton path" in r.getMessage()]) == 1
+    kw = dict(batch_invariant=False, cpu_kernel=True, hidden_size=32, intermediate_size=16)
+    assert expert_path(DEVICE, torch.float32, num_experts=6, **kw) == "triton"
+    assert expert_path(DEVICE, torch.float32, num_experts=6, **{**kw, "batch_invariant": True}) == (
+        "cpu_kernel"
+    )
