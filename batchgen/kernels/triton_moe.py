@@ -125,6 +125,7 @@ def _gemm(a, b, c, topk_weights, align, a_div, mul_routed_weight, config) -> Non
         A_DIV=a_div,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         ROUND_TO=kernels.TL_DTYPES[a.dtype],
+        DOT_PRECISION=kernels.dot_precision(a.dtype),
         **config,
     )  # fmt: skip
 

@@ -16,6 +16,13 @@ import triton.language as tl
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype``: ``"ieee"`` for float32, so
+    that float32 GEMMs on a GPU are full float32 as torch's are by default (triton's default
+    rounds the inputs to TF32); the default ``"tf32"`` otherwise (ignored for 16-bit inputs)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def fused_moe_gemm_kernel(
     a_ptr,  # [rows of A, K]: x [T, K] (A_DIV = top_k) or an intermediate [R, K] (A_DIV = 1)
@@ -35,6 +42,7 @@ def fused_moe_gemm_kernel(
     A_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ROUND_TO: tl.constexpr,  # the activations' dtype: the accumulator is rounded to it once
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (tl.dot's default would be TF32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,7 +71,7 @@ def fused_moe_gemm_kernel(
         k_left = K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc=acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N], float32
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] f32
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out = acc.to(ROUND_TO)
