@@ -180,3 +180,168 @@ def test_sparse_moe_block_runs_the_forced_triton_path_and_logs_it_once(monkeypat
     assert expert_path(DEVICE, torch.float32, num_experts=6, **{**kw, "batch_invariant": True}) == (
         "cpu_kernel"
     )
+
+
+# --- paged decode attention ---------------------------------------------------------------
+
+# The probabilities are rounded to the cache dtype before the PV product (FlashAttention's
+# rounding; torch's CPU SDPA keeps them in float32): up to 2^-11 (fp16) / 2^-8 (bf16) of
+# max |v| (< 5 for these N(0, 1) caches), plus one rounding of the output.
+ATTN_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=3e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2.5e-2, rtol=1.6e-2),
+}
+
+
+def _decode_batch(kv_lens, hq, hkv, d, block_size, dtype, seed, num_blocks=40):
+    """q [B, Hq, D], k/v of the new tokens [B, Hkv, D], caches [num_blocks * block_size, Hkv,
+    D] full of random old K/V, and metadata with one decode bucket (blocks at random)."""
+    from batchgen.models.layers.attention import AttentionMetadata, DecodeBucket
+
+    g = torch.Generator().manual_seed(seed)
+    b = len(kv_lens)
+    width = max(-(-n // block_size) for n in kv_lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(b)])
+    lens = torch.tensor(kv_lens)
+    pos = lens - 1
+    slots = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    caches = [torch.randn(num_blocks * block_size, hkv, d, generator=g) for _ in range(2)]
+    q, k, v = (torch.randn(b, h, d, generator=g) for h in (hq, hkv, hkv))
+    to = dict(device=DEVICE, dtype=dtype)
+    meta = AttentionMetadata(
+        positions=pos.to(DEVICE),
+        slot_mapping=slots.to(DEVICE),
+        num_decode_tokens=b,
+        decode_buckets=[DecodeBucket(0, b, tables.to(DEVICE), lens.to(DEVICE))],
+        block_size=block_size,
+    )
+    return q.to(**to), k.to(**to), v.to(**to), [c.to(**to) for c in caches], meta
+
+
+def _attend(backend, monkeypatch, q, k, v, caches, meta, window):
+    from batchgen.models.layers.attention import paged_attention
+    from batchgen.models.layers.attention_backend import ATTENTION_BACKEND_ENV
+
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, backend)
+    meta.decode_buckets[0].checked_num_blocks = None
+    kv_cache = tuple(c.clone() for c in caches)
+    return paged_attention(q, k, v, kv_cache, meta, q.shape[-1] ** -0.5, window)
+
+
+# (kv_lens, Hq, Hkv, D, block_size, sliding_window): contexts of 1, at a block boundary and
+# one past it, longer than BLOCK_N (64), varying lengths in one batch, GQA groups of 1 and 4
+# (and 3: not a power of two), a head size that is not a power of two, sliding windows.
+ATTN_CASES = [
+    ([1, 4, 5, 8, 9], 4, 1, 32, 4, None),
+    ([16, 17, 1, 70], 8, 2, 20, 16, None),
+    ([3, 64, 65, 130], 2, 2, 16, 8, None),
+    ([9, 1, 33, 100], 6, 2, 16, 4, 7),
+    ([2, 40], 4, 4, 32, 8, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ATTN_CASES, ids=str)
+def test_triton_decode_attention_equals_the_torch_path(case, dtype, monkeypatch):
+    kv_lens, hq, hkv, d, block_size, window = case
+    batch = _decode_batch(kv_lens, hq, hkv, d, block_size, dtype, seed=len(kv_lens) + hq)
+    want = _attend("torch", monkeypatch, *batch, window)
+    got = _attend("triton", monkeypatch, *batch, window)
+    assert got.dtype == dtype and got.shape == (len(kv_lens), hq, d)
+    torch.testing.assert_close(got, want, **ATTN_TOL[dtype])
+
+
+def test_triton_decode_attention_rejects_bad_input(monkeypatch):
+    from batchgen.kernels.triton_paged_attention import triton_paged_decode_attention
+
+    q, _, _, (kc, vc), meta = _decode_batch([5, 9], 4, 2, 16, 4, torch.float32, seed=0)
+    bucket = meta.decode_buckets[0]
+    args = (kc, vc, bucket.block_tables, bucket.kv_lens, 4, 0.25, None)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        triton_paged_decode_attention(q[:, :3], *args, out[:, :3])
+    with pytest.raises(ValueError, match="k_cache must be torch.float16"):
+        triton_paged_decode_attention(q.half(), *args, out.half())
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        bad = (kc, vc, bucket.block_tables, bucket.kv_lens * 0, 4, 0.25, None)
+        triton_paged_decode_attention(q, *bad, out)
+    with pytest.raises(ValueError, match="block_tables entries"):
+        bad = (kc, vc, bucket.block_tables + 1000, bucket.kv_lens, 4, 0.25, None)
+        triton_paged_decode_attention(q, *bad, out)
+    with pytest.raises(ValueError, match="sliding_window"):
+        triton_paged_decode_attention(q, *args[:-1], 0, out)
+
+
+def test_decode_attention_backend_rules(monkeypatch, caplog):
+    import batchgen.models.layers.attention_backend as ab
+
+    monkeypatch.setattr(ab, "_logged", set())
+    env, cpu, cuda = ab.ATTENTION_BACKEND_ENV, torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(ab, "decode_kernel_available", lambda dev, dt: dev.type == "cpu")
+    assert ab.decode_attention_backend(cpu, torch.float32) == "cpu_kernel"
+    monkeypatch.setattr(ab, "triton_unsupported_reason", lambda dev, dt: None)
+    assert ab.decode_attention_backend(cuda, torch.bfloat16) == "triton"
+    monkeypatch.setattr(ab, "triton_unsupported_reason", lambda dev, dt: "triton does not import")
+    assert ab.decode_attention_backend(cuda, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match=f"{env}=triton: triton does not import"):
+        monkeypatch.setenv(env, "Triton")
+        ab.decode_attention_backend(cpu, torch.float32)
+    monkeypatch.setenv(env, "cpu_kernel")
+    with pytest.raises(ValueError, match=f"{env}=cpu_kernel"):
+        ab.decode_attention_backend(cuda, torch.float32)
+    monkeypatch.setenv(env, "torch")
+    with caplog.at_level(logging.INFO, logger=ab.__name__):
+        assert ab.decode_attention_backend(cpu, torch.float32) == "torch"
+        assert ab.decode_attention_backend(cpu, torch.float32) == "torch"
+    assert len([r for r in caplog.records if "torch backend" in r.getMessage()]) == 1
+    monkeypatch.setenv(env, "flashinfer")
+    with pytest.raises(ValueError, match=f"{env}='flashinfer'"):
+        ab.decode_attention_backend(cpu, torch.float32)
+
+
+@pytest.mark.timeout(300)
+def test_engine_on_the_triton_paths_generates_the_torch_paths_tokens(
+    checkpoint_dir, monkeypatch
+):
+    """A tiny float32 Mixtral engine with ``BATCHGEN_MOE_PATH=triton`` and
+    ``BATCHGEN_ATTENTION_BACKEND=triton`` (both counted: every MoE call and every decode step
+    runs them) generates the greedy tokens of the torch oracles (``reference`` experts,
+    ``torch`` attention), with log-probabilities within float32 GEMM reordering of them."""
+    import batchgen.models.layers.attention as attention
+    import batchgen.models.layers.moe as moe
+    from batchgen import LLM, SamplingParams
+    from batchgen.models.layers.attention_backend import ATTENTION_BACKEND_ENV
+
+    calls = {"moe": 0, "attn": 0}
+    real_moe, real_attn = moe.fused_experts_triton, attention.triton_paged_decode_attention
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(moe, "fused_experts_triton", count("moe", real_moe))
+    monkeypatch.setattr(attention, "triton_paged_decode_attention", count("attn", real_attn))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    results = {}
+    for moe_path, attn_backend in (("reference", "torch"), ("triton", "triton")):
+        monkeypatch.setenv(MOE_PATH_ENV, moe_path)
+        monkeypatch.setenv(ATTENTION_BACKEND_ENV, attn_backend)
+        llm = LLM(str(checkpoint_dir("mixtral")), device=str(DEVICE), dtype="float32",
+                  kv_cache_memory_gb=0.05)  # fmt: skip
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(p) for p in ("The quick brown fox", "def fib(n):", "a b")]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        results[moe_path] = [
+            (list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in outs
+        ]
+        if moe_path == "reference":
+            assert calls == {"moe": 0, "attn": 0}
+    assert calls["moe"] and calls["attn"]
+    assert [ids for ids, _ in results["triton"]] == [ids for ids, _ in results["reference"]]
+    for (_, got), (_, want) in zip(results["triton"], results["reference"]):
+        assert got == pytest.approx(want, abs=1e-4)

@@ -30,36 +30,11 @@ wrongly (see ``tests/test_triton_kernels.py``), so bf16 is proven on a GPU only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.triton_support import triton_unsupported_reason
 from batchgen.models.layers.moe_sort import sum_slots
-
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def triton_interpret() -> bool:
-    """True when ``TRITON_INTERPRET`` asks triton to interpret kernels on the host (``1``,
-    ``true``, ``on``, ``yes``: triton's ``env_bool`` spellings)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
-def triton_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the Triton kernels cannot run on ``device`` in ``dtype``, or None when they can:
-    CUDA (or any device under ``TRITON_INTERPRET=1``), triton importable, float32 / float16 /
-    bfloat16 activations."""
-    if device.type != "cuda" and not triton_interpret():
-        return f"device {device.type}: Triton kernels run on CUDA (or under TRITON_INTERPRET=1)"
-    if dtype not in TRITON_DTYPES:
-        return f"dtype {dtype} (the Triton kernels take float32, float16, bfloat16)"
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # not installed, or a platform without wheels
-        return f"triton does not import ({exc})"
-    return None
-
 
 def default_config(num_rows: int, num_experts: int) -> dict:
     """Tile sizes for R = ``num_rows`` activations over ``num_experts``: BLOCK_M follows the

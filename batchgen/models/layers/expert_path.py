@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from batchgen.kernels.grouped_moe import grouped_mm_fast_on, grouped_mm_unsupported_reason
-from batchgen.kernels.triton_moe import triton_unsupported_reason
+from batchgen.kernels.triton_support import triton_unsupported_reason
 
 logger = logging.getLogger(__name__)
 
