@@ -3,6 +3,14 @@ TFLOP/s by row count against the chip's peak, the MoE expert path `SparseMoeBloc
 takes on this device by rows per expert, and decode attention through the engine's
 `paged_attention` in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
 
+Beside the path the engine picks (``auto``), each part also times the paths it could pick
+instead, forced through their variables (``forced`` in the record): on CUDA the MoE experts
+on ``grouped_mm`` and ``triton`` (``BATCHGEN_MOE_PATH``), decode attention on ``torch`` and
+``triton`` (``BATCHGEN_ATTENTION_BACKEND``): the measurement that decides `expert_path`'s and
+`decode_attention_backend`'s ``auto`` on a given GPU. A forced path that cannot run here is
+recorded with its error; it does not fail the run. The first call of a Triton path compiles
+its kernels (one per tile configuration): the warmup calls absorb it.
+
     python benchmarks/gpu_kernels.py --device cuda --out $OUT/kernels.json
     python benchmarks/gpu_kernels.py --tiny --device cpu --out /tmp/kernels.json   # seconds on CPU
 
@@ -22,21 +30,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
 from batchgen.engine.model_runner import CPU_DECODE_GATHER_BYTES
-from batchgen.kernels.paged_attention import decode_kernel_available
 from batchgen.models.layers.attention import (
     AttentionMetadata,
     DecodeBucket,
     paged_attention,
     plan_decode_buckets,
 )
+from batchgen.models.layers.attention_backend import (
+    ATTENTION_BACKEND_ENV,
+    decode_attention_backend,
+)
+from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.model_config import RouterConfig
 
@@ -106,9 +120,25 @@ def balanced_routing(rows_per_expert: int, num_experts: int, top_k: int, device)
     return num_tokens, weights, ids
 
 
+@contextmanager
+def forced(name: str, value: str | None):
+    """``os.environ[name] = value`` inside the block (unchanged when ``value`` is None)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def bench_moe(args, device, dtype, time_fn) -> dict:
     """`SparseMoeBlock.experts` (the path the engine's MoE layer takes on this device) at each
-    rows-per-expert count; FLOP = 6 * H * I per routed row (gate/up 2*H*2I, down 2*I*H)."""
+    rows-per-expert count, then the same with each of ``--moe-paths`` forced; FLOP = 6 * H * I
+    per routed row (gate/up 2*H*2I, down 2*I*H)."""
     h, inter, e, a = args.hidden, args.moe_intermediate, args.num_experts, args.top_k
     if a > e:
         raise SystemExit(f"--top-k ({a}) must be <= --num-experts ({e})")
@@ -117,13 +147,41 @@ def bench_moe(args, device, dtype, time_fn) -> dict:
         for p in block.parameters():
             p.normal_(std=h**-0.5)
     block = block.to(device=device, dtype=dtype).eval()
+    with forced(MOE_PATH_ENV, "auto"):
+        path, rows = _moe_rows(block, args, device, dtype, time_fn)
+    record = dict(
+        hidden=h,
+        moe_intermediate=inter,
+        num_experts=e,
+        top_k=a,
+        path=path,
+        top_ops=_top_ops(block, args, device, dtype),
+        rows=rows,
+        forced={},
+    )
+    for name in args.moe_paths:
+        try:
+            with forced(MOE_PATH_ENV, name):
+                _, rows = _moe_rows(block, args, device, dtype, time_fn)
+            record["forced"][name] = dict(rows=rows)
+        except Exception as exc:  # recorded: an alternative path, not the engine's
+            record["forced"][name] = dict(error=f"{type(exc).__name__}: {exc}")
+    return record
+
+
+def _moe_rows(block, args, device, dtype, time_fn) -> tuple[str, list[dict]]:
+    """``(the expert path taken, one timing row per rows-per-expert count)``."""
+    h, inter, e, a = args.hidden, args.moe_intermediate, args.num_experts, args.top_k
     rows, path = [], None
     with torch.inference_mode():
         for m in args.rows_per_expert:
             num_tokens, weights, ids = balanced_routing(m, e, a, device)
             x = torch.randn(num_tokens, h, device=device, dtype=dtype)
             if path is None:
-                path = "cpu_fused_kernel" if block.uses_kernel(x) else "torch (not the CPU kernel)"
+                path = expert_path(
+                    device, dtype, batch_invariant=False, cpu_kernel=block.uses_kernel(x),
+                    hidden_size=h, intermediate_size=inter, num_experts=e,
+                )  # fmt: skip
             secs = time_fn(lambda x=x, w=weights, i=ids: block.experts(x, w, i))
             routed = num_tokens * a
             tflops = 6 * h * inter * routed / secs / 1e12
@@ -136,15 +194,7 @@ def bench_moe(args, device, dtype, time_fn) -> dict:
                     share_of_peak=tflops / args.peak_tflops,
                 )
             )
-    return dict(
-        hidden=h,
-        moe_intermediate=inter,
-        num_experts=e,
-        top_k=a,
-        path=path,
-        top_ops=_top_ops(block, args, device, dtype),
-        rows=rows,
-    )
+    return path, rows
 
 
 def _top_ops(block, args, device, dtype) -> list[str]:
@@ -194,11 +244,36 @@ def _decode_meta(kv_lens, tables, block, device, in_place, block_bytes) -> Atten
 
 def bench_decode_attention(args, device, dtype, time_fn) -> dict:
     """`paged_attention` on a decode-only batch (the cache write included), blocks scattered
-    over the cache; GB/s counts the K and V of every context read once (the roofline's
-    bytes), whatever the path copies on the way."""
+    over the cache, on the backend the engine picks, then on each of
+    ``--attention-backends`` forced; GB/s counts the K and V of every context read once (the
+    roofline's bytes), whatever the path copies on the way."""
+    with forced(ATTENTION_BACKEND_ENV, "auto"):
+        backend, rows = _attention_rows(args, device, dtype, time_fn)
+    record = dict(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        path=backend,
+        rows=rows,
+        forced={},
+    )
+    for name in args.attention_backends:
+        try:
+            with forced(ATTENTION_BACKEND_ENV, name):
+                _, rows = _attention_rows(args, device, dtype, time_fn)
+            record["forced"][name] = dict(rows=rows)
+        except Exception as exc:  # recorded: an alternative backend, not the engine's
+            record["forced"][name] = dict(error=f"{type(exc).__name__}: {exc}")
+    return record
+
+
+def _attention_rows(args, device, dtype, time_fn) -> tuple[str, list[dict]]:
+    """``(the decode backend taken, one timing row per (sequences, context))``."""
     hq, hkv, d, block = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     elem = torch.finfo(dtype).bits // 8
-    in_place = decode_kernel_available(device, dtype)
+    backend = decode_attention_backend(device, dtype)
+    in_place = backend != "torch"
     rows = []
     torch.manual_seed(0)
     for seqs in args.decode_seqs:
@@ -232,14 +307,7 @@ def bench_decode_attention(args, device, dtype, time_fn) -> dict:
                 )
             )
             del k_cache, v_cache
-    return dict(
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        block_size=block,
-        path="in-place decode kernel" if in_place else "block gather + SDPA",
-        rows=rows,
-    )
+    return backend, rows
 
 
 def _ints(text: str) -> list[int]:
@@ -283,7 +351,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--decode-seqs", type=_ints, default=[64, 256])
     g.add_argument("--contexts", type=_ints, default=[1024, 4096])
+    g = p.add_argument_group("alternatives timed beside the engine's choice")
+    g.add_argument(
+        "--moe-paths", default=None, help="forced MoE paths to time too (default on CUDA: "
+        "grouped_mm,triton; none on CPU)",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-backends", default=None, help="forced decode backends to time too "
+        "(default on CUDA: torch,triton; none on CPU)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.moe_paths is None:
+        args.moe_paths = "grouped_mm,triton" if cuda else ""
+    if args.attention_backends is None:
+        args.attention_backends = "torch,triton" if cuda else ""
+    args.moe_paths = [x for x in args.moe_paths.split(",") if x]
+    args.attention_backends = [x for x in args.attention_backends.split(",") if x]
     if args.tiny:
         args.warmup, args.iters = 1, 2
         args.matmul_k, args.matmul_n = 64, 96
