@@ -2,9 +2,13 @@
 against the torch oracles: `fused_experts_reference` and the torch decode attention path.
 
 Without CUDA the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (numpy executes each
-program); with CUDA they compile and run on the GPU, and the bf16 cases run too. An autouse
-fixture sets the variable before the kernel modules are first imported (``triton.jit`` reads it
-when it decorates them; nothing the engine imports at start imports triton).
+program); with CUDA they compile and run on the GPU, and the bf16 cases run too. The variable
+is set by tests/conftest.py before triton is first imported (``triton.jit`` reads it when it
+decorates a function, and triton decorates its own library functions at import;
+transformers' DeepSeek modules import triton during collection, so setting it at the top of
+this module would be too late in a full run). It stays set for the whole session: it only lets
+a forced Triton path run on CPU (`auto` never picks Triton on CPU), and tests that check the
+refusal unset it.
 
 bfloat16 under the interpreter: triton 3.9.0's interpreter converts float32 to bf16 wrongly
 (checked here: a float32 -> bf16 store is off by up to 2 bf16 ulps against torch's
@@ -20,25 +24,29 @@ scale: 2e-3 for fp16, 1.6e-2 for bf16).
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+CUDA = torch.cuda.is_available()
+if not CUDA:  # conftest sets it first; kept for a run of this file without the conftest
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton
+    import triton.language as tl
+
+    _NO_TRITON = None
+except ImportError as exc:  # not installed (the test extra pins it on x86-64 Linux only)
+    _NO_TRITON = f"triton does not import: {exc}"
+
 from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
 from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference
 from batchgen.models.model_config import RouterConfig
 
-try:
-    import importlib.util
+pytestmark = pytest.mark.skipif(_NO_TRITON is not None, reason=str(_NO_TRITON))
 
-    _TRITON = importlib.util.find_spec("triton") is not None
-except ImportError:  # pragma: no cover
-    _TRITON = False
-
-pytestmark = pytest.mark.skipif(not _TRITON, reason="triton is not installed on this platform")
-
-CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {
@@ -50,8 +58,17 @@ TOL = {
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if CUDA:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.cdiv, InterpretedFunction):
+        pytest.fail(
+            "triton was imported in this process without TRITON_INTERPRET=1, so its library "
+            "functions are compiled ones and cannot run on CPU: set it before the first import "
+            "of triton (tests/conftest.py does unless the variable is already set)"
+        )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _experts(num_tokens, e, h, i, a, seed, dtype, ids=None):
