@@ -12,7 +12,7 @@ Two settings, made once per process:
   milliseconds) before it sleeps. On idle cores that saves a wake-up; beside another busy
   process it burns the time slices the straggling thread needs, and a step can take tens of
   times longer. `set_openmp_wait_policy` bounds the spin: on a machine already busy when
-  BatchGen starts (another task running: the run queue, sampled for 40 ms) threads sleep at once
+  BatchGen starts (another task running: the run queue, sampled for 200 ms) threads sleep at once
   (``OMP_WAIT_POLICY=PASSIVE``, the largest gain there); on an idle one they spin at most
   10,000 iterations (``GOMP_SPINCOUNT``: under a millisecond, which keeps the idle speed and
   limits the loss if load arrives later). Measured with `benchmarks/cpu_threads.py`. The
@@ -38,7 +38,7 @@ WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 BUSY_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}  # another process is already running
 IDLE_WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
 BUSY_LOAD = 1.0  # where the run queue cannot be read: a 1-minute load average this high is busy
-RUN_QUEUE_SAMPLES, RUN_QUEUE_INTERVAL_S = 5, 0.01  # `running_tasks`: 5 reads over 40 ms
+RUN_QUEUE_SAMPLES, RUN_QUEUE_INTERVAL_S = 21, 0.01  # `running_tasks`: 21 reads over 200 ms
 
 _configured: int | None = None  # threads chosen by `configure_cpu_threads` in this process
 _warned_oversubscribed = False
@@ -88,7 +88,10 @@ def set_openmp_wait_policy(
     machine is busy, else `IDLE_WAIT_POLICY` (a short spin); nothing when one of
     `WAIT_POLICY_VARS` is set already (the user's choice wins).
 
-    Busy means another task is running now (`running_tasks`: the run queue, sampled for 40 ms).
+    Busy means another task is running now (`running_tasks`: the run queue, sampled for 200 ms,
+    so that a process still exiting, such as the engine a benchmark ran just before, is not taken
+    for a competitor (a bf16 peer run with a 40 ms window chose sleeping threads on an idle
+    machine and ran at 1,578 tokens/s, a later one that chose spinning at 1,992, 2026-12-02).
     Not the 1-minute load average, which stays above 1 on 2 cores for a minute or two after any
     earlier job: after a benchmark run it chose sleeping threads on an idle machine, and those
     cost 5-28% (`batchgen bench` rollouts, docs/performance.md). The load average decides only

@@ -5,9 +5,10 @@
 
 Runs in vLLM's venv (its ``torch.ops._C`` kernels) with this repository on ``PYTHONPATH``
 (BatchGen's kernel is a C++ library it builds on first use). The layer is the bench model's
-(64 experts, top-8, hidden 512, expert intermediate 256), float32. vLLM: ``cpu_fused_moe`` on
-weights packed by ``cpu_prepack_moe_weight`` with isa ``vec`` (what `CPUUnquantizedExperts`
-runs in float32); BatchGen: ``sort_by_expert`` + `fused_moe_silu` on `pack_expert_weights`
+(64 experts, top-8, hidden 512, expert intermediate 256), float32 or (``--dtype bfloat16``)
+bfloat16. vLLM: ``cpu_fused_moe`` on weights packed by ``cpu_prepack_moe_weight`` with isa
+``vec`` in float32 (what `CPUUnquantizedExperts` runs) and ``amx`` in bfloat16 (what its AMX
+subclass runs where ``torch.cpu._is_amx_tile_supported()``); BatchGen: ``sort_by_expert`` + `fused_moe_silu` on `pack_expert_weights`
 (what `SparseMoeBlock` runs). Each size: ``--rounds`` rounds alternating which kernel goes
 first, each a loop of calls; prints the medians in ms per call, their ratio and the largest
 difference of the outputs.
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     import vllm._custom_ops as ops
 
@@ -38,26 +40,31 @@ def main() -> None:
 
     torch.manual_seed(0)
     e, a, h, i = args.experts, args.top_k, args.hidden, args.intermediate
-    w13, w2 = torch.randn(e, 2 * i, h) * 0.02, torch.randn(e, h, i) * 0.02
-    v13, v2 = ops.cpu_prepack_moe_weight(w13, "vec"), ops.cpu_prepack_moe_weight(w2, "vec")
+    dtype = getattr(torch, args.dtype)
+    isa = "vec" if dtype == torch.float32 else "amx"
+    if isa == "amx" and not torch._C._cpu._init_amx():  # Linux's AMX tile permission
+        raise SystemExit("bfloat16: this CPU or kernel grants no AMX tile state")
+    w13 = (torch.randn(e, 2 * i, h) * 0.02).to(dtype)
+    w2 = (torch.randn(e, h, i) * 0.02).to(dtype)
+    v13, v2 = ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa)
     b13, b2 = pack_expert_weights(w13), pack_expert_weights(w2)
-    print(f"E {e} top-{a} H {h} I {i}, float32, {torch.get_num_threads()} threads")
+    print(f"E {e} top-{a} H {h} I {i}, {args.dtype} (vLLM isa {isa}), {torch.get_num_threads()} threads")
     for t in (int(x) for x in args.tokens.split(",")):
-        x = torch.randn(t, h)
+        x = torch.randn(t, h).to(dtype)
         weights, ids = torch.topk(torch.randn(t, e).softmax(-1), a, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
         ids32 = ids.to(torch.int32).contiguous()
 
         def vllm_call(x=x, weights=weights, ids32=ids32, t=t):
-            out = torch.empty(t, h)
-            ops.cpu_fused_moe(out, x, v13, v2, None, None, weights, ids32, "silu", "vec")
+            out = torch.empty(t, h, dtype=dtype)
+            ops.cpu_fused_moe(out, x, v13, v2, None, None, weights, ids32, "silu", isa)
             return out
 
         def batchgen_call(x=x, weights=weights, ids=ids):
             order, counts = sort_by_expert(ids, e)
             return fused_moe_silu(x, b13, b2, weights, order, counts)
 
-        diff = (vllm_call() - batchgen_call()).abs().max().item()
+        diff = (vllm_call().float() - batchgen_call().float()).abs().max().item()
         times: dict[str, list[float]] = {"vllm": [], "batchgen": []}
         calls = max(3, 2000 // t)
         pair = [("vllm", vllm_call), ("batchgen", batchgen_call)]
