@@ -140,6 +140,8 @@ def test_triton_moe_rejects_bad_input(monkeypatch):
         fused_experts_triton(x, w13, w2[:2], tw, ids)
     with pytest.raises(ValueError, match="topk_ids"):
         fused_experts_triton(x, w13, w2, tw, ids[:2])
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        fused_experts_triton(x.double(), w13.double(), w2.double(), tw, ids)
     if not CUDA:
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="device cpu"):
