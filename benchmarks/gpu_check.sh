@@ -44,7 +44,7 @@ else
     ORACLE_K=''
     BENCH_ARGS="--device cuda --dtype bfloat16 --workloads rollouts,extraction,search"
     KERNEL_ARGS="--device cuda"
-    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 kernels=90 triton=60)
+    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 kernels=90 triton=90)
 fi
 cap_of() { local kv; for kv in "${CAPS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 

@@ -16,6 +16,9 @@ round-to-nearest-even, and ``tl.dot`` of bf16 tiles returns garbage; loading bf1
 to float32 is exact). The MoE kernels round each GEMM output to the activations' dtype as the
 reference does, so bf16 MoE is proven on a GPU only; the CPU run covers float32 and float16.
 
+Without a GPU the compiler is still checked: `tests/triton_compile_check.py` compiles every
+kernel ahead of time for sm_90 down to a cubin (the interpreter never runs the compiler).
+
 Tolerances: float32 differs from the oracle only in the order a GEMM sums its K terms (1e-5);
 float16 / bf16 by at most one rounding of an intermediate in that dtype (2 ulps at the output's
 scale: 2e-3 for fp16, 1.6e-2 for bf16).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -364,3 +368,23 @@ def test_engine_on_the_triton_paths_generates_the_torch_paths_tokens(
     assert [ids for ids, _ in results["triton"]] == [ids for ids, _ in results["reference"]]
     for (_, got), (_, want) in zip(results["triton"], results["reference"]):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.timeout(180)
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Every kernel, in bf16, fp16 and fp32, compiled ahead of time for sm_90 (H100 / H200) down
+    to a cubin by triton's bundled ptxas (`tests/triton_compile_check.py`): the compiler's type
+    checks and lowering, which the interpreter never runs, pass before any GPU is lent."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run(
+        [sys.executable, str(root / "tests" / "triton_compile_check.py"), "90"],
+        env=env, capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 12 and all(" ok shared=" in ln for ln in lines), lines
