@@ -38,7 +38,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # conftest sets it first; kept for a run of this file without the conftest
     os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
-    import triton
+    import triton  # noqa: F401
     import triton.language as tl
 
     _NO_TRITON = None
