@@ -34,10 +34,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # conftest sets it first; kept for a run of this file without the conftest
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
+from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
+from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference
+from batchgen.models.model_config import RouterConfig
+
+try:  # after tests/conftest.py has set TRITON_INTERPRET=1 (without CUDA)
     import triton  # noqa: F401
     import triton.language as tl
 
@@ -45,9 +46,7 @@ try:
 except ImportError as exc:  # not installed (the test extra pins it on x86-64 Linux only)
     _NO_TRITON = f"triton does not import: {exc}"
 
-from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
-from batchgen.models.layers.moe import SparseMoeBlock, fused_experts_reference
-from batchgen.models.model_config import RouterConfig
+CUDA = torch.cuda.is_available()
 
 pytestmark = pytest.mark.skipif(_NO_TRITON is not None, reason=str(_NO_TRITON))
 
