@@ -117,6 +117,22 @@ def test_triton_moe_experts_with_zero_and_one_token(dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_moe_rows_at_the_tile_boundary_expert_parallel_shape(dtype):
+    """BLOCK_M = 16 with experts of exactly 16, 17 (a second block with one row) and 1 rows;
+    top-k 1 and a float32 result, as expert parallelism calls the experts (one row per
+    received activation, `batchgen.distributed.ep_moe`)."""
+    from batchgen.kernels.triton_moe import fused_experts_triton
+
+    ids = [[0]] * 16 + [[1]] * 17 + [[2]]
+    x, w13, w2, tw, ids = _experts(34, 3, 48, 40, 1, seed=7, dtype=dtype, ids=ids)
+    tw = tw * 0.75  # router weights that are not 1
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    got = fused_experts_triton(x, w13, w2, tw, ids, out_dtype=torch.float32, config=config)
+    want = fused_experts_reference(x, w13, w2, tw, ids, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
 def test_triton_moe_other_activation_and_empty_batch_and_stats():
     from batchgen.engine.metrics import ExpertGemmStats
     from batchgen.kernels.triton_moe import fused_experts_triton
