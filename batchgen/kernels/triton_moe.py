@@ -38,8 +38,10 @@ from batchgen.models.layers.moe_sort import sum_slots
 
 def default_config(num_rows: int, num_experts: int) -> dict:
     """Tile sizes for R = ``num_rows`` activations over ``num_experts``: BLOCK_M follows the
-    mean rows per expert (16 for decode-sized batches, up to 64; padding waste is at most
-    BLOCK_M - 1 rows per expert), as vLLM's untuned default does. Unmeasured on a GPU."""
+    mean rows per expert (16 for decode-sized batches, 32, then 64; padding waste is at most
+    BLOCK_M - 1 rows per expert); BLOCK_N 64, BLOCK_K 32 as vLLM's untuned default (which
+    takes BLOCK_M 16 for small batches, else 64). Unmeasured on a GPU; the kernel has no
+    grouped ordering of its programs for L2 reuse (vLLM's ``GROUP_SIZE_M``)."""
     mean_rows = num_rows / max(num_experts, 1)
     block_m = 16 if mean_rows <= 16 else 32 if mean_rows <= 64 else 64
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
