@@ -1,7 +1,7 @@
 """Per-kernel micro-benchmark for the device run (`benchmarks/gpu_check.sh`): bf16 matmul
 TFLOP/s by row count against the chip's peak, the MoE expert path `SparseMoeBlock.experts`
 takes on this device by rows per expert, and decode attention through the engine's
-`paged_attention` in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
+`paged_attention` (`gpu_kernels_attention.py`) in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
 
 Beside the path the engine picks (``auto``), each part also times the paths it could pick
 instead, forced through their variables (``forced`` in the record): on CUDA the MoE experts
@@ -30,26 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
+from gpu_kernels_attention import bench_decode_attention, forced
 
-from batchgen.engine.model_runner import CPU_DECODE_GATHER_BYTES
-from batchgen.models.layers.attention import (
-    AttentionMetadata,
-    DecodeBucket,
-    paged_attention,
-    plan_decode_buckets,
-)
-from batchgen.models.layers.attention_backend import (
-    ATTENTION_BACKEND_ENV,
-    decode_attention_backend,
-)
 from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.model_config import RouterConfig
@@ -118,21 +106,6 @@ def balanced_routing(rows_per_expert: int, num_experts: int, top_k: int, device)
     ids = (t * top_k + torch.arange(top_k, device=device)) % num_experts  # [T, A]
     weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=device)
     return num_tokens, weights, ids
-
-
-@contextmanager
-def forced(name: str, value: str | None):
-    """``os.environ[name] = value`` inside the block (unchanged when ``value`` is None)."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def bench_moe(args, device, dtype, time_fn) -> dict:
@@ -215,99 +188,6 @@ def _top_ops(block, args, device, dtype) -> list[str]:
         return table.splitlines()[:10]
     except Exception as exc:  # the profiler is a diagnostic: its failure is reported, not fatal
         return [f"profiler failed: {type(exc).__name__}: {exc}"]
-
-
-def _decode_meta(kv_lens, tables, block, device, in_place, block_bytes) -> AttentionMetadata:
-    """Decode-only `AttentionMetadata` built as `ModelRunner.prepare` builds it on ``device``."""
-    nblocks = [len(t) for t in tables]
-    if in_place:
-        plan = [(0, len(tables))]
-    else:
-        cpu_cap = max(1, CPU_DECODE_GATHER_BYTES // block_bytes)
-        cap = cpu_cap if device.type == "cpu" else None
-        plan = plan_decode_buckets(nblocks, max_bucket_blocks=cap)
-    buckets = []
-    for start, end in plan:
-        width = max(nblocks[start:end])
-        rows = [t + [0] * (width - len(t)) for t in tables[start:end]]
-        lens = torch.tensor(kv_lens[start:end], device=device)
-        buckets.append(DecodeBucket(start, end, torch.tensor(rows, device=device), lens))
-    slots = [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, kv_lens)]
-    return AttentionMetadata(
-        positions=torch.tensor([n - 1 for n in kv_lens], device=device),
-        slot_mapping=torch.tensor(slots, device=device),
-        num_decode_tokens=len(kv_lens),
-        decode_buckets=buckets,
-        block_size=block,
-    )
-
-
-def bench_decode_attention(args, device, dtype, time_fn) -> dict:
-    """`paged_attention` on a decode-only batch (the cache write included), blocks scattered
-    over the cache, on the backend the engine picks, then on each of
-    ``--attention-backends`` forced; GB/s counts the K and V of every context read once (the
-    roofline's bytes), whatever the path copies on the way."""
-    with forced(ATTENTION_BACKEND_ENV, "auto"):
-        backend, rows = _attention_rows(args, device, dtype, time_fn)
-    record = dict(
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        block_size=args.block_size,
-        path=backend,
-        rows=rows,
-        forced={},
-    )
-    for name in args.attention_backends:
-        try:
-            with forced(ATTENTION_BACKEND_ENV, name):
-                _, rows = _attention_rows(args, device, dtype, time_fn)
-            record["forced"][name] = dict(rows=rows)
-        except Exception as exc:  # recorded: an alternative backend, not the engine's
-            record["forced"][name] = dict(error=f"{type(exc).__name__}: {exc}")
-    return record
-
-
-def _attention_rows(args, device, dtype, time_fn) -> tuple[str, list[dict]]:
-    """``(the decode backend taken, one timing row per (sequences, context))``."""
-    hq, hkv, d, block = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
-    elem = torch.finfo(dtype).bits // 8
-    backend = decode_attention_backend(device, dtype)
-    in_place = backend != "torch"
-    rows = []
-    torch.manual_seed(0)
-    for seqs in args.decode_seqs:
-        for ctx in args.contexts:
-            nb = -(-ctx // block)
-            num_blocks = seqs * nb
-            perm = torch.randperm(num_blocks).tolist()
-            tables = [perm[i * nb : (i + 1) * nb] for i in range(seqs)]
-            k_cache = torch.randn(num_blocks * block, hkv, d, device=device, dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            q = torch.randn(seqs, hq, d, device=device, dtype=dtype)
-            k_new, v_new = torch.randn(2, seqs, hkv, d, device=device, dtype=dtype)
-            block_bytes = block * hkv * d * elem
-            meta = _decode_meta([ctx] * seqs, tables, block, device, in_place, block_bytes)
-
-            def step(q=q, k=k_new, v=v_new, kc=k_cache, vc=v_cache, meta=meta):
-                paged_attention(q, k, v, (kc, vc), meta, d**-0.5)
-
-            with torch.inference_mode():
-                secs = time_fn(step)
-            kv_bytes = 2 * seqs * ctx * hkv * d * elem
-            gbs = kv_bytes / secs / 1e9
-            rows.append(
-                dict(
-                    seqs=seqs,
-                    context=ctx,
-                    ms=secs * 1e3,
-                    kv_bytes=kv_bytes,
-                    gbs=gbs,
-                    share_of_hbm=gbs / args.peak_hbm_gbs,
-                )
-            )
-            del k_cache, v_cache
-    return backend, rows
 
 
 def _ints(text: str) -> list[int]:
