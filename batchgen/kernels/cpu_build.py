@@ -47,6 +47,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 KERNEL_NAMES = (
     "fused_moe",
     "invariant_linear",
+    "packed_linear",
     "paged_decode_attention",
     "rms_norm",
 )  # the sources in csrc/

@@ -1,40 +1,18 @@
 // AMX-BF16 micro-kernel of the fused MoE kernel (fused_moe.cpp): tdpbf16ps on 16 x 16 float32
-// tiles, blocks of 2 x 2 tiles (32 rows x 32 columns).
+// tiles, blocks of 2 x 2 tiles (32 rows x 32 columns; the tiles, the tile configuration and the
+// OS permission are in amx_bf16.h, shared with packed_linear.cpp).
 //
-// Tiles (palette 1): C0..C3 = tmm0..3, 16 rows x 16 float32; A0, A1 = tmm4, 5, 16 rows x 32
-// bf16 (row-major activations, stride K); B0, B1 = tmm6, 7, 16 k pairs x 16 columns x 2 bf16:
-// exactly 16 rows of a packed weight panel [K / 2][16][2] (the vdpbf16ps layout), stride 64
-// bytes. Per 32 k: two A loads, two B loads, four tdpbf16ps. Rows are padded with zero rows to
-// a multiple of 16 (their outputs are dropped); K must be a multiple of 32 (`usable`), else
-// the driver runs the vdpbf16ps kernel for that GEMM.
-//
-// Batch invariance: each output row of tdpbf16ps depends on its own A row only, and sums the k
-// tiles in order k = 0, 32, 64, ...; so a row's result does not depend on the number of rows.
-// Within one tile the hardware's order of the 32 products is fixed (not documented; tested).
-// Tile state is per thread: `gemm` loads its configuration and releases it before returning.
+// Activations are row-major (stride K). Rows are padded with zero rows to a multiple of 16
+// (their outputs are dropped); K must be a multiple of 32 (`usable`), else the driver runs the
+// vdpbf16ps kernel for that GEMM. Batch invariance: see amx_bf16.h.
 #pragma once
 
+#include "amx_bf16.h"
 #include "fused_moe_common.h"
-
-#if BATCHGEN_HAVE_AMX
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
 #if BATCHGEN_HAVE_AMX
-#define BATCHGEN_AMX_TARGET __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
-
-struct AmxTileConfig {  // the 64-byte operand of ldtilecfg
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];  // bytes per row of each tile
-  uint8_t rows[16];
-} __attribute__((packed));
-
 struct AmxBf16 {
   using In = uint16_t;  // bf16 bits
   static constexpr int kMR = 16;
@@ -44,45 +22,11 @@ struct AmxBf16 {
   static int64_t row_offset(int64_t row, int64_t k_size) { return row * k_size; }
   static bool usable(int64_t k_size) { return k_size % 32 == 0; }
 
-  // MT x NT tiles of C (rows i .. i + 16 MT, panels b0 and the next), into cbuf [4][16][16].
-  template <int MT, int NT>
-  BATCHGEN_AMX_TARGET static void block(const uint16_t* a, int64_t k_size, const uint16_t* b0,
-                                        float* cbuf) {
-    const uint16_t* b1 = b0 + k_size * kPanel;
-    const uint16_t* a1 = a + 16 * k_size;
-    const int64_t stride = k_size * 2;  // bytes per activation row
-    _tile_zero(0);
-    if constexpr (NT == 2) _tile_zero(1);
-    if constexpr (MT == 2) _tile_zero(2);
-    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-    for (int64_t k = 0; k < k_size; k += 32) {
-      _tile_loadd(4, a + k, stride);
-      _tile_loadd(6, b0 + k * kPanel, 64);  // k pairs k / 2 .. k / 2 + 15
-      if constexpr (MT == 2) _tile_loadd(5, a1 + k, stride);
-      if constexpr (NT == 2) _tile_loadd(7, b1 + k * kPanel, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (MT == 2) _tile_dpbf16ps(2, 5, 6);
-      if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, cbuf, 64);
-    if constexpr (NT == 2) _tile_stored(1, cbuf + 256, 64);
-    if constexpr (MT == 2) _tile_stored(2, cbuf + 512, 64);
-    if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf + 768, 64);
-  }
-
   // a: rows [round_up(m, 16)][K] bf16 (rows past m zero); packed [N / 16][K / 2][16][2].
   BATCHGEN_AMX_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                        const uint16_t* packed, int64_t n, float* const* c_rows,
                                        const float* scale) {
-    AmxTileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_tile_config();
     alignas(64) float cbuf[4 * 256];
     const int64_t num_panels = n / kPanel;
     for (int64_t p = 0; p < num_panels; p += 2) {
@@ -91,10 +35,7 @@ struct AmxBf16 {
       for (int64_t i = 0; i < m; i += 32) {
         const int mt = m - i > 16 ? 2 : 1;
         const uint16_t* ai = a + i * k_size;
-        if (mt == 2 && nt == 2) block<2, 2>(ai, k_size, b0, cbuf);
-        else if (mt == 2) block<2, 1>(ai, k_size, b0, cbuf);
-        else if (nt == 2) block<1, 2>(ai, k_size, b0, cbuf);
-        else block<1, 1>(ai, k_size, b0, cbuf);
+        amx_block_any(mt, nt, ai, k_size, k_size, b0, cbuf);
         for (int tm = 0; tm < mt; ++tm)
           for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
             const int64_t row = i + 16 * tm + r;
@@ -111,24 +52,6 @@ struct AmxBf16 {
   }
 };
 
-// 1 when this CPU has AMX-BF16 and the OS lets this process use the tile data (Linux asks for
-// it once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), else 0. The
-// answer is computed once (the permission is process-wide).
-// CPUID leaf 7 is read directly: __builtin_cpu_supports knows "amx-bf16" only from GCC 11
-// and recent clang.
-inline bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;  // CPUID.(7, 0):EDX
-    if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-#else
-inline bool amx_usable() { return false; }
 #endif
 
 }  // namespace
