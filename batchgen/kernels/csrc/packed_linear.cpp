@@ -22,8 +22,8 @@
 // summation error. Both treat bf16 subnormal inputs as zero and flush subnormal results.
 //
 // Work: tasks of kBlockM rows x kBlockN columns, row block major, spread statically over
-// OpenMP threads (joining torch's runtime like the other kernels; no parallel region for one
-// thread).
+// OpenMP threads (joining torch's runtime like the other kernels), at most one thread per
+// kMinMacsPerThread of work; no parallel region for one thread.
 #include "amx_bf16.h"
 #include "fused_moe_bf16.h"
 #include "fused_moe_common.h"
@@ -32,6 +32,12 @@ namespace {
 
 constexpr int64_t kBlockM = 128;  // rows per task (a 128 x 512 bf16 A block is 128 KiB: L2)
 constexpr int64_t kBlockN = 64;   // columns per task (4 panels, two AMX column blocks)
+// Fewest multiply-adds per thread: a call of M N K below 2 kMinMacsPerThread runs on one
+// thread. 4 M multiply-adds are about 8 us of AMX work, against 1-2 us to start and join a
+// parallel region, and a thread descheduled on a busy machine holds the whole call at the
+// final barrier (measured: calls of 64-512 rows at 2 threads taking 5 ms instead of 20-150 us
+// while other jobs ran), so small calls stay on the caller's thread.
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 22;
 
 #if BATCHGEN_HAVE_BF16
 #define BATCHGEN_STORE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -153,7 +159,8 @@ extern "C" int batchgen_packed_linear_bf16(const uint16_t* x, int64_t ldx, const
   const int64_t row_blocks = (m + kBlockM - 1) / kBlockM;
   const int64_t col_blocks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
   const int64_t tasks = row_blocks * col_blocks;
-  num_threads = std::max<int64_t>(1, std::min(num_threads, tasks));
+  const int64_t by_work = m * n * k / kMinMacsPerThread;
+  num_threads = std::max<int64_t>(1, std::min({num_threads, tasks, by_work}));
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     // Per-thread scratch kept across calls (OpenMP reuses its threads).
