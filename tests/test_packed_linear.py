@@ -140,7 +140,8 @@ def test_cpu_kernels_switch_lists_packed_linear(monkeypatch):
 
 def test_use_packed_linear_follows_the_measured_limits():
     assert lin.use_packed_linear(70, 768, 512, 1)  # a decode step's qkv, one thread
-    assert not lin.use_packed_linear(128, 768, 512, 1)
+    assert lin.use_packed_linear(256, 512, 512, 1)
+    assert not lin.use_packed_linear(512, 512, 512, 1)
     assert lin.use_packed_linear(512, 768, 512, 2)
     assert not lin.use_packed_linear(2048, 512, 512, 2)  # a prefill chunk: oneDNN
     assert lin.packed_linear_max_macs(4) == lin.PACKED_LINEAR_MAX_MACS

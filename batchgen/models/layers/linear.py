@@ -28,12 +28,15 @@ from batchgen.kernels import packed_linear as pk
 from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_supported
 
 # Largest M * N * K (multiply-adds per call) that `packed_linear` serves, by torch threads;
-# above it oneDNN's prepacked inner product is faster. Measured with
-# ``benchmarks/bf16_linear.py`` on a 2-core AMX-BF16 machine (docs/performance.md): one thread,
-# the kernel won up to 64-128 rows on the hidden-512 shapes (qkv 70 x 768 x 512 = 27.5 M: 1.0x,
-# 128 rows: 0.97x); two threads, up to 512 rows (qkv 512 x 768 x 512 = 201 M: 1.0x) and lost
-# at 2,048 (0.85-0.9x). More than two threads was not measured: the two-thread limit is used.
-PACKED_LINEAR_MAX_MACS_ONE_THREAD = 2**25
+# above it oneDNN's prepacked inner product is as fast or faster. Measured with
+# ``benchmarks/bf16_linear.py`` on a 2-core AMX-BF16 machine (docs/performance.md). Hidden-512
+# shapes: one thread, the kernel won up to 128-256 rows (qkv 128 x 768 x 512 = 50 M: 1.05x;
+# o and lm_head 256 x 512 x 512 = 67 M: 1.0x; 2,048 rows: 0.87-0.89x); two threads, up to
+# 512 rows (qkv 512 x 768 x 512 = 201 M: 1.05x; 2,048 rows: 0.91-0.95x). Hidden-2048 shapes
+# (N 2048-32000, K 2048-5632): it won up to about 70 rows (1.0-1.5x) and lost from 256
+# (0.55-0.9x); the limits keep it to the smaller of those calls. More than two threads was not
+# measured: the two-thread limit is used.
+PACKED_LINEAR_MAX_MACS_ONE_THREAD = 2**26
 PACKED_LINEAR_MAX_MACS = 3 * 2**26
 
 
