@@ -191,3 +191,21 @@ def test_packed_linear_switch_off_keeps_the_onednn_path(monkeypatch):
     with torch.inference_mode():
         ref = ol.onednn_linear(x, ol.pack_onednn_weight(layer.weight), layer.bias)
         assert torch.equal(layer(x), ref)
+
+
+@needs_kernel
+def test_without_onednn_the_kernel_serves_every_call(monkeypatch):
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_ENV, "0")
+    layer = _layer()
+    assert layer._packed[1] is None and layer._packed[2] is not None
+    x = torch.randn(3000, 64).to(torch.bfloat16)  # far above the limits
+    ref = pk.packed_linear(x, pk.pack_packed_linear_weight(layer.weight), 40, 64, layer.bias)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), ref)
+
+
+def test_a_float32_bias_keeps_the_plain_layer():
+    layer = nn.Linear(64, 40).to(torch.bfloat16)
+    layer.bias = nn.Parameter(layer.bias.float())
+    assert lin.enable_prepacked_linear(nn.Sequential(layer)) == 0
+    assert type(layer) is nn.Linear

@@ -72,7 +72,8 @@ class PrepackedLinear(nn.Linear):
     and each microsecond of Python is 5-20% of it.
     """
 
-    # ((data_ptr, version), oneDNN packed weight or None, packed_linear weight or None)
+    # ((data_ptr, version), oneDNN packed weight or None, packed_linear weight or None,
+    #  the packed_linear ctypes function or None)
     _packed: tuple | None = None
 
     def invalidate_packed_weights(self) -> None:
@@ -110,7 +111,9 @@ class PrepackedLinear(nn.Linear):
             n = self.out_features
             threads = torch.get_num_threads()
             if packed[1] is None or use_packed_linear(x.numel() // k, n, k, threads):
-                b = self.bias
+                b = self.bias  # the kernel reads N contiguous bf16 (checked at conversion)
+                if b is not None and not b.is_contiguous():
+                    b = b.contiguous()
                 return pk.run_packed_linear(packed[3], x, packed[2], n, k, b, threads)
         if packed[1] is None:
             return F.linear(x, w, self.bias)
@@ -122,17 +125,23 @@ def enable_prepacked_linear(model: nn.Module) -> int:
     """Where `prepacked_linear_supported` (oneDNN, avx512_bf16, ``BATCHGEN_ONEDNN_LINEAR`` not
     ``0``) or `batchgen.kernels.packed_linear.packed_linear_supported` (the kernel built,
     avx512_bf16, ``BATCHGEN_PACKED_LINEAR`` not ``0``), turn every plain ``nn.Linear`` of
-    ``model`` with a bfloat16 CPU weight into a `PrepackedLinear` in place (class changed,
-    parameters kept) and pack its weight now, so the first step does not pay for it. Other
-    layers (float32 ones such as DeepSeek's router gate, subclasses such as
-    `BatchInvariantLinear`) are left alone. Returns the number converted (0 where neither path
-    is supported: the model is unchanged)."""
+    ``model`` with a bfloat16 CPU weight (and bias) into a `PrepackedLinear` in place (class
+    changed, parameters kept) and pack its weight now, so the first step does not pay for it.
+    Other layers (float32 ones such as DeepSeek's router gate, a bf16 weight with a float32
+    bias, subclasses such as `BatchInvariantLinear`) are left alone. Returns the number
+    converted (0 where neither path is supported: the model is unchanged)."""
     if not (prepacked_linear_supported() or pk.packed_linear_supported()):
         return 0
     converted = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if type(module) is nn.Linear and w.dtype == torch.bfloat16 and w.is_cpu:
+        bias = getattr(module, "bias", None)
+        if (
+            type(module) is nn.Linear
+            and w.dtype == torch.bfloat16
+            and w.is_cpu
+            and (bias is None or bias.dtype == torch.bfloat16)
+        ):
             module.__class__ = PrepackedLinear
             module.packed_weight()
             converted += 1
