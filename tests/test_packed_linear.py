@@ -145,6 +145,9 @@ def test_use_packed_linear_follows_the_measured_limits():
     assert lin.use_packed_linear(512, 768, 512, 2)
     assert not lin.use_packed_linear(2048, 512, 512, 2)  # a prefill chunk: oneDNN
     assert lin.packed_linear_max_macs(4) == lin.PACKED_LINEAR_MAX_MACS
+    # without AMX (vdpbf16ps) only small calls
+    assert lin.use_packed_linear(16, 64, 512, 2, amx=False)
+    assert not lin.use_packed_linear(16, 768, 512, 1, amx=False)
 
 
 def _layer(n=40, k=64, bias=True) -> lin.PrepackedLinear:
@@ -209,3 +212,25 @@ def test_a_float32_bias_keeps_the_plain_layer():
     layer.bias = nn.Parameter(layer.bias.float())
     assert lin.enable_prepacked_linear(nn.Sequential(layer)) == 0
     assert type(layer) is nn.Linear
+
+
+@needs_kernel
+def test_amx_switch_off_runs_vdpbf16ps_under_its_own_limit(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_AMX", "0")
+    assert pk.kernel_isa() == "avx512_bf16"
+    layer = _layer()
+    assert layer._packed[4] is False
+    w, b = layer.weight, layer.bias
+    x = torch.randn(9, 64).to(torch.bfloat16)  # 9 x 40 x 64 multiply-adds: below 2^21
+    ref = pk.packed_linear(x, pk.pack_packed_linear_weight(w), 40, 64, b, isa="avx512_bf16")
+    seen = []
+    run = pk.run_packed_linear
+    monkeypatch.setattr(pk, "run_packed_linear", lambda *a: seen.append(a[-1]) or run(*a))
+    with torch.inference_mode():
+        assert torch.equal(layer(x), ref)
+        assert seen == [pk.ISAS["avx512_bf16"]]
+        layer(torch.randn(200, 64).to(torch.bfloat16))  # 512,000 multiply-adds: still below
+        assert len(seen) == 2
+        if ol.prepacked_linear_supported():  # 1,000 rows: 2.56 M, above 2^21: oneDNN
+            layer(torch.randn(1000, 64).to(torch.bfloat16))
+            assert len(seen) == 2

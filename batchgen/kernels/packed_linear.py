@@ -28,6 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.fused_moe import amx_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,13 @@ def packed_linear_supported() -> bool:
 
 
 def kernel_isa() -> str | None:
-    """``"amx"``, ``"avx512_bf16"`` (the micro-kernel ``isa="auto"`` runs) or None."""
+    """The micro-kernel the engine's layers run: ``"amx"`` (the CPU has AMX-BF16, the OS
+    grants the tile state, and ``BATCHGEN_CPU_AMX`` is not ``0``, the fused MoE kernel's
+    switch), ``"avx512_bf16"`` (vdpbf16ps), or None (the kernel is unavailable)."""
     found = _function() if kernels_enabled("packed_linear") else None
-    return None if found is None else {2: "amx", 1: "avx512_bf16"}[found[1]]
+    if found is None:
+        return None
+    return "amx" if found[1] == 2 and amx_enabled() else "avx512_bf16"
 
 
 def pack_packed_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,8 @@ def packed_linear(
         packed: `pack_packed_linear_weight` of ``W [N, K]``.
         n, k: W's shape (the packing pads both).
         bias: ``[N]`` bfloat16, or None.
-        isa: ``"auto"`` (AMX where granted, else vdpbf16ps), ``"avx512_bf16"`` or ``"amx"``.
+        isa: ``"auto"`` (AMX where granted, else vdpbf16ps; ``BATCHGEN_CPU_AMX`` is not read
+            here, the layer reads it through `kernel_isa`), ``"avx512_bf16"`` or ``"amx"``.
     Returns:
         ``[..., N]`` bfloat16: per output, the float32 sum of the exact bf16 x bf16 products
         (AMX: 32 per step, in k order across steps), plus the bias in float32, rounded once

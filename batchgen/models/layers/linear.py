@@ -38,18 +38,28 @@ from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_
 # measured: the two-thread limit is used.
 PACKED_LINEAR_MAX_MACS_ONE_THREAD = 2**26
 PACKED_LINEAR_MAX_MACS = 3 * 2**26
+# Where the OS grants no AMX the kernel runs vdpbf16ps. Emulated here with oneDNN limited to
+# AVX512-BF16 (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, one thread, process CPU time): the
+# kernel was 1.13-1.76x at one row, 1.0-1.3x at 16-70 rows of the router, 0.83-0.92x from 16
+# rows of qkv (768 x 512); so only calls up to 2^21 multiply-adds. Not measured on a CPU that
+# lacks AMX, nor at two threads.
+PACKED_LINEAR_MAX_MACS_VNNI = 2**21
 
 
-def packed_linear_max_macs(num_threads: int) -> int:
-    """`PACKED_LINEAR_MAX_MACS_ONE_THREAD` for one thread, else `PACKED_LINEAR_MAX_MACS`."""
+def packed_linear_max_macs(num_threads: int, amx: bool = True) -> int:
+    """`PACKED_LINEAR_MAX_MACS_ONE_THREAD` for one thread, else `PACKED_LINEAR_MAX_MACS`;
+    `PACKED_LINEAR_MAX_MACS_VNNI` whatever the threads when the kernel runs without AMX."""
+    if not amx:
+        return PACKED_LINEAR_MAX_MACS_VNNI
     return PACKED_LINEAR_MAX_MACS_ONE_THREAD if num_threads <= 1 else PACKED_LINEAR_MAX_MACS
 
 
-def use_packed_linear(m: int, n: int, k: int, num_threads: int) -> bool:
+def use_packed_linear(m: int, n: int, k: int, num_threads: int, amx: bool = True) -> bool:
     """Whether a bf16 call of ``[m, k] @ [n, k].T`` on ``num_threads`` threads runs on the
     `packed_linear` kernel (True) or on oneDNN's prepacked path (False): the measured
-    crossover, `packed_linear_max_macs`."""
-    return m * n * k <= packed_linear_max_macs(num_threads)
+    crossover, `packed_linear_max_macs` (``amx``: the kernel runs AMX tiles, not
+    vdpbf16ps)."""
+    return m * n * k <= packed_linear_max_macs(num_threads, amx)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -73,7 +83,7 @@ class PrepackedLinear(nn.Linear):
     """
 
     # ((data_ptr, version), oneDNN packed weight or None, packed_linear weight or None,
-    #  the packed_linear ctypes function or None)
+    #  the packed_linear ctypes function or None, whether it runs AMX)
     _packed: tuple | None = None
 
     def invalidate_packed_weights(self) -> None:
@@ -89,7 +99,8 @@ class PrepackedLinear(nn.Linear):
             with torch.no_grad():
                 onednn = pack_onednn_weight(w) if prepacked_linear_supported() else None
                 amx = pk.pack_packed_linear_weight(w) if pk.packed_linear_supported() else None
-                self._packed = (key, onednn, amx, pk.kernel_function() if amx is not None else None)
+                fn = pk.kernel_function() if amx is not None else None
+                self._packed = (key, onednn, amx, fn, pk.kernel_isa() == "amx")
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,11 +121,12 @@ class PrepackedLinear(nn.Linear):
         if packed[2] is not None:
             n = self.out_features
             threads = torch.get_num_threads()
-            if packed[1] is None or use_packed_linear(x.numel() // k, n, k, threads):
+            if packed[1] is None or use_packed_linear(x.numel() // k, n, k, threads, packed[4]):
                 b = self.bias  # the kernel reads N contiguous bf16 (checked at conversion)
                 if b is not None and not b.is_contiguous():
                     b = b.contiguous()
-                return pk.run_packed_linear(packed[3], x, packed[2], n, k, b, threads)
+                isa = 0 if packed[4] else 1  # the kernel's codes: auto (AMX), vdpbf16ps
+                return pk.run_packed_linear(packed[3], x, packed[2], n, k, b, threads, isa)
         if packed[1] is None:
             return F.linear(x, w, self.bias)
         # Any leading dimensions and strides; float32 accumulation, rounded once to bf16.
