@@ -234,3 +234,12 @@ def test_amx_switch_off_runs_vdpbf16ps_under_its_own_limit(monkeypatch):
         if ol.prepacked_linear_supported():  # 1,000 rows: 2.56 M, above 2^21: oneDNN
             layer(torch.randn(1000, 64).to(torch.bfloat16))
             assert len(seen) == 2
+
+
+@needs_kernel
+def test_layer_without_bias_runs_the_kernel():
+    layer = _layer(bias=False)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ref = pk.packed_linear(x, pk.pack_packed_linear_weight(layer.weight), 40, 64)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), ref)

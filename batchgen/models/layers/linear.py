@@ -104,13 +104,16 @@ class PrepackedLinear(nn.Linear):
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        # The parameters read from `_parameters` directly: ``self.weight`` goes through
+        # nn.Module.__getattr__, about 0.45 us each, 5-10% of a one-row call of the kernel.
+        params = self._parameters
+        w, bias = params["weight"], params["bias"]
         if (
             x.dtype is not torch.bfloat16
             or not x.is_cpu
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            return F.linear(x, w, self.bias)
+            return F.linear(x, w, bias)
         packed = self._packed
         if packed is None or packed[0] != (w.data_ptr(), _version(w)):
             self.packed_weight()
@@ -122,15 +125,15 @@ class PrepackedLinear(nn.Linear):
             n = self.out_features
             threads = torch.get_num_threads()
             if packed[1] is None or use_packed_linear(x.numel() // k, n, k, threads, packed[4]):
-                b = self.bias  # the kernel reads N contiguous bf16 (checked at conversion)
-                if b is not None and not b.is_contiguous():
-                    b = b.contiguous()
+                # the kernel reads N contiguous bf16 (the dtype is checked at conversion)
+                if bias is not None and not bias.is_contiguous():
+                    bias = bias.contiguous()
                 isa = 0 if packed[4] else 1  # the kernel's codes: auto (AMX), vdpbf16ps
-                return pk.run_packed_linear(packed[3], x, packed[2], n, k, b, threads, isa)
+                return pk.run_packed_linear(packed[3], x, packed[2], n, k, bias, threads, isa)
         if packed[1] is None:
-            return F.linear(x, w, self.bias)
+            return F.linear(x, w, bias)
         # Any leading dimensions and strides; float32 accumulation, rounded once to bf16.
-        return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
 
 
 def enable_prepacked_linear(model: nn.Module) -> int:
