@@ -1,35 +1,40 @@
-"""bf16 dense projections on CPU: oneDNN's prepacked path beside ``F.linear``, alternating in one
-process, and the fused-MoE kernel as a one-expert dense MLP.
+"""bf16 dense projections on CPU: the `packed_linear` kernel (AMX / vdpbf16ps), oneDNN's
+prepacked path and ``F.linear``, alternating in one process; and the fused-MoE kernel as a
+one-expert dense MLP.
 
-    .venv/bin/python benchmarks/bf16_linear.py [--rows 1,4,16,64,128,256,512] [--models bench,2048]
-        [--reps 20] [--threads N]
+    .venv/bin/python benchmarks/bf16_linear.py [--rows 1,16,64,70,128,256,512,2048]
+        [--models bench,2048] [--reps 30] [--threads N] [--clock wall|cpu] [--no-mlp]
 
 Per model, the dense projections of one layer and the LM head (``bench``: the bench checkpoint,
 hidden 512, 8 heads / 2 KV heads of 64, vocab 512, router 64 experts; ``2048``: a Llama-like
-hidden 2048, 16 heads / 4 KV heads of 128, dense MLP 5632, vocab 32,000), and per row count:
+hidden 2048, 16 heads / 4 KV heads of 128, dense MLP 5632, vocab 32,000), and per row count,
+each path as a module call (`PrepackedLinear`, ``nn.Linear``):
 
-- ``onednn``: `PrepackedLinear` (`batchgen.kernels.onednn_linear`:
-  ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by
-  ``_reorder_linear_weight``, what inductor's freezing uses);
+- ``packed``: `PrepackedLinear` forced onto the `packed_linear` kernel at every row count
+  (`batchgen.kernels.packed_linear`: AMX tiles on a weight packed once);
+- ``onednn``: `PrepackedLinear` with the kernel off (``torch.ops.mkldnn._linear_pointwise`` on
+  a weight reordered once by ``_reorder_linear_weight``, what inductor's freezing uses);
 - ``F.linear``: torch's bf16 ``F.linear`` (oneDNN matmul on the plain weight, reordered per call);
 - ``fp32``: float32 ``F.linear`` on the same weights (MKL), for scale.
 
-Then the gated MLP ``down(silu(gate(x)) * up(x))`` (``bench``: the DeepSeek bench model's dense
-layer, I 1024; ``2048``: I 5632) through the two linear paths and through the fused MoE kernel
-with one expert, top-1, weight 1 (`batchgen.kernels.fused_moe`: its vdpbf16ps / AMX
-micro-kernels on its own packing): candidate (b) of issue 19.
+and which of the first two the engine's layer picks there (`use_packed_linear`).
 
-Runs under ``torch.inference_mode`` as the engine does, each path as a module call
-(`PrepackedLinear`, ``nn.Linear``). Prints GFLOP/s (2 M N K per GEMM over the fastest of
-``--reps`` alternated calls) and each
-path's ratio to ``F.linear``; the largest difference of ``onednn`` from ``F.linear`` in bf16 ulps
-of the output (0 means bit-identical).
+Then (unless ``--no-mlp``) the gated MLP ``down(silu(gate(x)) * up(x))`` (``bench``: the
+DeepSeek bench model's dense layer, I 1024; ``2048``: I 5632) through the two oneDNN paths and
+through the fused MoE kernel with one expert, top-1, weight 1 (`batchgen.kernels.fused_moe`):
+candidate (b) of issue 19.
+
+Runs under ``torch.inference_mode`` as the engine does. Prints GFLOP/s (2 M N K per GEMM over
+the fastest of ``--reps`` alternated calls) and each path's ratio to ``F.linear``, ``packed``'s
+ratio to ``onednn``; the largest difference of ``packed`` and ``onednn`` from ``F.linear`` in
+bf16 ulps of the output (0 means bit-identical).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -39,6 +44,8 @@ from torch import nn
 from batchgen.engine.host_allocator import tune_glibc_malloc
 from batchgen.kernels import fused_moe as fm
 from batchgen.kernels import onednn_linear as ol
+from batchgen.kernels import packed_linear as pk
+from batchgen.models.layers import linear as lin
 from batchgen.models.layers.linear import enable_prepacked_linear
 
 # name -> (projections [(label, N, K)], gated MLP (H, I))
@@ -87,33 +94,61 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs() / ulp).max().item()
 
 
+def _converted(layer: nn.Module, packed_kernel: bool) -> nn.Module:
+    """A `PrepackedLinear` copy of ``layer`` with or without the packed_linear kernel."""
+    out = copy.deepcopy(layer)
+    old = os.environ.get(pk.PACKED_LINEAR_ENV)
+    os.environ[pk.PACKED_LINEAR_ENV] = "1" if packed_kernel else "0"
+    try:
+        enable_prepacked_linear(out)
+    finally:
+        if old is None:
+            del os.environ[pk.PACKED_LINEAR_ENV]
+        else:
+            os.environ[pk.PACKED_LINEAR_ENV] = old
+    return out
+
+
 def bench_projections(model: str, rows: list[int], reps: int) -> None:
     g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    limits = (lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD, lin.PACKED_LINEAR_MAX_MACS)
     for label, n, k in MODELS[model][0]:
         plain = nn.Linear(k, n, bias=False).bfloat16()
         with torch.no_grad():
             plain.weight.copy_(torch.randn(n, k, generator=g) * k**-0.5)
-        packed, fp32 = copy.deepcopy(plain), copy.deepcopy(plain).float()
-        enable_prepacked_linear(packed)
+        packed, onednn = _converted(plain, True), _converted(plain, False)
+        fp32 = copy.deepcopy(plain).float()
         w = plain.weight
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             x32 = x.float()
-            t = _best_times(
-                {
-                    "onednn": lambda: packed(x),
-                    "F.linear": lambda: plain(x),
-                    "fp32": lambda: fp32(x32),
-                },
-                reps if n * k < 10_000_000 else max(3, reps // 4),
-            )
+            picks = "packed" if lin.use_packed_linear(m, n, k, threads) else "onednn"
+            # the packed layer on its kernel at every row count (the limits lifted)
+            lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD = lin.PACKED_LINEAR_MAX_MACS = 2**62
+            try:
+                t = _best_times(
+                    {
+                        "packed": lambda: packed(x),
+                        "onednn": lambda: onednn(x),
+                        "F.linear": lambda: plain(x),
+                        "fp32": lambda: fp32(x32),
+                    },
+                    reps if n * k < 10_000_000 else max(3, reps // 4),
+                )
+                y_packed = packed(x)
+            finally:
+                lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD, lin.PACKED_LINEAR_MAX_MACS = limits
             gflop = 2 * m * n * k / 1e9
-            ulps = _ulps(packed(x), F.linear(x, w))
+            ref = F.linear(x, w)
             print(
-                f"{model:5s} {label:8s} N {n:5d} K {k:4d} rows {m:4d}  GFLOP/s onednn "
-                f"{gflop / t['onednn']:7.1f}  F.linear {gflop / t['F.linear']:7.1f}  fp32 "
-                f"{gflop / t['fp32']:7.1f}  onednn/F.linear {t['F.linear'] / t['onednn']:4.2f}x"
-                f"  max diff {ulps:.0f} ulp"
+                f"{model:5s} {label:8s} N {n:5d} K {k:4d} rows {m:4d}  GFLOP/s packed "
+                f"{gflop / t['packed']:7.1f}  onednn {gflop / t['onednn']:7.1f}  F.linear "
+                f"{gflop / t['F.linear']:7.1f}  fp32 {gflop / t['fp32']:7.1f}  "
+                f"packed/onednn {t['onednn'] / t['packed']:4.2f}x  "
+                f"packed/F.linear {t['F.linear'] / t['packed']:4.2f}x  "
+                f"onednn/F.linear {t['F.linear'] / t['onednn']:4.2f}x  layer picks {picks:6s}  "
+                f"max diff packed {_ulps(y_packed, ref):.0f} onednn {_ulps(onednn(x), ref):.0f} ulp"
             )
 
 
@@ -153,9 +188,12 @@ def bench_gated_mlp(model: str, rows: list[int], reps: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="1,4,16,64,128,256,512", help="row counts, comma-separated")
+    p.add_argument(
+        "--rows", default="1,16,64,70,128,256,512,2048", help="row counts, comma-separated"
+    )
     p.add_argument("--models", default="bench,2048", help=f"from {sorted(MODELS)}")
-    p.add_argument("--reps", type=int, default=20, help="alternated calls per path (median)")
+    p.add_argument("--reps", type=int, default=30, help="alternated calls per path (fastest)")
+    p.add_argument("--no-mlp", action="store_true", help="skip the gated-MLP comparison")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
         "--clock",
@@ -178,7 +216,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, clock {args.clock}, "
-        f"fused MoE bf16 kernel {fm.kernel_isa(torch.bfloat16)}"
+        f"fused MoE bf16 kernel {fm.kernel_isa(torch.bfloat16)}, packed_linear {pk.kernel_isa()}"
     )
     models = args.models.split(",")
     for model in models:
@@ -187,7 +225,8 @@ def main() -> None:
     with torch.inference_mode():
         for model in models:
             bench_projections(model, rows, args.reps)
-            bench_gated_mlp(model, rows, args.reps)
+            if not args.no_mlp:
+                bench_gated_mlp(model, rows, args.reps)
 
 
 if __name__ == "__main__":

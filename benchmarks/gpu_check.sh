@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared device run (issue 18, item 5; docs/gpu.md): environment, install, the
 # model-oracle tests on CUDA in float32 and bfloat16, `batchgen bench` (lockstep vs coalesce,
-# bf16), the per-kernel micro-benchmark, and $OUT/summary.md with every stage's status.
+# bf16), the per-kernel micro-benchmark, the Triton kernels' tests compiled for the GPU, and
+# $OUT/summary.md with every stage's status.
 #
 #   bash benchmarks/gpu_check.sh              # on the device machine (OUT set by the `run` tool)
 #   bash benchmarks/gpu_check.sh --dry-run    # here: every stage on CPU, tiny sizes, no install
@@ -36,14 +37,17 @@ if [ "$DRY" = 1 ]; then
     DEV=cpu; BF16=bfloat16
     ORACLE_K='(llama and not mqa and not tied) and not preemption'
     BENCH_ARGS="--device cpu --dtype float32 --workloads rollouts --rollouts-requests 4"
-    KERNEL_ARGS="--device cpu --tiny"
-    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 kernels=60)
+    KERNEL_ARGS="--device cpu --tiny --moe-paths reference --attention-backends torch"
+    # The suite runs the whole module; here the two slowest tests are left to it.
+    TRITON_K='not compile_for_hopper and not engine_on_the_triton_paths'
+    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 kernels=60 triton=120)
 else
     DEV=cuda; BF16=bfloat16
     ORACLE_K=''
     BENCH_ARGS="--device cuda --dtype bfloat16 --workloads rollouts,extraction,search"
     KERNEL_ARGS="--device cuda"
-    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 kernels=60)
+    TRITON_K=''
+    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 kernels=90 triton=90)
 fi
 cap_of() { local kv; for kv in "${CAPS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -148,8 +152,17 @@ kernels_stage() {
     "$PY" benchmarks/gpu_kernels.py $KERNEL_ARGS --out "$OUT/kernels.json" >/dev/null
 }
 
-export DRY OUT ROOT PY DEV ORACLE_K BENCH_ARGS KERNEL_ARGS WORK
-export -f env_stage install_stage oracle_stage bench_stage kernels_stage
+# The Triton kernels against their torch oracles: compiled on the GPU in fp32, fp16 and bf16
+# (the module picks CUDA when it is there), under TRITON_INTERPRET=1 on CPU in the dry run.
+# Its outcome is in log.txt (-rfE names failures) and stages.tsv: no junit, 8 files at most.
+triton_stage() {
+    local k=()
+    [ -n "$TRITON_K" ] && k=(-k "$TRITON_K")
+    "$PY" -m pytest tests/test_triton_kernels.py -q -rfE -p no:cacheprovider --timeout 120 "${k[@]}"
+}
+
+export DRY OUT ROOT PY DEV ORACLE_K BENCH_ARGS KERNEL_ARGS TRITON_K WORK
+export -f env_stage install_stage oracle_stage bench_stage kernels_stage triton_stage
 echo "gpu_check: dry_run=$DRY device=$DEV out=$OUT budget=${BUDGET}s python=$PY" | tee -a "$LOG"
 stage env env_stage
 stage install install_stage
@@ -157,6 +170,7 @@ stage oracle_fp32 oracle_stage fp32 float32
 stage oracle_bf16 oracle_stage bf16 "$BF16"
 stage bench bench_stage
 stage kernels kernels_stage
+stage triton triton_stage
 "$PY" benchmarks/gpu_check_summary.py "$OUT" --dry-run "$DRY" --total-s "$(( $(date +%s) - START ))" \
     || echo "summary writer failed (rc $?): see stages.tsv" | tee -a "$OUT/summary.md"
 rm -rf "$WORK"

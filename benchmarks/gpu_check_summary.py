@@ -1,8 +1,8 @@
 """Writes ``OUT/summary.md`` for `benchmarks/gpu_check.sh` from the files its stages left in
 ``OUT``: every stage's status (stages.tsv), the oracle tests' counts (junit-*.xml), the bench's
-tokens/s per mode with tile density and the coalesce / lockstep ratio (bench.json), and the
-micro-benchmark's key figures (kernels.json). A missing or unreadable file is named, never
-fatal.
+tokens/s per mode with tile density and the coalesce / lockstep ratio (bench.json), the
+micro-benchmark's key figures (kernels.json) and the Triton tests' outcome (log.txt). A missing
+or unreadable file is named, never fatal.
 
     python benchmarks/gpu_check_summary.py OUT [--dry-run 0|1] [--total-s SECONDS]
 """
@@ -16,7 +16,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels")
+STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels", "triton")
 
 
 def _stages(out: Path) -> list[dict]:
@@ -104,6 +104,10 @@ def _kernels(path: Path) -> list[str]:
                      f"E {moe['num_experts']}, top-{moe['top_k']}) TFLOP/s by rows/expert: "
                      + ", ".join(f"{r['rows_per_expert']}: {r['tflops']:.3g} "
                                  f"({r['share_of_peak']:.1%})" for r in moe["rows"]))
+        for name, alt in moe.get("forced", {}).items():
+            lines.append(f"  moe forced {name}: " + (f"failed: {alt['error']}" if "error" in alt
+                         else ", ".join(f"{r['rows_per_expert']}: {r['tflops']:.3g}"
+                                        for r in alt["rows"])))
     att = rec.get("attention")
     if att and "error" in att:
         lines.append(f"decode attention: failed: {att['error']}")
@@ -111,6 +115,10 @@ def _kernels(path: Path) -> list[str]:
         lines.append(f"decode attention ({att['path']}) GB/s by seqs x context: " + ", ".join(
             f"{r['seqs']}x{r['context']}: {r['gbs']:.4g} ({r['share_of_hbm']:.1%} of HBM)"
             for r in att["rows"]))
+        for name, alt in att.get("forced", {}).items():
+            lines.append(f"  decode attention forced {name}: " + (
+                f"failed: {alt['error']}" if "error" in alt
+                else ", ".join(f"{r['seqs']}x{r['context']}: {r['gbs']:.4g}" for r in alt["rows"])))
     return lines
 
 
@@ -122,6 +130,22 @@ def _env(out: Path) -> list[str]:
     keep = [ln for ln in text.splitlines()
             if re.match(r"(torch |device |python |bf16 supported|MISSING_IMPORTS)", ln)]
     return keep or ["(no environment lines in log.txt)"]
+
+
+def _triton(out: Path) -> list[str]:
+    """The triton stage's pytest lines from log.txt: its failures (``-rfE``) and the count."""
+    log = out / "log.txt"
+    if not log.exists():
+        return ["log.txt: absent"]
+    text = log.read_text(errors="replace")
+    start = text.find("=== triton (cap")
+    if start < 0:
+        return ["(the triton stage did not run)"]
+    end = text.find("=== triton:", start)
+    part = text[start : end if end >= 0 else None].splitlines()
+    keep = [ln for ln in part if re.match(r"(FAILED|ERROR) ", ln)][:20]
+    keep += [ln for ln in part if re.search(r"\d+ (passed|failed|error)", ln)][-1:]
+    return keep or ["(no pytest result line: see log.txt)"]
 
 
 def write_summary(out: Path, dry_run: bool, total_s: int | None) -> str:
@@ -137,6 +161,7 @@ def write_summary(out: Path, dry_run: bool, total_s: int | None) -> str:
     lines += [_junit(out / "junit-fp32.xml"), "", _junit(out / "junit-bf16.xml")]
     lines += ["", "## bench (lockstep vs coalesce)", ""] + _bench(out / "bench.json")
     lines += ["", "## kernels", ""] + [f"- {ln}" for ln in _kernels(out / "kernels.json")]
+    lines += ["", "## Triton kernels vs their oracles", ""] + [f"    {ln}" for ln in _triton(out)]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text

@@ -1,7 +1,15 @@
 """Per-kernel micro-benchmark for the device run (`benchmarks/gpu_check.sh`): bf16 matmul
 TFLOP/s by row count against the chip's peak, the MoE expert path `SparseMoeBlock.experts`
 takes on this device by rows per expert, and decode attention through the engine's
-`paged_attention` in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
+`paged_attention` (`gpu_kernels_attention.py`) in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
+
+Beside the path the engine picks (``auto``), each part also times the paths it could pick
+instead, forced through their variables (``forced`` in the record): on CUDA the MoE experts
+on ``grouped_mm`` and ``triton`` (``BATCHGEN_MOE_PATH``), decode attention on ``torch`` and
+``triton`` (``BATCHGEN_ATTENTION_BACKEND``): the measurement that decides `expert_path`'s and
+`decode_attention_backend`'s ``auto`` on a given GPU. A forced path that cannot run here is
+recorded with its error; it does not fail the run. The first call of a Triton path compiles
+its kernels (one per tile configuration): the warmup calls absorb it.
 
     python benchmarks/gpu_kernels.py --device cuda --out $OUT/kernels.json
     python benchmarks/gpu_kernels.py --tiny --device cpu --out /tmp/kernels.json   # seconds on CPU
@@ -28,15 +36,9 @@ import sys
 import time
 
 import torch
+from gpu_kernels_attention import bench_decode_attention, forced
 
-from batchgen.engine.model_runner import CPU_DECODE_GATHER_BYTES
-from batchgen.kernels.paged_attention import decode_kernel_available
-from batchgen.models.layers.attention import (
-    AttentionMetadata,
-    DecodeBucket,
-    paged_attention,
-    plan_decode_buckets,
-)
+from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.model_config import RouterConfig
 
@@ -108,7 +110,8 @@ def balanced_routing(rows_per_expert: int, num_experts: int, top_k: int, device)
 
 def bench_moe(args, device, dtype, time_fn) -> dict:
     """`SparseMoeBlock.experts` (the path the engine's MoE layer takes on this device) at each
-    rows-per-expert count; FLOP = 6 * H * I per routed row (gate/up 2*H*2I, down 2*I*H)."""
+    rows-per-expert count, then the same with each of ``--moe-paths`` forced; FLOP = 6 * H * I
+    per routed row (gate/up 2*H*2I, down 2*I*H)."""
     h, inter, e, a = args.hidden, args.moe_intermediate, args.num_experts, args.top_k
     if a > e:
         raise SystemExit(f"--top-k ({a}) must be <= --num-experts ({e})")
@@ -117,13 +120,41 @@ def bench_moe(args, device, dtype, time_fn) -> dict:
         for p in block.parameters():
             p.normal_(std=h**-0.5)
     block = block.to(device=device, dtype=dtype).eval()
+    with forced(MOE_PATH_ENV, "auto"):
+        path, rows = _moe_rows(block, args, device, dtype, time_fn)
+    record = dict(
+        hidden=h,
+        moe_intermediate=inter,
+        num_experts=e,
+        top_k=a,
+        path=path,
+        top_ops=_top_ops(block, args, device, dtype),
+        rows=rows,
+        forced={},
+    )
+    for name in args.moe_paths:
+        try:
+            with forced(MOE_PATH_ENV, name):
+                _, rows = _moe_rows(block, args, device, dtype, time_fn)
+            record["forced"][name] = dict(rows=rows)
+        except Exception as exc:  # recorded: an alternative path, not the engine's
+            record["forced"][name] = dict(error=f"{type(exc).__name__}: {exc}")
+    return record
+
+
+def _moe_rows(block, args, device, dtype, time_fn) -> tuple[str, list[dict]]:
+    """``(the expert path taken, one timing row per rows-per-expert count)``."""
+    h, inter, e, a = args.hidden, args.moe_intermediate, args.num_experts, args.top_k
     rows, path = [], None
     with torch.inference_mode():
         for m in args.rows_per_expert:
             num_tokens, weights, ids = balanced_routing(m, e, a, device)
             x = torch.randn(num_tokens, h, device=device, dtype=dtype)
             if path is None:
-                path = "cpu_fused_kernel" if block.uses_kernel(x) else "torch (not the CPU kernel)"
+                path = expert_path(
+                    device, dtype, batch_invariant=False, cpu_kernel=block.uses_kernel(x),
+                    hidden_size=h, intermediate_size=inter, num_experts=e,
+                )  # fmt: skip
             secs = time_fn(lambda x=x, w=weights, i=ids: block.experts(x, w, i))
             routed = num_tokens * a
             tflops = 6 * h * inter * routed / secs / 1e12
@@ -136,15 +167,7 @@ def bench_moe(args, device, dtype, time_fn) -> dict:
                     share_of_peak=tflops / args.peak_tflops,
                 )
             )
-    return dict(
-        hidden=h,
-        moe_intermediate=inter,
-        num_experts=e,
-        top_k=a,
-        path=path,
-        top_ops=_top_ops(block, args, device, dtype),
-        rows=rows,
-    )
+    return path, rows
 
 
 def _top_ops(block, args, device, dtype) -> list[str]:
@@ -165,81 +188,6 @@ def _top_ops(block, args, device, dtype) -> list[str]:
         return table.splitlines()[:10]
     except Exception as exc:  # the profiler is a diagnostic: its failure is reported, not fatal
         return [f"profiler failed: {type(exc).__name__}: {exc}"]
-
-
-def _decode_meta(kv_lens, tables, block, device, in_place, block_bytes) -> AttentionMetadata:
-    """Decode-only `AttentionMetadata` built as `ModelRunner.prepare` builds it on ``device``."""
-    nblocks = [len(t) for t in tables]
-    if in_place:
-        plan = [(0, len(tables))]
-    else:
-        cpu_cap = max(1, CPU_DECODE_GATHER_BYTES // block_bytes)
-        cap = cpu_cap if device.type == "cpu" else None
-        plan = plan_decode_buckets(nblocks, max_bucket_blocks=cap)
-    buckets = []
-    for start, end in plan:
-        width = max(nblocks[start:end])
-        rows = [t + [0] * (width - len(t)) for t in tables[start:end]]
-        lens = torch.tensor(kv_lens[start:end], device=device)
-        buckets.append(DecodeBucket(start, end, torch.tensor(rows, device=device), lens))
-    slots = [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, kv_lens)]
-    return AttentionMetadata(
-        positions=torch.tensor([n - 1 for n in kv_lens], device=device),
-        slot_mapping=torch.tensor(slots, device=device),
-        num_decode_tokens=len(kv_lens),
-        decode_buckets=buckets,
-        block_size=block,
-    )
-
-
-def bench_decode_attention(args, device, dtype, time_fn) -> dict:
-    """`paged_attention` on a decode-only batch (the cache write included), blocks scattered
-    over the cache; GB/s counts the K and V of every context read once (the roofline's
-    bytes), whatever the path copies on the way."""
-    hq, hkv, d, block = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
-    elem = torch.finfo(dtype).bits // 8
-    in_place = decode_kernel_available(device, dtype)
-    rows = []
-    torch.manual_seed(0)
-    for seqs in args.decode_seqs:
-        for ctx in args.contexts:
-            nb = -(-ctx // block)
-            num_blocks = seqs * nb
-            perm = torch.randperm(num_blocks).tolist()
-            tables = [perm[i * nb : (i + 1) * nb] for i in range(seqs)]
-            k_cache = torch.randn(num_blocks * block, hkv, d, device=device, dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            q = torch.randn(seqs, hq, d, device=device, dtype=dtype)
-            k_new, v_new = torch.randn(2, seqs, hkv, d, device=device, dtype=dtype)
-            block_bytes = block * hkv * d * elem
-            meta = _decode_meta([ctx] * seqs, tables, block, device, in_place, block_bytes)
-
-            def step(q=q, k=k_new, v=v_new, kc=k_cache, vc=v_cache, meta=meta):
-                paged_attention(q, k, v, (kc, vc), meta, d**-0.5)
-
-            with torch.inference_mode():
-                secs = time_fn(step)
-            kv_bytes = 2 * seqs * ctx * hkv * d * elem
-            gbs = kv_bytes / secs / 1e9
-            rows.append(
-                dict(
-                    seqs=seqs,
-                    context=ctx,
-                    ms=secs * 1e3,
-                    kv_bytes=kv_bytes,
-                    gbs=gbs,
-                    share_of_hbm=gbs / args.peak_hbm_gbs,
-                )
-            )
-            del k_cache, v_cache
-    return dict(
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        block_size=block,
-        path="in-place decode kernel" if in_place else "block gather + SDPA",
-        rows=rows,
-    )
 
 
 def _ints(text: str) -> list[int]:
@@ -283,7 +231,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--decode-seqs", type=_ints, default=[64, 256])
     g.add_argument("--contexts", type=_ints, default=[1024, 4096])
+    g = p.add_argument_group("alternatives timed beside the engine's choice")
+    g.add_argument(
+        "--moe-paths", default=None, help="forced MoE paths to time too (default on CUDA: "
+        "grouped_mm,triton; none on CPU)",
+    )  # fmt: skip
+    g.add_argument(
+        "--attention-backends", default=None, help="forced decode backends to time too "
+        "(default on CUDA: torch,triton; none on CPU)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.moe_paths is None:
+        args.moe_paths = "grouped_mm,triton" if cuda else ""
+    if args.attention_backends is None:
+        args.attention_backends = "torch,triton" if cuda else ""
+    args.moe_paths = [x for x in args.moe_paths.split(",") if x]
+    args.attention_backends = [x for x in args.attention_backends.split(",") if x]
     if args.tiny:
         args.warmup, args.iters = 1, 2
         args.matmul_k, args.matmul_n = 64, 96

@@ -10,6 +10,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA the Triton kernels' tests (tests/test_triton_kernels.py) run them under triton's
+# interpreter. triton reads the variable when it is first imported (it decorates its own library
+# functions then), and transformers' DeepSeek modules import triton while test modules are
+# collected, so it is set here, before any test module. It lets a forced Triton path run on CPU
+# (`auto` never picks Triton on CPU) and changes nothing else the tests run.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny shapes shared by the oracle tests: 2 layers, hidden 64, vocab 512 (the tokenizer's).
 TINY = dict(

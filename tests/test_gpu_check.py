@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import OracleTarget, read_oracle_target
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels")
+STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels", "triton")
 
 
 def test_dry_run_summary_lists_every_stage_ok(tmp_path):
@@ -47,6 +47,12 @@ def test_dry_run_summary_lists_every_stage_ok(tmp_path):
     assert [r["rows_per_expert"] for r in kernels["moe"]["rows"]] == [1, 4, 16]
     assert all(r["tflops"] > 0 for r in kernels["matmul"] + kernels["moe"]["rows"])
     assert kernels["attention"]["rows"][0]["gbs"] > 0
+    # The forced alternatives (on CUDA: grouped_mm / triton, torch / triton) are timed too.
+    assert [r["rows_per_expert"] for r in kernels["moe"]["forced"]["reference"]["rows"]] == [
+        1, 4, 16
+    ]
+    assert kernels["attention"]["forced"]["torch"]["rows"][0]["gbs"] > 0
+    assert re.search(r"^    \d+ passed", summary, re.M), summary  # the Triton tests' count
 
 
 def test_balanced_routing_gives_every_expert_the_same_rows():

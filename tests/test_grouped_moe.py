@@ -103,6 +103,7 @@ def _path(device="cpu", dtype=torch.bfloat16, batch_invariant=False, cpu_kernel=
 
 def test_expert_path_rules(monkeypatch):
     monkeypatch.delenv(MOE_PATH_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # forced triton on CPU needs it
     # auto on CPU: unchanged (the kernel where it serves, else the CPU torch path).
     assert _path(cpu_kernel=True) == "cpu_kernel"
     assert _path() == "per_expert"
@@ -117,21 +118,34 @@ def test_expert_path_rules(monkeypatch):
     monkeypatch.setenv(MOE_PATH_ENV, "Reference")
     assert _path(cpu_kernel=True) == "reference"
     monkeypatch.setenv(MOE_PATH_ENV, "triton")
-    with pytest.raises(ValueError, match=f"{MOE_PATH_ENV}='triton'"):
+    with pytest.raises(ValueError, match=f"{MOE_PATH_ENV}=triton: device cpu"):
+        _path()
+    monkeypatch.setenv(MOE_PATH_ENV, "cutlass")
+    with pytest.raises(ValueError, match=f"{MOE_PATH_ENV}='cutlass'"):
         _path()
 
 
-def test_auto_on_cuda_without_the_fast_kernel_keeps_the_reference(monkeypatch):
-    """The CUDA branch of auto, with the capability query faked (no GPU here)."""
+@pytest.mark.parametrize("triton_imports", [True, False])
+def test_auto_on_cuda_without_the_fast_kernel_takes_triton_else_the_reference(
+    monkeypatch, triton_imports
+):
+    """The CUDA branch of auto, with the capability query and triton's import faked (no GPU
+    here): grouped_mm where CUTLASS runs it, else the Triton kernels, else the reference."""
     monkeypatch.delenv(MOE_PATH_ENV, raising=False)
     import batchgen.kernels.grouped_moe as gm
+    import batchgen.models.layers.expert_path as ep
 
-    for cap, bf16_path in [((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"), ((8, 0), "reference")]:
+    if not triton_imports:
+        monkeypatch.setattr(ep, "triton_unsupported_reason", lambda d, t: "triton does not import")
+    else:
+        monkeypatch.setattr(ep, "triton_unsupported_reason", lambda d, t: None)
+    slow = "triton" if triton_imports else "reference"
+    for cap, bf16_path in [((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"), ((8, 0), slow)]:
         monkeypatch.setattr(gm.torch.cuda, "get_device_capability", lambda d, c=cap: c)
         monkeypatch.setattr(gm.torch.version, "hip", None)
         assert _path("cuda") == bf16_path, cap
-        assert _path("cuda", dtype=torch.float16) == "reference", cap  # fp16: a per-group loop
-        assert _path("cuda", dtype=torch.float32) == "reference", cap
+        assert _path("cuda", dtype=torch.float16) == slow, cap  # grouped_mm: a per-group loop
+        assert _path("cuda", dtype=torch.float32) == slow, cap
 
 
 def test_block_runs_the_chosen_path_and_logs_it_once(monkeypatch, caplog):

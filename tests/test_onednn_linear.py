@@ -13,6 +13,7 @@ from torch import nn
 
 from batchgen import LLM, SamplingParams
 from batchgen.kernels import onednn_linear as ol
+from batchgen.kernels import packed_linear as pk
 from batchgen.models.batch_invariant import BatchInvariantLinear
 from batchgen.models.layers.linear import PrepackedLinear, enable_prepacked_linear
 from batchgen.models.make_model import make_model
@@ -79,6 +80,8 @@ def test_onednn_linear_rejects_bad_inputs_by_name():
 
 
 def _layer(n=40, k=64, bias=True) -> PrepackedLinear:
+    """A converted layer; callers turn the packed_linear kernel off (``BATCHGEN_PACKED_LINEAR``
+    0, tests/test_packed_linear.py covers it) so that every call here takes oneDNN."""
     torch.manual_seed(0)
     layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     assert enable_prepacked_linear(layer) == 1
@@ -91,7 +94,8 @@ def _packed_result(layer, x):
 
 
 @needs_onednn
-def test_prepacked_linear_packs_once_and_again_after_writes():
+def test_prepacked_linear_packs_once_and_again_after_writes(monkeypatch):
+    monkeypatch.setenv(pk.PACKED_LINEAR_ENV, "0")
     layer = _layer()
     x = torch.randn(9, 64).to(torch.bfloat16)
     with torch.inference_mode():
@@ -118,7 +122,8 @@ def test_prepacked_linear_packs_once_and_again_after_writes():
 
 
 @needs_onednn
-def test_prepacked_linear_runs_f_linear_for_float32_and_autograd():
+def test_prepacked_linear_runs_f_linear_for_float32_and_autograd(monkeypatch):
+    monkeypatch.setenv(pk.PACKED_LINEAR_ENV, "0")
     layer = _layer()
     x32 = torch.randn(5, 64)
     with pytest.raises(RuntimeError):  # as nn.Linear: a float32 input to bf16 weights fails
@@ -138,10 +143,12 @@ def test_enable_prepacked_linear_converts_only_bf16_plain_linear_layers(monkeypa
     model = nn.Sequential(
         nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8), BatchInvariantLinear(8, 8).bfloat16()
     )
-    monkeypatch.setenv(ol.ONEDNN_LINEAR_ENV, "0")  # off: nothing converted
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_ENV, "0")  # both packed paths off: nothing converted
+    monkeypatch.setenv(pk.PACKED_LINEAR_ENV, "0")
     assert enable_prepacked_linear(model) == 0
     assert [type(m) for m in model] == [nn.Linear, nn.Linear, BatchInvariantLinear]
     monkeypatch.delenv(ol.ONEDNN_LINEAR_ENV)
+    monkeypatch.delenv(pk.PACKED_LINEAR_ENV)
     assert enable_prepacked_linear(model) == (1 if HAS_PATH else 0)
     first = PrepackedLinear if HAS_PATH else nn.Linear
     assert [type(m) for m in model] == [first, nn.Linear, BatchInvariantLinear]
@@ -151,6 +158,7 @@ def test_no_avx512_bf16_means_no_conversion(monkeypatch):
     """Without avx512_bf16 (oneDNN would emulate bf16, unmeasured) the model keeps F.linear."""
     flags = ol.cpu_flags().replace("avx512_bf16", "").replace("amx_bf16", "")
     monkeypatch.setattr(ol, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(pk, "packed_linear_supported", lambda: False)  # its own CPU check
     ol._onednn_bf16_fast.cache_clear()
     try:
         model = nn.Sequential(nn.Linear(8, 8).bfloat16())
@@ -218,7 +226,12 @@ def test_update_of_dense_weights_is_seen_by_the_prepacked_layers(dense_paths):
     assert llm.update_weights(b) > 0
     assert _tokens(llm) == fresh_b  # token for token as a fresh bf16 engine on B
     assert all(m._packed is not old[id(m)] for m in layers)  # every layer packed again
-    for m in layers:  # from the new weight
+    for m in layers:  # from the new weight (3 rows: the packed_linear kernel where it runs)
         x = torch.randn(3, m.in_features).to(torch.bfloat16)
+        if pk.packed_linear_supported():
+            n, k = m.weight.shape
+            ref = pk.packed_linear(x, pk.pack_packed_linear_weight(m.weight), n, k, m.bias)
+        else:
+            ref = ol.onednn_linear(x, ol.pack_onednn_weight(m.weight), m.bias)
         with torch.inference_mode():
-            assert torch.equal(m(x), ol.onednn_linear(x, ol.pack_onednn_weight(m.weight), m.bias))
+            assert torch.equal(m(x), ref)

@@ -1,7 +1,8 @@
 """How many KV cache blocks an engine gets: the memory budget over the bytes of one block.
 
-The GPU-path issue replaces the CUDA estimate with a profiling forward (vLLM's method); this
-module is where that goes.
+On CUDA the budget comes from a profiling forward (`batchgen.engine.memory_profile`, vLLM's
+method) where the engine passes one, else from the estimate `activation_reserve_bytes` (an
+expert-parallel rank: its MoE layers cannot run alone before its dispatcher is installed).
 """
 
 from __future__ import annotations
@@ -21,22 +22,34 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
 def num_kv_blocks(
-    c: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    c: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
 ) -> int:
     """KV cache blocks for an engine: ``num_gpu_blocks_override`` if set, else the budget
-    (``kv_cache_memory_gb``; on CUDA the free memory under ``gpu_memory_utilization`` less
-    `activation_reserve_bytes`; on CPU `DEFAULT_CPU_KV_CACHE_GB`) over the bytes of one block
-    (`kv_cache_bytes_per_token` x ``block_size``).
+    (``kv_cache_memory_gb``; on CUDA with ``model`` given, what a profiling step of ``model``
+    leaves under ``gpu_memory_utilization``
+    (`batchgen.engine.memory_profile.profiled_kv_budget_bytes`), without it the free memory
+    under ``gpu_memory_utilization`` less `activation_reserve_bytes`; on CPU
+    `DEFAULT_CPU_KV_CACHE_GB`) over the bytes of one block (`kv_cache_bytes_per_token` x
+    ``block_size``).
 
     Raises:
         ValueError: the budget holds no block.
     """
     per_block = kv_cache_bytes_per_token(cfg, dtype) * c.block_size
+    budget = 0
     if c.num_gpu_blocks_override is not None:
         num_blocks = c.num_gpu_blocks_override
     else:
         if c.kv_cache_memory_gb is not None:
             budget = c.kv_cache_memory_gb * _GiB
+        elif device.type == "cuda" and model is not None:
+            from batchgen.engine.memory_profile import profiled_kv_budget_bytes
+
+            budget = profiled_kv_budget_bytes(model, c, cfg, device, dtype)
         elif device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             budget = total * c.gpu_memory_utilization - (total - free)
@@ -46,8 +59,10 @@ def num_kv_blocks(
         num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise ValueError(
-            f"the KV cache budget holds no block of {c.block_size} tokens "
-            f"({per_block} bytes); raise kv_cache_memory_gb or gpu_memory_utilization"
+            f"the KV cache budget ({budget / _GiB:.2f} GiB) holds no block of "
+            f"{c.block_size} tokens ({per_block} bytes); raise kv_cache_memory_gb or "
+            "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs (a step's "
+            "activations come out of the same memory on a GPU)"
         )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)",

@@ -138,7 +138,10 @@ class LLMEngine(EngineRequests, RequestOutputs):
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(path, cfg)
 
-        num_blocks = num_kv_blocks(config, cfg, self.dtype, self.device)
+        # An expert-parallel rank's MoE layers cannot run before its dispatcher is installed
+        # (below): no profiling forward there.
+        profiled = model if rank is None else None
+        num_blocks = num_kv_blocks(config, cfg, self.dtype, self.device, profiled)
         capacity = num_blocks * config.block_size
         self.max_model_len = max_len = resolve_max_model_len(config.max_model_len, cfg, capacity)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)

@@ -12,7 +12,6 @@ import torch
 
 from batchgen.engine.host_allocator import advise_huge_pages
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.kernels.paged_attention import decode_kernel_available
 from batchgen.models.decoder import CausalLM, kv_cache_token_shapes
 from batchgen.models.layers.attention import (
     AttentionMetadata,
@@ -21,6 +20,7 @@ from batchgen.models.layers.attention import (
     as_blocks,
     plan_decode_buckets,
 )
+from batchgen.models.layers.attention_backend import decode_attention_backend
 from batchgen.models.model_config import ModelConfig
 
 
@@ -82,10 +82,11 @@ class ModelRunner:
             tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
-        # GQA caches on CPU in float32 or bfloat16 go to the paged decode kernel, which reads the cache in
-        # place: all decode rows in one bucket. Otherwise (the torch path, MLA) buckets bound
-        # each gather.
-        self.decode_in_place = cfg.mla is None and decode_kernel_available(device, dtype)
+        # GQA caches whose decode backend reads the cache in place (the CPU kernel, the Triton
+        # kernel: `decode_attention_backend`) take all decode rows in one bucket. Otherwise
+        # (the torch path, MLA) buckets bound each gather.
+        in_place = cfg.mla is None and decode_attention_backend(device, dtype) != "torch"
+        self.decode_in_place = in_place
         block_bytes = max(c[0].numel() * c.element_size() * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (
             max(1, CPU_DECODE_GATHER_BYTES // block_bytes) if device.type == "cpu" else None

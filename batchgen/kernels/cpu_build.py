@@ -44,7 +44,13 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-KERNEL_NAMES = ("fused_moe", "invariant_linear", "paged_decode_attention")  # the sources in csrc/
+KERNEL_NAMES = (
+    "fused_moe",
+    "invariant_linear",
+    "packed_linear",
+    "paged_decode_attention",
+    "rms_norm",
+)  # the sources in csrc/
 
 
 def kernels_enabled(name: str | None = None) -> bool:

@@ -16,7 +16,9 @@ bfloat16; it was bit-identical to ``F.linear`` in bfloat16 on every shape measur
 tests bound it against the exact product of the same bfloat16 inputs.
 
 Used by `batchgen.models.layers.linear.PrepackedLinear` (every dense projection of a bfloat16
-model on CPU) where `prepacked_linear_supported`: oneDNN built into torch, a CPU with
+model on CPU; since issue 19's second round only the calls too large for the AMX
+`batchgen.kernels.packed_linear` kernel, see `use_packed_linear`) where
+`prepacked_linear_supported`: oneDNN built into torch, a CPU with
 avx512_bf16 (without it oneDNN emulates bfloat16 and nothing was measured), and
 ``BATCHGEN_ONEDNN_LINEAR`` not ``0`` (off: the engine runs ``F.linear`` as before, for A/B
 runs). The fused-MoE micro-kernels as a one-expert dense MLP (candidate (b) of issue 19) were

@@ -222,7 +222,8 @@ def check_decode_context(
             f"x block_size), got [{int(kv_lens.min())}, {int(kv_lens.max())}]"
         )
     # Only the entries a context reaches are read; padding past it may hold anything.
-    used = torch.arange(block_tables.shape[1]) < (kv_lens[:, None] + block_size - 1) // block_size
+    width = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = width < (kv_lens[:, None] + block_size - 1) // block_size
     ids = block_tables[used]
     if ids.numel() and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError(f"block_tables entries must be in [0, {num_blocks}) where read")

@@ -4,7 +4,8 @@
 // packed once ahead of time, applies the activation, and writes its weighted output rows into
 // a per-(token, slot) float32 buffer; a last pass sums each token's slots in slot order (the
 // order of `fused_experts_reference`'s sum over the top-k). This file is the driver; the
-// micro-kernels are in fused_moe_f32.h, fused_moe_bf16.h and fused_moe_amx.h.
+// micro-kernels are in fused_moe_f32.h, fused_moe_bf16.h and fused_moe_amx.h (its tile
+// configuration and the OS permission in amx_bf16.h, shared with the dense packed_linear.cpp).
 //
 // Two entry points:
 //   batchgen_fused_moe_silu_f32:  float32 weights and activations. Micro-kernel chosen at

@@ -1,17 +1,18 @@
 // AMX-BF16 micro-kernel of the fused MoE kernel (fused_moe.cpp): tdpbf16ps on 16 x 16 float32
-// tiles, blocks of 2 x 2 tiles (32 rows x 32 columns).
+// tiles, blocks of 2 x 2 tiles (32 rows x 32 columns; the tile layout, the tile configuration
+// and the OS permission are in amx_bf16.h, shared with packed_linear.cpp).
 //
-// Tiles (palette 1): C0..C3 = tmm0..3, 16 rows x 16 float32; A0, A1 = tmm4, 5, 16 rows x 32
-// bf16 (row-major activations, stride K); B0, B1 = tmm6, 7, 16 k pairs x 16 columns x 2 bf16:
-// exactly 16 rows of a packed weight panel [K / 2][16][2] (the vdpbf16ps layout), stride 64
-// bytes. Per 32 k: two A loads, two B loads, four tdpbf16ps. Rows are padded with zero rows to
-// a multiple of 16 (their outputs are dropped); K must be a multiple of 32 (`usable`), else
-// the driver runs the vdpbf16ps kernel for that GEMM.
+// Activations are row-major (stride K). Rows are padded with zero rows to a multiple of 16
+// (their outputs are dropped); K must be a multiple of 32 (`usable`), else the driver runs the
+// vdpbf16ps kernel for that GEMM. Per 32 k: two A loads, two B loads, four tdpbf16ps.
 //
 // Two GEMMs share one loop nest (for_each_block: panel pairs, k blocks of kKc, row blocks):
 // `gemm` (the down projection: float32 rows, weighted, non-temporal into y_slots) and
 // `gemm_silu` (gate/up: gate panel q beside up panel I / 16 + q, the activation computed
-// from the tiles and written as bf16 rows for the down GEMM).
+// from the tiles and written as bf16 rows for the down GEMM). Its tile block (`block`) is
+// amx_bf16.h's amx_block with a k range, partial sums carried between k blocks, a second
+// panel anywhere, and each load placed right before its first product; packed_linear keeps
+// amx_block.
 //
 // Batch invariance: each output row of tdpbf16ps depends on its own A row only, and sums the k
 // tiles in order k = 0, 32, 64, ...; so a row's result does not depend on the number of rows.
@@ -21,28 +22,17 @@
 // before returning.
 #pragma once
 
+#include "amx_bf16.h"
 #include "fused_moe_bf16.h"
 #include "fused_moe_common.h"
-
-#if BATCHGEN_HAVE_AMX
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
 #if BATCHGEN_HAVE_AMX
-#define BATCHGEN_AMX_TARGET \
+// amx_bf16.h's target plus AVX512-BW/VL, which the activation (silu_mul_to_bf16_pairs) uses:
+// the epilogue inlines it.
+#define BATCHGEN_AMX_MOE_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
-
-struct AmxTileConfig {  // the 64-byte operand of ldtilecfg
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];  // bytes per row of each tile
-  uint8_t rows[16];
-} __attribute__((packed));
 
 struct AmxBf16 {
   using In = uint16_t;  // bf16 bits
@@ -63,9 +53,9 @@ struct AmxBf16 {
   // MT x NT tiles of C (rows 16 MT of a; panels b0, b1) over k in [k0, k1): the tiles start at
   // zero (first) or at cbuf's partial sums, and end in cbuf [4][16][16].
   template <int MT, int NT>
-  BATCHGEN_AMX_TARGET static void block(const uint16_t* a, int64_t k_size, const uint16_t* b0,
-                                        const uint16_t* b1, int64_t k0, int64_t k1, bool first,
-                                        float* cbuf) {
+  BATCHGEN_AMX_MOE_TARGET static void block(const uint16_t* a, int64_t k_size, const uint16_t* b0,
+                                            const uint16_t* b1, int64_t k0, int64_t k1, bool first,
+                                            float* cbuf) {
     const uint16_t* a1 = a + 16 * k_size;
     const int64_t stride = k_size * 2;  // bytes per activation row
     if (first) {
@@ -101,26 +91,15 @@ struct AmxBf16 {
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, cbuf + 768, 64);
   }
 
-  BATCHGEN_AMX_TARGET static void load_tile_config() {
-    AmxTileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-  }
-
   // The loop nest of both GEMMs: pairs of panels (b0 = pair_b0(q), b1 = b0 + stride_b1,
   // nt of them real), k blocks, row blocks of 32; after the last k block of a row block,
   // epilogue(row block start i, rows mt * 16, nt, q, cbuf). Each output is summed over
   // k = 0, 32, 64, ... in order (partial sums wait in cacc between k blocks). m <= kRowChunk.
   template <class Epilogue>
-  BATCHGEN_AMX_TARGET static void for_each_block(const uint16_t* a, int64_t m, int64_t k_size,
-                                                 const uint16_t* packed, int64_t num_pairs,
-                                                 int64_t pair_step, int64_t b1_offset, int last_nt,
-                                                 Epilogue& epilogue) {
+  BATCHGEN_AMX_MOE_TARGET static void for_each_block(const uint16_t* a, int64_t m, int64_t k_size,
+                                                     const uint16_t* packed, int64_t num_pairs,
+                                                     int64_t pair_step, int64_t b1_offset,
+                                                     int last_nt, Epilogue& epilogue) {
     alignas(64) float cacc[(kRowChunk + 31) / 32 * 1024];  // [row block][4][16][16]
     for (int64_t q = 0; q < num_pairs; ++q) {
       const int nt = q + 1 < num_pairs ? 2 : last_nt;
@@ -153,8 +132,8 @@ struct AmxBf16 {
     int64_t m;
     float* const* c_rows;
     const float* scale;
-    BATCHGEN_AMX_TARGET void operator()(int64_t i, int mt, int nt, int64_t q,
-                                        const float* cbuf) const {
+    BATCHGEN_AMX_MOE_TARGET void operator()(int64_t i, int mt, int nt, int64_t q,
+                                          const float* cbuf) const {
       for (int tm = 0; tm < mt; ++tm)
         for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
           const int64_t row = i + 16 * tm + r;
@@ -179,8 +158,8 @@ struct AmxBf16 {
   struct SiluRows {  // act[row][16 q .. 16 q + 15] = bf16(silu(gate) * up), gate and up in C
     int64_t m, inter;
     uint16_t* act;
-    BATCHGEN_AMX_TARGET void operator()(int64_t i, int mt, int, int64_t q,
-                                        const float* cbuf) const {
+    BATCHGEN_AMX_MOE_TARGET void operator()(int64_t i, int mt, int, int64_t q,
+                                          const float* cbuf) const {
       for (int tm = 0; tm < mt; ++tm)
         for (int r = 0; r < 16 && i + 16 * tm + r < m; ++r) {
           const float* gate = cbuf + 2 * tm * 256 + r * 16;
@@ -192,10 +171,10 @@ struct AmxBf16 {
 
   // a: rows [round_up(m, 16)][K] bf16 (rows past m zero), m <= kRowChunk; packed
   // [N / 16][K / 2][16][2]; c_rows[r][0 : N] = scale[r] * (a[r] . W^T) (scale null: 1).
-  BATCHGEN_AMX_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
-                                       const uint16_t* packed, int64_t n, float* const* c_rows,
-                                       const float* scale) {
-    load_tile_config();
+  BATCHGEN_AMX_MOE_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
+                                           const uint16_t* packed, int64_t n, float* const* c_rows,
+                                           const float* scale) {
+    amx_tile_config();
     const int64_t num_panels = n / kPanel, panel = k_size * kPanel;
     StoreRows store{m, c_rows, scale};
     for_each_block(a, m, k_size, packed, (num_panels + 1) / 2, 2 * panel, panel,
@@ -210,10 +189,10 @@ struct AmxBf16 {
   // cbuf and leave as act [round_up(m, 16)][I] bf16 rows (rows < m written), rounded once as
   // in the other kernels (silu_mul_to_bf16_pairs, the same function of the same floats). No
   // float32 [m, 2I] buffer is written and read back. I a multiple of 16.
-  BATCHGEN_AMX_TARGET static void gemm_silu(const uint16_t* a, int64_t m, int64_t k_size,
-                                            const uint16_t* packed, int64_t inter,
-                                            uint16_t* act) {
-    load_tile_config();
+  BATCHGEN_AMX_MOE_TARGET static void gemm_silu(const uint16_t* a, int64_t m, int64_t k_size,
+                                                const uint16_t* packed, int64_t inter,
+                                                uint16_t* act) {
+    amx_tile_config();
     const int64_t panel = k_size * kPanel;
     SiluRows silu{m, inter, act};
     for_each_block(a, m, k_size, packed, inter / kPanel, panel, inter * k_size, 2, silu);
@@ -221,24 +200,6 @@ struct AmxBf16 {
   }
 };
 
-// 1 when this CPU has AMX-BF16 and the OS lets this process use the tile data (Linux asks for
-// it once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), else 0. The
-// answer is computed once (the permission is process-wide).
-// CPUID leaf 7 is read directly: __builtin_cpu_supports knows "amx-bf16" only from GCC 11
-// and recent clang.
-inline bool amx_usable() {
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;  // CPUID.(7, 0):EDX
-    if ((edx & kAmxBf16) == 0 || (edx & kAmxTile) == 0) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-#else
-inline bool amx_usable() { return false; }
 #endif
 
 }  // namespace

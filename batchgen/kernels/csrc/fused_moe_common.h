@@ -1,5 +1,5 @@
-// Shared by the fused MoE driver (fused_moe.cpp) and its micro-kernel headers
-// (fused_moe_f32.h, fused_moe_bf16.h, fused_moe_amx.h).
+// Shared by the fused MoE driver (fused_moe.cpp), its micro-kernel headers (fused_moe_f32.h,
+// fused_moe_bf16.h, fused_moe_amx.h, amx_bf16.h) and the dense packed_linear.cpp.
 //
 // A micro-kernel is a struct with:
 //   In         the activation and weight element type (float, or uint16_t holding bf16 bits);

@@ -17,11 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.kernels.paged_attention import (
-    check_decode_context,
-    decode_kernel_available,
-    paged_decode_attention,
-)
+from batchgen.kernels.paged_attention import check_decode_context, paged_decode_attention
+from batchgen.kernels.triton_paged_attention import triton_paged_decode_attention
+from batchgen.models.layers.attention_backend import decode_attention_backend
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary import RotaryEmbedding
 
@@ -196,26 +194,28 @@ def paged_attention(
         scale: softmax scale, usually ``D ** -0.5``.
     Returns:
         ``[T, Hq, D]`` attention output.
+
+    Decode rows run the backend `decode_attention_backend` picks (the CPU kernel or the Triton
+    kernel reading the cache in place, or the torch gather + SDPA); prefill chunks run SDPA.
     """
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    in_place = (
-        bool(meta.decode_buckets)
-        and q.dtype == k_cache.dtype
-        and decode_kernel_available(q.device, k_cache.dtype)
-    )
+    backend = "torch"
+    if meta.decode_buckets and q.dtype == k_cache.dtype:
+        backend = decode_attention_backend(q.device, k_cache.dtype)
+    kernel = {"cpu_kernel": paged_decode_attention, "triton": triton_paged_decode_attention}
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
-        if in_place:  # CPU float32 / bfloat16: attend straight from the paged cache
+        if backend != "torch":  # attend straight from the paged cache
             num_blocks = k_cache.shape[0] // meta.block_size
             if bucket.checked_num_blocks != num_blocks:  # the first layer of the step checks
                 check_decode_context(
                     bucket.block_tables, bucket.kv_lens, meta.block_size, num_blocks
                 )
                 bucket.checked_num_blocks = num_blocks
-            paged_decode_attention(
+            kernel[backend](
                 q[rows],
                 k_cache,
                 v_cache,

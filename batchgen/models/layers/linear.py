@@ -1,11 +1,16 @@
 """Dense projections on prepacked weights: `PrepackedLinear` and `enable_prepacked_linear`.
 
 On a CPU with avx512_bf16, a bfloat16 model's ``nn.Linear`` layers (attention q/k/v/o, MLA
-projections, dense MLPs, shared experts, the router gate, the LM head) run on oneDNN weights
-packed once (`batchgen.kernels.onednn_linear`) instead of ``F.linear``, which repacks the
-weight on every call. The class changes in place and the parameters stay, so weight loading,
-tying (``lm_head.weight is embed_tokens.weight``) and `update_weights` are untouched: the packed
-copy is keyed on the weight's storage and version counter, and is dropped by
+projections, dense MLPs, shared experts, the router gate, the LM head) run on weights packed
+once instead of ``F.linear``, which repacks the weight on every call: the `packed_linear`
+kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for calls of at most
+`packed_linear_max_macs` multiply-adds (decode steps: a fixed cost of a few microseconds
+where oneDNN's is 15-20), oneDNN's inner product (`batchgen.kernels.onednn_linear`) for larger
+ones (prefill chunks: its blocking wins there). `use_packed_linear` is the one place that
+chooses; the thresholds are measured (docs/performance.md, ``benchmarks/bf16_linear.py``).
+The class changes in place and the parameters stay, so weight loading, tying
+(``lm_head.weight is embed_tokens.weight``) and `update_weights` are untouched: the packed
+copies are keyed on the weight's storage and version counter, and is dropped by
 `invalidate_packed_weights` (called by the loader and by `update_weights`, whose writes go
 through ``.data`` or inference-mode tensors that the version counter does not see).
 
@@ -19,7 +24,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels import packed_linear as pk
 from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_supported
+
+# Largest M * N * K (multiply-adds per call) that `packed_linear` serves, by torch threads;
+# above it oneDNN's prepacked inner product is as fast or faster. Measured with
+# ``benchmarks/bf16_linear.py`` on a 2-core AMX-BF16 machine (docs/performance.md). Hidden-512
+# shapes: one thread, the kernel won up to 128-256 rows (qkv 128 x 768 x 512 = 50 M: 1.05x;
+# o and lm_head 256 x 512 x 512 = 67 M: 1.0x; 2,048 rows: 0.87-0.89x); two threads, up to
+# 512 rows (qkv 512 x 768 x 512 = 201 M: 1.05x; 2,048 rows: 0.91-0.95x). Hidden-2048 shapes
+# (N 2048-32000, K 2048-5632): it won up to about 70 rows (1.0-1.5x) and lost from 256
+# (0.55-0.9x); the limits keep it to the smaller of those calls. More than two threads was not
+# measured: the two-thread limit is used.
+PACKED_LINEAR_MAX_MACS_ONE_THREAD = 2**26
+PACKED_LINEAR_MAX_MACS = 3 * 2**26
+# Where the OS grants no AMX the kernel runs vdpbf16ps. Emulated here with oneDNN limited to
+# AVX512-BF16 (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, one thread, process CPU time): the
+# kernel was 1.13-1.76x at one row, 1.0-1.3x at 16-70 rows of the router, 0.83-0.92x from 16
+# rows of qkv (768 x 512); so only calls up to 2^21 multiply-adds. Not measured on a CPU that
+# lacks AMX, nor at two threads.
+PACKED_LINEAR_MAX_MACS_VNNI = 2**21
+
+
+def packed_linear_max_macs(num_threads: int, amx: bool = True) -> int:
+    """`PACKED_LINEAR_MAX_MACS_ONE_THREAD` for one thread, else `PACKED_LINEAR_MAX_MACS`;
+    `PACKED_LINEAR_MAX_MACS_VNNI` whatever the threads when the kernel runs without AMX."""
+    if not amx:
+        return PACKED_LINEAR_MAX_MACS_VNNI
+    return PACKED_LINEAR_MAX_MACS_ONE_THREAD if num_threads <= 1 else PACKED_LINEAR_MAX_MACS
+
+
+def use_packed_linear(m: int, n: int, k: int, num_threads: int, amx: bool = True) -> bool:
+    """Whether a bf16 call of ``[m, k] @ [n, k].T`` on ``num_threads`` threads runs on the
+    `packed_linear` kernel (True) or on oneDNN's prepacked path (False): the measured
+    crossover, `packed_linear_max_macs` (``amx``: the kernel runs AMX tiles, not
+    vdpbf16ps)."""
+    return m * n * k <= packed_linear_max_macs(num_threads, amx)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -29,64 +69,94 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class PrepackedLinear(nn.Linear):
-    """``nn.Linear`` whose bfloat16 CPU forward runs on a oneDNN-packed copy of the weight
-    (`batchgen.kernels.onednn_linear`); other inputs (float32, CUDA, autograd) take
-    ``F.linear``. Made by `enable_prepacked_linear`, which converts only bfloat16 layers and
-    only where `prepacked_linear_supported`.
+    """``nn.Linear`` whose bfloat16 CPU forward runs on packed copies of the weight: the
+    `packed_linear` kernel for calls `use_packed_linear` picks, oneDNN's prepacked path for
+    the rest (each where supported; ``F.linear`` where neither is); other inputs (float32,
+    CUDA, autograd) take ``F.linear``. Made by `enable_prepacked_linear`, which converts only
+    bfloat16 layers and only where one of the two paths is supported.
 
-    The packed weight (a second copy) is built at conversion and again when the weight is
-    replaced or changed through autograd-visible ops (keyed on its storage and version
-    counter); other writes need `invalidate_packed_weights`. The forward is kept to a few
-    attribute reads: at the bench model's sizes (hidden 512) oneDNN takes about 20 us a call,
-    and each microsecond of Python is 5% of it.
+    The packed weights (a second and a third copy) are built at conversion and again when the
+    weight is replaced or changed through autograd-visible ops (keyed on its storage and
+    version counter); other writes need `invalidate_packed_weights`. The forward is kept to a
+    few attribute reads: at the bench model's sizes (hidden 512) a decode call takes 5-20 us,
+    and each microsecond of Python is 5-20% of it.
     """
 
-    _packed: tuple | None = None  # ((data_ptr, version), packed weight)
+    # ((data_ptr, version), oneDNN packed weight or None, packed_linear weight or None,
+    #  the packed_linear ctypes function or None, whether it runs AMX)
+    _packed: tuple | None = None
 
     def invalidate_packed_weights(self) -> None:
-        """Drop the packed weight; the next bfloat16 forward packs again."""
+        """Drop the packed weights; the next bfloat16 forward packs again."""
         self._packed = None
 
-    def packed_weight(self) -> torch.Tensor:
-        """`pack_onednn_weight` of ``self.weight``, cached (see the class docstring)."""
+    def packed_weight(self) -> torch.Tensor | None:
+        """`pack_onednn_weight` of ``self.weight`` (None where oneDNN's path is off), cached
+        (see the class docstring) with the `packed_linear` packing beside it."""
         w = self.weight
         key = (w.data_ptr(), _version(w))
         if self._packed is None or self._packed[0] != key:
             with torch.no_grad():
-                self._packed = (key, pack_onednn_weight(w))
+                onednn = pack_onednn_weight(w) if prepacked_linear_supported() else None
+                amx = pk.pack_packed_linear_weight(w) if pk.packed_linear_supported() else None
+                fn = pk.kernel_function() if amx is not None else None
+                self._packed = (key, onednn, amx, fn, pk.kernel_isa() == "amx")
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        # The parameters read from `_parameters` directly: ``self.weight`` goes through
+        # nn.Module.__getattr__, about 0.45 us each, 5-10% of a one-row call of the kernel.
+        params = self._parameters
+        w, bias = params["weight"], params["bias"]
         if (
             x.dtype is not torch.bfloat16
             or not x.is_cpu
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            return F.linear(x, w, self.bias)
+            return F.linear(x, w, bias)
         packed = self._packed
         if packed is None or packed[0] != (w.data_ptr(), _version(w)):
             self.packed_weight()
             packed = self._packed
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x must be [..., {self.in_features}], got {tuple(x.shape)}")
+        k = self.in_features
+        if x.shape[-1] != k:
+            raise ValueError(f"x must be [..., {k}], got {tuple(x.shape)}")
+        if packed[2] is not None:
+            n = self.out_features
+            threads = torch.get_num_threads()
+            if packed[1] is None or use_packed_linear(x.numel() // k, n, k, threads, packed[4]):
+                # the kernel reads N contiguous bf16 (the dtype is checked at conversion)
+                if bias is not None and not bias.is_contiguous():
+                    bias = bias.contiguous()
+                isa = 0 if packed[4] else 1  # the kernel's codes: auto (AMX), vdpbf16ps
+                return pk.run_packed_linear(packed[3], x, packed[2], n, k, bias, threads, isa)
+        if packed[1] is None:
+            return F.linear(x, w, bias)
         # Any leading dimensions and strides; float32 accumulation, rounded once to bf16.
-        return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
 
 
 def enable_prepacked_linear(model: nn.Module) -> int:
     """Where `prepacked_linear_supported` (oneDNN, avx512_bf16, ``BATCHGEN_ONEDNN_LINEAR`` not
-    ``0``), turn every plain ``nn.Linear`` of ``model`` with a bfloat16 CPU weight into a
-    `PrepackedLinear` in place (class changed, parameters kept) and pack its weight now, so the
-    first step does not pay for it. Other layers (float32 ones such as DeepSeek's router gate,
-    subclasses such as `BatchInvariantLinear`) are left alone. Returns the number converted
-    (0 where unsupported: the model is unchanged)."""
-    if not prepacked_linear_supported():
+    ``0``) or `batchgen.kernels.packed_linear.packed_linear_supported` (the kernel built,
+    avx512_bf16, ``BATCHGEN_PACKED_LINEAR`` not ``0``), turn every plain ``nn.Linear`` of
+    ``model`` with a bfloat16 CPU weight (and bias) into a `PrepackedLinear` in place (class
+    changed, parameters kept) and pack its weight now, so the first step does not pay for it.
+    Other layers (float32 ones such as DeepSeek's router gate, a bf16 weight with a float32
+    bias, subclasses such as `BatchInvariantLinear`) are left alone. Returns the number
+    converted (0 where neither path is supported: the model is unchanged)."""
+    if not (prepacked_linear_supported() or pk.packed_linear_supported()):
         return 0
     converted = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if type(module) is nn.Linear and w.dtype == torch.bfloat16 and w.is_cpu:
+        bias = getattr(module, "bias", None)
+        if (
+            type(module) is nn.Linear
+            and w.dtype == torch.bfloat16
+            and w.is_cpu
+            and (bias is None or bias.dtype == torch.bfloat16)
+        ):
             module.__class__ = PrepackedLinear
             module.packed_weight()
             converted += 1

@@ -11,8 +11,9 @@ Expert weights use vLLM's `FusedMoE` layout: ``w13_weight [E, 2I, H]`` (gate row
 rows) and ``w2_weight [E, H, I]``.
 
 Beside this module: `moe_sort` (sorting by expert, the slot-order sum every path shares),
-`moe_cpu` (the CPU torch path), `batchgen.kernels.grouped_moe` (grouped GEMMs, the CUDA path)
-and `expert_path` (which of them runs, chosen in one place).
+`moe_cpu` (the CPU torch path), `batchgen.kernels.grouped_moe` (grouped GEMMs, the CUDA path),
+`batchgen.kernels.triton_moe` (Triton fused-MoE, the other CUDA path) and `expert_path`
+(which of them runs, chosen in one place).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from batchgen.kernels.fused_moe import fused_moe_available, fused_moe_silu, pack_expert_weights
 from batchgen.kernels.grouped_moe import fused_experts_grouped_mm
 from batchgen.kernels.invariant_linear import invariant_linear
+from batchgen.kernels.triton_moe import fused_experts_triton
 from batchgen.models.batch_invariant import invariant_activation
 from batchgen.models.layers.expert_path import expert_path
 from batchgen.models.layers.mlp import GatedMLP, get_activation
@@ -236,8 +238,8 @@ class SparseMoeBlock(nn.Module):
         ``topk_ids [T, A]`` *slots* of this block (equal to the logical ids unless the experts
         are sharded) -> ``[T, H]`` of ``out_dtype`` (default x's dtype):
         ``sum_a topk_weights[t, a] * expert(x[t])``, the sum over A in float32 in slot order,
-        rounded once at the end. The path (fused CPU kernel, CPU torch path, grouped GEMMs or
-        the reference loop) is chosen by `batchgen.models.layers.expert_path.expert_path`,
+        rounded once at the end. The path (fused CPU kernel, CPU torch path, grouped GEMMs,
+        Triton fused-MoE or the reference loop) is chosen by `batchgen.models.layers.expert_path.expert_path`,
         and nowhere else."""
         w13, w2 = self.w13_weight, self.w2_weight
         path = expert_path(
@@ -259,6 +261,8 @@ class SparseMoeBlock(nn.Module):
         args = (x, w13, w2, topk_weights, topk_ids, self.act, self.stats)
         if path == "grouped_mm":
             return fused_experts_grouped_mm(*args, out_dtype=out_dtype)
+        if path == "triton":
+            return fused_experts_triton(*args, out_dtype=out_dtype)
         if path == "reference":
             return fused_experts_reference(*args, out_dtype=out_dtype)
         if self.batch_invariant:  # one worker: the fallback GEMM's rounding follows threads

@@ -1,0 +1,83 @@
+"""RMSNorm on CPU in one kernel call (``csrc/rms_norm.cpp``), float32 and bfloat16.
+
+`rms_norm` computes Hugging Face `LlamaRMSNorm`'s result (the order of operations and the
+roundings of `batchgen.models.layers.norm.RMSNorm`'s eager ops) in one call instead of eight
+torch ops; only the sum of squares is added in another order, so the mean can differ from
+torch's in its last bit (tests/test_rms_norm.py bounds the outputs' difference). Where the
+kernel does not serve (not CPU, other dtypes, weight of another dtype, gradients, the library
+not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``) `rms_norm_available` is False and the
+caller runs the eager ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch.profiler import record_function
+
+from batchgen.kernels.cpu_build import kernels_enabled, load_library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_fns: dict[torch.dtype, object] | None = None
+
+
+def _functions() -> dict[torch.dtype, object]:
+    """The kernel's entry points by dtype; empty while the library is unavailable."""
+    global _fns
+    if _fns is None:
+        lib = load_library("rms_norm")
+        fns: dict[torch.dtype, object] = {}
+        if lib is not None:
+            for dtype, name in (
+                (torch.float32, "batchgen_rms_norm_f32"),
+                (torch.bfloat16, "batchgen_rms_norm_bf16"),
+            ):
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, _i64]
+                fns[dtype] = fn
+        _fns = fns
+    return _fns
+
+
+def rms_norm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the kernel serves ``x [..., H]`` with ``weight [H]``: both on CPU, the same
+    dtype (float32 or bfloat16), no gradient needed, the kernel built and enabled."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and kernels_enabled("rms_norm")
+        and x.dtype in _functions()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * T(x32 / sqrt(mean(x32^2) + eps))`` over the last dimension, T = x's dtype.
+
+    Args:
+        x: ``[..., H]`` float32 or bfloat16 on CPU; weight: ``[H]``, same dtype;
+        eps: added to the mean square (float32).
+    Returns:
+        ``[..., H]`` in x's dtype, a new tensor.
+    Raises:
+        RuntimeError: the kernel rejected the shapes (H = 0).
+    Call only where `rms_norm_available` is True."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h).contiguous()
+    w = weight.contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        args = (rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], h, eps)
+        fn, threads = _functions()[x.dtype], torch.get_num_threads()
+        if torch.autograd._profiler_enabled():  # the scope costs ~5 us even when not profiled
+            with record_function("batchgen::rms_norm"):
+                rc = fn(*args, threads)
+        else:
+            rc = fn(*args, threads)
+        if rc != 0:
+            raise RuntimeError(f"rms_norm kernel rejected the shape {tuple(x.shape)} (code {rc})")
+    return out.view(x.shape)

@@ -1,0 +1,94 @@
+"""Which implementation runs paged decode attention: decided here and nowhere else.
+
+Backends (every one computes the torch path's result, `batchgen.models.layers.attention.
+paged_attention` with ``torch``):
+
+- ``cpu_kernel``: the C++ CPU kernel reading K/V in place
+  (`batchgen.kernels.paged_attention.paged_decode_attention`; CPU, float32 and bfloat16);
+- ``triton``: the Triton kernel reading K/V in place
+  (`batchgen.kernels.triton_paged_attention.triton_paged_decode_attention`);
+- ``torch``: each bucket's blocks gathered into a padded copy, then SDPA.
+
+``BATCHGEN_ATTENTION_BACKEND`` (`ATTENTION_BACKEND_ENV`): ``auto`` (default) picks
+``cpu_kernel`` where it serves, else ``triton`` on CUDA where triton imports
+(`batchgen.kernels.triton_support.triton_unsupported_reason`), else ``torch``. Whether the
+Triton kernel beats the gather + SDPA path on a given GPU is a device measurement
+(``benchmarks/gpu_kernels.py`` times both); it has never run on a GPU yet (docs/gpu.md).
+``cpu_kernel``, ``triton`` or ``torch`` force that backend (tests force ``triton`` on CPU
+under ``TRITON_INTERPRET=1``, and ``torch`` as the oracle); forcing one that cannot run raises.
+Prefill always runs SDPA; MLA has its own decode (`batchgen.models.layers.mla`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Literal
+
+import torch
+
+from batchgen.kernels.paged_attention import decode_kernel_available
+from batchgen.kernels.triton_support import triton_unsupported_reason
+
+logger = logging.getLogger(__name__)
+
+DecodeBackend = Literal["cpu_kernel", "triton", "torch"]
+ATTENTION_BACKEND_ENV = "BATCHGEN_ATTENTION_BACKEND"
+ATTENTION_BACKEND_CHOICES = ("auto", "cpu_kernel", "triton", "torch")
+_logged: set[tuple] = set()
+_logged_lock = threading.Lock()
+
+
+def attention_backend_override() -> str:
+    """``BATCHGEN_ATTENTION_BACKEND``, lower-cased (``auto`` when unset or empty).
+
+    Raises:
+        ValueError: a value outside `ATTENTION_BACKEND_CHOICES`, naming the variable."""
+    value = os.environ.get(ATTENTION_BACKEND_ENV, "").strip().lower() or "auto"
+    if value not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(
+            f"{ATTENTION_BACKEND_ENV}={os.environ[ATTENTION_BACKEND_ENV]!r}: expected one of "
+            f"{ATTENTION_BACKEND_CHOICES}"
+        )
+    return value
+
+
+def decode_attention_backend(device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+    """The decode attention backend for a KV cache of ``dtype`` on ``device`` (queries of the
+    same dtype; rules in the module docstring). Logs each distinct choice once (INFO).
+
+    Raises:
+        ValueError: a bad ``BATCHGEN_ATTENTION_BACKEND``, or a forced backend that cannot run
+        here (the reason names the device or dtype)."""
+    override = attention_backend_override()
+    if override == "cpu_kernel":
+        if not decode_kernel_available(device, dtype):
+            raise ValueError(
+                f"{ATTENTION_BACKEND_ENV}=cpu_kernel: the CPU kernel does not serve {dtype} on "
+                f"{device.type} (CPU, float32 or bfloat16, built)"
+            )
+        backend: DecodeBackend = "cpu_kernel"
+    elif override == "triton":
+        reason = triton_unsupported_reason(device, dtype)
+        if reason is not None:
+            raise ValueError(f"{ATTENTION_BACKEND_ENV}=triton: {reason}")
+        backend = "triton"
+    elif override == "torch":
+        backend = "torch"
+    elif decode_kernel_available(device, dtype):
+        backend = "cpu_kernel"
+    elif device.type == "cuda" and triton_unsupported_reason(device, dtype) is None:
+        backend = "triton"
+    else:
+        backend = "torch"
+    key = (device.type, dtype, override, backend)
+    if key not in _logged:
+        with _logged_lock:
+            if key not in _logged:
+                _logged.add(key)
+                logger.info(
+                    "decode attention on %s in %s: %s backend (%s=%s)",
+                    device.type, dtype, backend, ATTENTION_BACKEND_ENV, override,
+                )  # fmt: skip
+    return backend

@@ -1,0 +1,126 @@
+"""The profiling step that sizes the KV cache on a GPU (batchgen/engine/memory_profile.py), on
+CPU: the dummy step really runs through the model (every token of one step's budget, and a
+decode step's logits), and the budget arithmetic is vLLM's, with the device's counters faked
+(`FakeMemory`). The CUDA counters themselves (`DeviceMemory`) run only on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from batchgen.config import EngineConfig
+from batchgen.engine import kv_sizing, memory_profile
+from batchgen.engine.memory_profile import (
+    SAMPLER_COPIES,
+    dummy_prompt_lengths,
+    profile_step_peak_bytes,
+    profiled_kv_budget_bytes,
+)
+from batchgen.models.loader import load_model
+from batchgen.models.model_config import ModelConfig
+
+GiB = 1 << 30
+
+
+class FakeMemory:
+    """Counters of a pretend device: ``allocated`` before the step, ``peak`` after it."""
+
+    def __init__(self, allocated: int, peak: int, free: int, total: int) -> None:
+        self._allocated, self._peak, self._free_total = allocated, peak, (free, total)
+        self.resets = 0
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def allocated(self) -> int:
+        return self._allocated
+
+    def peak(self) -> int:
+        return self._peak
+
+    def free_total(self) -> tuple[int, int]:
+        return self._free_total
+
+
+@pytest.fixture(scope="module")
+def mixtral(checkpoint_dir):
+    path = checkpoint_dir("mixtral")
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    return load_model(path, cfg, torch.device("cpu"), torch.float32, None), cfg
+
+
+def test_dummy_prompts_fill_one_step_in_chunks_within_the_model_positions(mixtral):
+    _, cfg = mixtral
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=100)
+    assert c.step_token_budget == 512  # coalesce: 8 micro-batches
+    assert dummy_prompt_lengths(c, cfg) == [64] * 8
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=100, max_step_tokens=150)
+    assert dummy_prompt_lengths(c, cfg) == [64, 64, 22]
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=2)
+    assert dummy_prompt_lengths(c, cfg) == [64, 64]  # at most max_num_seqs prompts
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=100, max_model_len=40)
+    assert dummy_prompt_lengths(c, cfg) == [40] * 12 + [32]  # 512 tokens, none past 40
+    c = EngineConfig(max_num_batched_tokens=64, scheduler_policy="lockstep")
+    assert dummy_prompt_lengths(c, cfg) == [64]
+
+
+def test_the_profiling_step_runs_every_token_and_the_decode_logits(mixtral, monkeypatch):
+    model, cfg = mixtral
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=24, max_step_tokens=150)
+    embedded, logits_rows = [], []
+    embed, compute_logits = model.embed, model.compute_logits
+
+    def spy_embed(ids):
+        embedded.append(ids.shape[0])
+        return embed(ids)
+
+    def spy_logits(h):
+        logits_rows.append(h.shape[0])
+        out = compute_logits(h)
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(model, "embed", spy_embed)
+    monkeypatch.setattr(model, "compute_logits", spy_logits)
+    memory = FakeMemory(allocated=5 * GiB, peak=7 * GiB, free=0, total=0)
+    peak = profile_step_peak_bytes(model, c, cfg, torch.device("cpu"), torch.float32, memory)
+    assert peak == 2 * GiB and memory.resets == 1
+    assert sum(embedded) == 150  # the whole step: 64 + 64 + 22 tokens
+    assert logits_rows == [3, 24]  # the step's samples (one per prompt), then max_num_seqs
+
+
+def test_budget_is_vllms_formula(mixtral):
+    model, cfg = mixtral
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=24, gpu_memory_utilization=0.9)
+    memory = FakeMemory(allocated=10 * GiB, peak=13 * GiB, free=60 * GiB, total=80 * GiB)
+    budget = profiled_kv_budget_bytes(
+        model, c, cfg, torch.device("cpu"), torch.float32, memory=memory
+    )
+    sampler = SAMPLER_COPIES * 24 * cfg.vocab_size * 4
+    # 0.9 x 80 GiB, less the 20 GiB in use, less the step's 3 GiB peak, less the sampler's.
+    assert budget == int(80 * GiB * 0.9) - 20 * GiB - 3 * GiB - sampler
+
+
+def test_num_kv_blocks_on_cuda_takes_the_profiled_budget(mixtral, monkeypatch):
+    model, cfg = mixtral
+    c = EngineConfig(block_size=16)
+    calls = []
+
+    def fake_budget(m, config, model_cfg, device, dtype):
+        calls.append(m)
+        return 100 * 16 * kv_sizing.kv_cache_bytes_per_token(cfg, dtype) + 5
+
+    monkeypatch.setattr(memory_profile, "profiled_kv_budget_bytes", fake_budget)
+    cuda = torch.device("cuda")
+    assert kv_sizing.num_kv_blocks(c, cfg, torch.float32, cuda, model) == 100
+    assert calls == [model]
+    # A budget with no room: the error names the knobs.
+    monkeypatch.setattr(memory_profile, "profiled_kv_budget_bytes", lambda *a: -GiB)
+    with pytest.raises(ValueError, match="gpu_memory_utilization.*max_num_batched_tokens"):
+        kv_sizing.num_kv_blocks(c, cfg, torch.float32, cuda, model)
+    # On CPU nothing is profiled: the CPU default budget.
+    monkeypatch.setattr(memory_profile, "profiled_kv_budget_bytes", None)
+    blocks = kv_sizing.num_kv_blocks(c, cfg, torch.float32, torch.device("cpu"), model)
+    per_block = 16 * kv_sizing.kv_cache_bytes_per_token(cfg, torch.float32)
+    assert blocks == int(kv_sizing.DEFAULT_CPU_KV_CACHE_GB * GiB // per_block)
