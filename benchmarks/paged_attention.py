@@ -3,7 +3,12 @@ in float32 and bfloat16 beside the gathered torch path (block gathers + SDPA, wh
 ``BATCHGEN_CPU_KERNELS=0`` runs), alternating in one process.
 
     .venv/bin/python benchmarks/paged_attention.py [--seqs 512] [--context 448] [--rounds 8]
-        [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx2,bf16_generic]
+        [--context-range 32,1500] [--threads N]
+        [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx512_bf16,bf16_avx512f,
+                 bf16_avx2,bf16_generic]
+
+``--context-range LO,HI`` draws each sequence's context log-uniformly in [LO, HI] (seeded)
+instead of ``--context`` for all. ``bf16_<isa>`` forces that bf16 path (`pa.ISAS`).
 
 Bench-model shapes by default (8 query heads, 2 KV heads of 64, blocks of 16 scattered over the
 cache). Each path runs `paged_attention` (the cache write included) on its own cache; the torch
@@ -15,6 +20,7 @@ KV bytes it reads per second, and its largest absolute difference from the first
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -62,15 +68,26 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=512)
     parser.add_argument("--context", type=int, default=448)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--context-range", default=None, help="LO,HI: log-uniform contexts")
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--paths", default="kernel_f32,kernel_bf16,torch_bf16")
     args = parser.parse_args()
     paths = args.paths.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    kv_lens = [args.context] * args.seqs
-    nb = -(-args.context // BLOCK)
-    num_blocks = args.seqs * nb
+    if args.context_range:
+        lo, hi = (float(x) for x in args.context_range.split(","))
+        u = torch.rand(args.seqs, dtype=torch.float64)
+        kv_lens = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))).round().long()
+        kv_lens = kv_lens.tolist()
+    else:
+        kv_lens = [args.context] * args.seqs
+    nbs = [-(-n // BLOCK) for n in kv_lens]
+    num_blocks = sum(nbs)
     perm = torch.randperm(num_blocks).tolist()
-    tables = [perm[i * nb : (i + 1) * nb] for i in range(args.seqs)]
+    offsets = [sum(nbs[:i]) for i in range(args.seqs)]
+    tables = [perm[o : o + nb] for o, nb in zip(offsets, nbs)]
     k32 = torch.randn(num_blocks * BLOCK, HKV, D)
     v32 = torch.randn(num_blocks * BLOCK, HKV, D)
     q32 = torch.randn(args.seqs, HQ, D)
@@ -81,10 +98,11 @@ def main() -> None:
         in_place = not path.startswith("torch")
         k, v, q, new = (t.to(dtype) for t in (k32, v32, q32, new32))
         meta = _meta(kv_lens, tables, in_place, k[0].numel() * k.element_size() * BLOCK)
-        isa = {"bf16_avx2": "avx2", "bf16_generic": "generic"}.get(path, "auto")
+        isa = path.removeprefix("bf16_") if path.startswith("bf16_") else "auto"
         runs[path] = (q, new, (k, v), meta, isa)
     print(
-        f"{args.seqs} seqs x {args.context} positions, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
+        f"{args.seqs} seqs x {sum(kv_lens) / len(kv_lens):.0f} positions on average "
+        f"({min(kv_lens)}-{max(kv_lens)}), Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
         f"{torch.get_num_threads()} threads; bf16 kernel path: "
         f"{pa.decode_kernel_isa(torch.bfloat16, D)}"
     )
@@ -114,7 +132,7 @@ def main() -> None:
     for p in paths:
         sec = statistics.median(times[p])
         itemsize = 4 if p.endswith("f32") else 2
-        gbs = 2 * args.seqs * args.context * HKV * D * itemsize / sec / 1e9
+        gbs = 2 * sum(kv_lens) * HKV * D * itemsize / sec / 1e9
         diff = (outs[p].float() - outs[paths[0]].float()).abs().max().item()
         print(
             f"{p:>13}: {sec * 1e3:7.2f} ms  x{base / sec:5.2f} vs {paths[0]}  {gbs:5.1f} GB/s KV  "

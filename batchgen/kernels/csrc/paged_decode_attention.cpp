@@ -19,11 +19,15 @@
 //     to bf16 before the weighted sum (`softmax_heads`), and the output is rounded to bf16
 //     (round to nearest even).
 //
-// Implementations: generic loops (any head size, any CPU) and a vector path, chosen per call:
-// AVX-512F (16 floats a vector) for head sizes that are a multiple of 16 where the library is
-// compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured with),
-// else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1: AVX2,
-// 2: generic loops) so tests and A/B measurements reach every path on one machine.
+// Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
+// bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h) for head
+// sizes that are a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
+// AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
+// is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
+// with); else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1:
+// AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16; a forced path that does not apply to
+// the head size or CPU falls back down that list) so tests and A/B measurements reach every
+// path on one machine.
 //
 // Sequences are spread over OpenMP threads. The library is built with -fopenmp and loaded
 // after torch, so it joins torch's own OpenMP runtime (libgomp.so.1, already in the process)
@@ -59,7 +63,7 @@ inline void store(bf16_t* p, float x) {
   *p = bf16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 
 template <class T>
 struct Args {
@@ -318,18 +322,30 @@ void run_seq_vector(const Args<T>& a, int64_t b, Scratch& s, std::vector<const T
 }
 #endif
 
-// Per-thread buffers of the vector path: row pointers, [n rounded up to 8].
+}  // namespace
+#include "paged_decode_attention_bf16.h"
+namespace {
+
+// Per-thread buffers of the vector paths: row pointers, [n rounded up to 8]; the bf16 path's.
 template <class T>
 struct Rows {
   std::vector<const T*> k, v;
+  Bf16Scratch bf16;
 };
+
+// Whether `isa` (auto or forced) runs the AVX512-BF16 path for head size d on this CPU.
+inline bool bf16_path(int64_t isa, int64_t d) {
+  return (isa == kAuto || isa == kAvx512Bf16) && d % 32 == 0 && avx512_bf16_usable();
+}
 
 template <class T>
 void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
+  if constexpr (std::is_same_v<T, bf16_t>)
+    if (bf16_path(a.isa, a.d)) return run_seq_bf16(a, b, rows.bf16);
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   // AVX-512 for bf16 only: the float32 kernel's numerics and speed stay as measured.
-  if (sizeof(T) == 2 && a.isa == kAuto && a.d % 16 == 0)
+  if (sizeof(T) == 2 && (a.isa == kAuto || a.isa >= kAvx512) && a.d % 16 == 0)
     return run_seq_vector<Avx512>(a, b, s, rows.k, rows.v);
 #endif
   if (a.isa != kGeneric && a.d % 8 == 0) return run_seq_vector<Avx2>(a, b, s, rows.k, rows.v);
@@ -371,16 +387,17 @@ extern "C" int batchgen_paged_decode_attention_bf16(
     const int64_t* kv_lens, bf16_t* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
     int64_t num_threads, int64_t isa) {
-  if (isa < kAuto || isa > kGeneric) return 2;
+  if (isa < kAuto || isa > kAvx512Bf16) return 2;
   const Args<bf16_t> a{q,  k_cache, v_cache, block_tables, kv_lens,    out,
                        hq, hkv,     d,       block_size,   max_blocks, sliding_window,
                        scale, isa};
   return run(a, num_seqs, num_threads);
 }
 
-// The vector path the bf16 entry runs for head size d with isa 0: 2 AVX-512F, 1 AVX2, 0 the
-// generic loops.
+// The vector path the bf16 entry runs for head size d with isa 0: 3 AVX512-BF16, 2 AVX-512F,
+// 1 AVX2, 0 the generic loops.
 extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d) {
+  if (bf16_path(kAuto, d)) return 3;
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   if (d % 16 == 0) return 2;
