@@ -40,15 +40,15 @@ from batchgen.kernels.cpu_build import kernels_enabled, load_library
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
 # Forced paths of the bf16 entry (the ``isa`` argument): auto picks the fastest this CPU and
-# build run; a forced path that does not apply (head size, CPU) falls back down the list
-# avx512_bf16 -> avx512f -> avx2 -> generic.
-ISAS = {"auto": 0, "avx2": 1, "generic": 2, "avx512f": 3, "avx512_bf16": 4}
+# build run; a forced path that does not apply (head size, block size, CPU) falls back down
+# the list amx -> avx512_bf16 -> avx512f -> avx2 -> generic.
+ISAS = {"auto": 0, "avx2": 1, "generic": 2, "avx512f": 3, "avx512_bf16": 4, "amx": 5}
 ISA_ENV = "BATCHGEN_PAGED_ATTENTION_ISA"  # the default ``isa`` (A/B runs of the engine)
-_LEVEL_NAMES = {3: "avx512_bf16", 2: "avx512f", 1: "avx2", 0: "generic"}
+_LEVEL_NAMES = {4: "amx", 3: "avx512_bf16", 2: "avx512f", 1: "avx2", 0: "generic"}
 
 logger = logging.getLogger(__name__)
 _lib = None
-_logged: set[tuple[torch.dtype, int, str]] = set()
+_logged: set[tuple[torch.dtype, int, int, int, str]] = set()
 
 
 def _library():
@@ -62,7 +62,7 @@ def _library():
         common = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
         lib.batchgen_paged_decode_attention_f32.argtypes = common
         lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64]
-        lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64]
+        lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64] * 3
         for fn in (
             lib.batchgen_paged_decode_attention_f32,
             lib.batchgen_paged_decode_attention_bf16,
@@ -84,16 +84,21 @@ def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and _function() is not None
 
 
-def decode_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
-    """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype`` and
-    ``head_size`` on this CPU and build: ``"avx512_bf16"`` (bfloat16, head size a multiple of
+def decode_kernel_isa(
+    dtype: torch.dtype, head_size: int, num_queries_per_kv: int = 1, block_size: int = 16
+) -> str | None:
+    """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype``, ``head_size``,
+    ``num_queries_per_kv`` (Hq / Hkv) and ``block_size`` on this CPU and build: ``"amx"``
+    (bfloat16, the ``"avx512_bf16"`` path with its scores by AMX-BF16: head size a multiple of
+    32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16, the CPU has
+    AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a multiple of
     32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of 16, library
     built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"``
     (plain loops), or None when the kernel does not serve ``dtype`` or is unavailable."""
     lib = _function()
     if lib is None or dtype not in _DTYPES:
         return None
-    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size)
+    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size, num_queries_per_kv, block_size)
     if dtype == torch.float32:
         level = min(level, 1)  # the float32 kernel keeps its AVX2 path
     return _LEVEL_NAMES[level]
@@ -112,12 +117,17 @@ def default_isa() -> str:
     return value
 
 
-def _log_once(dtype: torch.dtype, head_size: int, isa: str) -> None:
-    key = (dtype, head_size, isa)
+def _log_once(dtype: torch.dtype, head_size: int, group: int, block_size: int, isa: str) -> None:
+    key = (dtype, head_size, group, block_size, isa)
     if key not in _logged:
         _logged.add(key)
-        chosen = decode_kernel_isa(dtype, head_size) if isa == "auto" else f"forced {isa}"
-        logger.info("paged decode attention, %s, head size %d: %s path", dtype, head_size, chosen)
+        chosen = decode_kernel_isa(*key[:4]) if isa == "auto" else f"forced {isa}"
+        logger.info(
+            "paged decode attention, %s, head size %d, %d query heads per KV head, blocks of "
+            "%d: %s path",
+            *key[:4],
+            chosen,
+        )
 
 
 def paged_decode_attention(
@@ -176,7 +186,7 @@ def paged_decode_attention(
         fn, extra = lib.batchgen_paged_decode_attention_f32, ()
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    _log_once(q.dtype, d, isa)
+    _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()

@@ -63,7 +63,7 @@ inline void store(bf16_t* p, float x) {
   *p = bf16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
 template <class T>
 struct Args {
@@ -335,13 +335,18 @@ struct Rows {
 
 // Whether `isa` (auto or forced) runs the AVX512-BF16 path for head size d on this CPU.
 inline bool bf16_path(int64_t isa, int64_t d) {
-  return (isa == kAuto || isa == kAvx512Bf16) && d % 32 == 0 && avx512_bf16_usable();
+  return (isa == kAuto || isa >= kAvx512Bf16) && d % 32 == 0 && avx512_bf16_usable();
+}
+// Whether that path takes its scores from AMX.
+inline bool amx_scores(int64_t isa, int64_t d, int64_t g, int64_t block_size) {
+  return (isa == kAuto || isa == kAmx) && bf16_path(isa, d) && AmxScores::usable(d, g, block_size);
 }
 
 template <class T>
 void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
   if constexpr (std::is_same_v<T, bf16_t>)
-    if (bf16_path(a.isa, a.d)) return run_seq_bf16(a, b, rows.bf16);
+    if (bf16_path(a.isa, a.d))
+      return run_seq_bf16(a, b, rows.bf16, amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size));
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   // AVX-512 for bf16 only: the float32 kernel's numerics and speed stay as measured.
@@ -387,16 +392,18 @@ extern "C" int batchgen_paged_decode_attention_bf16(
     const int64_t* kv_lens, bf16_t* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
     int64_t num_threads, int64_t isa) {
-  if (isa < kAuto || isa > kAvx512Bf16) return 2;
+  if (isa < kAuto || isa > kAmx) return 2;
   const Args<bf16_t> a{q,  k_cache, v_cache, block_tables, kv_lens,    out,
                        hq, hkv,     d,       block_size,   max_blocks, sliding_window,
                        scale, isa};
   return run(a, num_seqs, num_threads);
 }
 
-// The vector path the bf16 entry runs for head size d with isa 0: 3 AVX512-BF16, 2 AVX-512F,
-// 1 AVX2, 0 the generic loops.
-extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d) {
+// The vector path the bf16 entry runs with isa 0 for head size d, g query heads per KV head
+// and blocks of block_size: 4 AVX512-BF16 with AMX scores, 3 AVX512-BF16, 2 AVX-512F, 1 AVX2,
+// 0 the generic loops.
+extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d, int64_t g, int64_t block_size) {
+  if (amx_scores(kAuto, d, g, block_size)) return 4;
   if (bf16_path(kAuto, d)) return 3;
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)

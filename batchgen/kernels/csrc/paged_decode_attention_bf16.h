@@ -25,6 +25,7 @@
 // 2^-126 |v|).
 #pragma once
 
+#include "fused_moe_amx.h"  // amx_usable, AmxTileConfig, BATCHGEN_AMX_TARGET
 #include "fused_moe_common.h"
 
 namespace {
@@ -127,6 +128,85 @@ BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t*
   }
 }
 
+#if BATCHGEN_HAVE_AMX
+// The AMX variant of the scores (`tdpbf16ps`), for blocks of a multiple of 16 slots: 16
+// positions p0 .. p0 + 15 with p0 a multiple of 16 lie in one block at a constant stride, so
+// tile A is 16 key rows x 32 dimensions loaded straight from the cache (`tileloadd`, stride =
+// one slot's row); tile B is the G query heads' 32 dimensions as 16 pairs x G (the VNNI
+// layout, `qpairs`, built once per sequence and KV head and kept in tiles 2 ..); tile C (16
+// positions x G heads, float32) sums the D / 32 steps. C's columns (one per head) are gathered
+// into each head's score row. Tiles: C = tmm0, A = tmm1, B = tmm2 .. tmm(1 + D / 32).
+struct AmxScores {
+  static bool usable(int64_t d, int64_t g, int64_t block_size) {
+    return d % 32 == 0 && d <= 32 * 6 && g <= 16 && block_size % 16 == 0 && amx_usable();
+  }
+
+  BATCHGEN_AMX_TARGET static void configure(int64_t d, int64_t g) {
+    AmxTileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 2 + d / 32; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = t == 1 ? 64 : uint16_t(4 * g);
+    }
+    _tile_loadconfig(&cfg);
+  }
+
+  // s[h * s_stride + j] = scale * <q_h, K row of position a0 + j> for chunks of 16 positions
+  // from the 16-aligned a0: chunk c's rows at chunk_rows[c] + off, stride_bytes apart.
+  // qpairs: [D / 32][16][G] words (pairs of q's dimensions); cbuf: 16 x G floats.
+  BATCHGEN_AMX_TARGET static void scores(const bf16_t* const* chunk_rows, int64_t num_chunks,
+                                         int64_t off, int64_t d, int64_t g, int64_t stride_bytes,
+                                         const uint32_t* qpairs, float scale, float* s,
+                                         int64_t s_stride, float* cbuf,
+                                         const bf16_t* const* v_rows) {
+    configure(d, g);
+    const int steps = int(d / 32);
+    // The B tiles: tile 2 + k holds step k (tile numbers are immediates: unrolled).
+    if (steps > 0) _tile_loadd(2, qpairs + 0 * 16 * g, 4 * g);
+    if (steps > 1) _tile_loadd(3, qpairs + 1 * 16 * g, 4 * g);
+    if (steps > 2) _tile_loadd(4, qpairs + 2 * 16 * g, 4 * g);
+    if (steps > 3) _tile_loadd(5, qpairs + 3 * 16 * g, 4 * g);
+    if (steps > 4) _tile_loadd(6, qpairs + 4 * 16 * g, 4 * g);
+    if (steps > 5) _tile_loadd(7, qpairs + 5 * 16 * g, 4 * g);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(int(g)));
+    // v_rows (the first KV head): prefetch K chunks kPrefetchAhead ahead (16 contiguous rows,
+    // every KV head) to L1 and this chunk's V rows to L2, as `scores_bf16` does.
+    const int64_t n16 = 16 * num_chunks;
+    if (v_rows != nullptr)
+      for (int64_t c = 0; c < std::min(kPrefetchAhead, num_chunks); ++c)
+        for (int64_t o = 0; o < 16 * stride_bytes; o += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(chunk_rows[c]) + o, 0, 3);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      if (v_rows != nullptr) {
+        if (c + kPrefetchAhead < num_chunks)
+          for (int64_t o = 0; o < 16 * stride_bytes; o += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(chunk_rows[c + kPrefetchAhead]) + o,
+                               0, 3);
+        prefetch_rows<2>(v_rows, 16 * c, n16, stride_bytes);
+      }
+      const bf16_t* a = chunk_rows[c] + off;
+      _tile_zero(0);
+      _tile_loadd(1, a, stride_bytes);
+      _tile_dpbf16ps(0, 1, 2);
+      if (steps > 1) { _tile_loadd(1, a + 32, stride_bytes); _tile_dpbf16ps(0, 1, 3); }
+      if (steps > 2) { _tile_loadd(1, a + 64, stride_bytes); _tile_dpbf16ps(0, 1, 4); }
+      if (steps > 3) { _tile_loadd(1, a + 96, stride_bytes); _tile_dpbf16ps(0, 1, 5); }
+      if (steps > 4) { _tile_loadd(1, a + 128, stride_bytes); _tile_dpbf16ps(0, 1, 6); }
+      if (steps > 5) { _tile_loadd(1, a + 160, stride_bytes); _tile_dpbf16ps(0, 1, 7); }
+      _tile_stored(0, cbuf, 4 * g);
+      for (int64_t h = 0; h < g; ++h)
+        _mm512_storeu_ps(s + h * s_stride + 16 * c,
+                         _mm512_mul_ps(_mm512_i32gather_ps(lane, cbuf + h, 4), vscale));
+    }
+    _tile_release();
+  }
+};
+#endif
+
 // Softmax of s[0..n) (s padded to n16): the unnormalised weights rounded to bf16 into
 // w[0..n16) (zero past n); returns 1 / the sum of the float32 exponentials.
 BATCHGEN_ATTN_BF16_TARGET inline float softmax_bf16(const float* s, int64_t n, int64_t n16,
@@ -208,12 +288,30 @@ void pv_bf16_dims(const bf16_t* w0, int64_t w_stride, const bf16_t* const* v_row
 // Per-thread buffers of the AVX512-BF16 path.
 struct Bf16Scratch {
   std::vector<const bf16_t*> k_rows, v_rows;  // [n16]: slot rows (all KV heads)
-  std::vector<float> scores, inv_sum;         // [G, n16], [G]
+  std::vector<const bf16_t*> chunk_rows;      // AMX: K row of each 16-aligned chunk
+  std::vector<float> scores, inv_sum;         // [G, n16 + 16], [G]
   std::vector<bf16_t> weights;                // [G, n16]
+  std::vector<uint32_t> qpairs;               // AMX: [D / 32][16][G]
+  alignas(64) float cbuf[16 * 16];            // AMX: tile C
 };
 
-// The sequence b on the AVX512-BF16 path; a.d % 32 == 0.
-inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s) {
+// rows[j] = cache row of position start + j (all KV heads: row elements), j < n: one division
+// per block.
+inline void slot_rows(const bf16_t* cache, const int64_t* table, int64_t block_size,
+                      int64_t row, int64_t start, int64_t n, const bf16_t** rows) {
+  for (int64_t j = 0, p = start; j < n;) {
+    const int64_t in_block = p % block_size;
+    const bf16_t* base = cache + (table[p / block_size] * block_size + in_block) * row;
+    const int64_t count = std::min(block_size - in_block, n - j);
+    for (int64_t i = 0; i < count; ++i) rows[j + i] = base + i * row;
+    j += count;
+    p += count;
+  }
+}
+
+// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores by AMX
+// (AmxScores::usable).
+inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx) {
   const int64_t len = a.kv_lens[b], d = a.d, g = a.hq / a.hkv, row = a.hkv * d;
   const int64_t start = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
   const int64_t n = len - start;
@@ -226,27 +324,50 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s) {
   const int64_t* table = a.block_tables + b * a.max_blocks;
   s.k_rows.resize(n16);
   s.v_rows.resize(n16);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = start + j;
-    const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
-    s.k_rows[j] = a.k_cache + slot * row;
-    s.v_rows[j] = a.v_cache + slot * row;
+  slot_rows(a.v_cache, table, a.block_size, row, start, n, s.v_rows.data());
+  for (int64_t j = n; j < n16; ++j) s.v_rows[j] = s.v_rows[0];  // finite rows, weight zero
+  // AMX: chunks of 16 positions from the 16-aligned a0 <= start (rows before start and past
+  // len are in the same blocks: read, then dropped); scores of position start + j at j + lead.
+  const int64_t lead = amx ? start % 16 : 0;
+  const int64_t s_stride = n16 + 16;
+  if (amx) {
+    const int64_t num_chunks = (n + lead + 15) / 16;
+    s.chunk_rows.resize(num_chunks);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t p = start - lead + 16 * c;
+      s.chunk_rows[c] =
+          a.k_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
+    }
+    s.qpairs.resize(d / 2 * g);
+  } else {
+    slot_rows(a.k_cache, table, a.block_size, row, start, n, s.k_rows.data());
+    for (int64_t j = n; j < n16; ++j) s.k_rows[j] = s.k_rows[0];
   }
-  for (int64_t j = n; j < n16; ++j) {  // finite rows, weight zero
-    s.k_rows[j] = s.k_rows[0];
-    s.v_rows[j] = s.v_rows[0];
-  }
-  s.scores.resize(g * n16);
+  s.scores.resize(g * s_stride);
   s.weights.resize(g * n16);
   s.inv_sum.resize(g);
   for (int64_t kv = 0; kv < a.hkv; ++kv) {
     const bf16_t* q = a.q + (b * a.hq + kv * g) * d;
+    if (amx) {
+#if BATCHGEN_HAVE_AMX
+      // qpairs[k][i][h] = q_h's dimensions 32 k + 2 i, 32 k + 2 i + 1 (one word).
+      for (int64_t h = 0; h < g; ++h) {
+        const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + h * d);
+        for (int64_t i = 0; i < d / 2; ++i) s.qpairs[i * g + h] = qh[i];
+      }
+      AmxScores::scores(s.chunk_rows.data(), int64_t(s.chunk_rows.size()), kv * d, d, g,
+                        row * int64_t(sizeof(bf16_t)), s.qpairs.data(), a.scale,
+                        s.scores.data(), s_stride, s.cbuf, kv == 0 ? s.v_rows.data() : nullptr);
+#endif
+    }
     for (int64_t h = 0; h < g; ++h) {
-      float* sh = s.scores.data() + h * n16;
-      const bool first = kv == 0 && h == 0;
-      scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
-                  first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
-      s.inv_sum[h] = softmax_bf16(sh, n, n16, s.weights.data() + h * n16);
+      float* sh = s.scores.data() + h * s_stride;
+      if (!amx) {
+        const bool first = kv == 0 && h == 0;
+        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
+                    first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
+      }
+      s.inv_sum[h] = softmax_bf16(sh + lead, n, n16, s.weights.data() + h * n16);
     }
     bf16_t* o = out + kv * g * d;
     for (int64_t h = 0; h < g; h += 4) {
@@ -265,7 +386,12 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s) {
 #else
 inline bool avx512_bf16_usable() { return false; }
 struct Bf16Scratch {};
-inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&) {}
+inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&, bool) {}
+#endif
+#if !BATCHGEN_HAVE_AMX || !BATCHGEN_HAVE_BF16
+struct AmxScores {
+  static bool usable(int64_t, int64_t, int64_t) { return false; }
+};
 #endif
 
 }  // namespace
