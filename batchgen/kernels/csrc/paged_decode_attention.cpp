@@ -20,13 +20,15 @@
 //     (round to nearest even).
 //
 // Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
-// bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h) for head
+// bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h; its scores
+// by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks are a
+// multiple of 16, D <= 192 and G <= 16) for head
 // sizes that are a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
 // is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
 // with); else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1:
-// AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16; a forced path that does not apply to
-// the head size or CPU falls back down that list) so tests and A/B measurements reach every
+// AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16, 5: AVX512-BF16 with AMX scores; a
+// forced path that does not apply to the shapes or CPU falls back down that list) so tests and A/B measurements reach every
 // path on one machine.
 //
 // Sequences are spread over OpenMP threads. The library is built with -fopenmp and loaded

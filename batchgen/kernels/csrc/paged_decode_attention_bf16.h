@@ -7,7 +7,9 @@
 //   scores  per query head, 16 positions at a time: 16 accumulators of `vdpbf16ps(k row,
 //           q)` over D / 32 chunks (the K rows, 16 x D bf16, stay in L1 across the G heads),
 //           then one 16 -> 1 transpose-add tree (`reduce16`: 45 shuffles and adds for 16 dot
-//           products) whose result lane i is position i; times the scale.
+//           products) whose result lane i is position i; times the scale. Or, where AMX-BF16
+//           is usable and blocks are a multiple of 16 slots (`AmxScores`), one `tdpbf16ps` per
+//           32 dimensions for 16 positions x the G heads at once (isa "amx", auto's choice).
 //   softmax per query head in float32: max, `exp_ps`, the sum of the float32 exponentials,
 //           the weights rounded to bf16 (`vcvtneps2bf16`, round to nearest even) into the
 //           layout P @ V reads: consecutive positions' weights are adjacent, so one 32-bit
@@ -20,12 +22,15 @@
 //           scaled by 1 / sum and rounded to bf16 once at the end.
 // Numerics (the contract of paged_decode_attention.cpp): bf16 x bf16 products are exact in
 // float32 and summed in float32 (another order than the AVX-512F path: pairs of dimensions,
-// then the tree; for P @ V, pairs of positions). vdpbf16ps and vcvtneps2bf16 treat subnormal
+// then the tree, or AMX's fixed order within 32 dimensions; for P @ V, pairs of positions).
+// Measured (benchmarks/paged_attention.py, bench shapes, 1 thread, loaded machine): in L2/L3
+// 3-4x the AVX-512F path with AMX scores, 2.3-3x with vdpbf16ps scores; from DRAM 1.3-1.6x:
+// there both paths wait on the cache misses one core keeps in flight (perf: the stalls sit on
+// the prefetches of the next block's rows). vdpbf16ps and vcvtneps2bf16 treat subnormal
 // inputs as zero and flush subnormal results (a weight below 2^-126 becomes 0: an error below
 // 2^-126 |v|).
 #pragma once
 
-#include "fused_moe_amx.h"  // amx_usable, AmxTileConfig, BATCHGEN_AMX_TARGET
 #include "fused_moe_common.h"
 
 namespace {
@@ -128,84 +133,9 @@ BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t*
   }
 }
 
-#if BATCHGEN_HAVE_AMX
-// The AMX variant of the scores (`tdpbf16ps`), for blocks of a multiple of 16 slots: 16
-// positions p0 .. p0 + 15 with p0 a multiple of 16 lie in one block at a constant stride, so
-// tile A is 16 key rows x 32 dimensions loaded straight from the cache (`tileloadd`, stride =
-// one slot's row); tile B is the G query heads' 32 dimensions as 16 pairs x G (the VNNI
-// layout, `qpairs`, built once per sequence and KV head and kept in tiles 2 ..); tile C (16
-// positions x G heads, float32) sums the D / 32 steps. C's columns (one per head) are gathered
-// into each head's score row. Tiles: C = tmm0, A = tmm1, B = tmm2 .. tmm(1 + D / 32).
-struct AmxScores {
-  static bool usable(int64_t d, int64_t g, int64_t block_size) {
-    return d % 32 == 0 && d <= 32 * 6 && g <= 16 && block_size % 16 == 0 && amx_usable();
-  }
-
-  BATCHGEN_AMX_TARGET static void configure(int64_t d, int64_t g) {
-    AmxTileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 2 + d / 32; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = t == 1 ? 64 : uint16_t(4 * g);
-    }
-    _tile_loadconfig(&cfg);
-  }
-
-  // s[h * s_stride + j] = scale * <q_h, K row of position a0 + j> for chunks of 16 positions
-  // from the 16-aligned a0: chunk c's rows at chunk_rows[c] + off, stride_bytes apart.
-  // qpairs: [D / 32][16][G] words (pairs of q's dimensions); cbuf: 16 x G floats.
-  BATCHGEN_AMX_TARGET static void scores(const bf16_t* const* chunk_rows, int64_t num_chunks,
-                                         int64_t off, int64_t d, int64_t g, int64_t stride_bytes,
-                                         const uint32_t* qpairs, float scale, float* s,
-                                         int64_t s_stride, float* cbuf,
-                                         const bf16_t* const* v_rows) {
-    configure(d, g);
-    const int steps = int(d / 32);
-    // The B tiles: tile 2 + k holds step k (tile numbers are immediates: unrolled).
-    if (steps > 0) _tile_loadd(2, qpairs + 0 * 16 * g, 4 * g);
-    if (steps > 1) _tile_loadd(3, qpairs + 1 * 16 * g, 4 * g);
-    if (steps > 2) _tile_loadd(4, qpairs + 2 * 16 * g, 4 * g);
-    if (steps > 3) _tile_loadd(5, qpairs + 3 * 16 * g, 4 * g);
-    if (steps > 4) _tile_loadd(6, qpairs + 4 * 16 * g, 4 * g);
-    if (steps > 5) _tile_loadd(7, qpairs + 5 * 16 * g, 4 * g);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512i lane = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(int(g)));
-    // v_rows (the first KV head): prefetch K chunks kPrefetchAhead ahead (16 contiguous rows,
-    // every KV head) to L1 and this chunk's V rows to L2, as `scores_bf16` does.
-    const int64_t n16 = 16 * num_chunks;
-    if (v_rows != nullptr)
-      for (int64_t c = 0; c < std::min(kPrefetchAhead, num_chunks); ++c)
-        for (int64_t o = 0; o < 16 * stride_bytes; o += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(chunk_rows[c]) + o, 0, 3);
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      if (v_rows != nullptr) {
-        if (c + kPrefetchAhead < num_chunks)
-          for (int64_t o = 0; o < 16 * stride_bytes; o += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(chunk_rows[c + kPrefetchAhead]) + o,
-                               0, 3);
-        prefetch_rows<2>(v_rows, 16 * c, n16, stride_bytes);
-      }
-      const bf16_t* a = chunk_rows[c] + off;
-      _tile_zero(0);
-      _tile_loadd(1, a, stride_bytes);
-      _tile_dpbf16ps(0, 1, 2);
-      if (steps > 1) { _tile_loadd(1, a + 32, stride_bytes); _tile_dpbf16ps(0, 1, 3); }
-      if (steps > 2) { _tile_loadd(1, a + 64, stride_bytes); _tile_dpbf16ps(0, 1, 4); }
-      if (steps > 3) { _tile_loadd(1, a + 96, stride_bytes); _tile_dpbf16ps(0, 1, 5); }
-      if (steps > 4) { _tile_loadd(1, a + 128, stride_bytes); _tile_dpbf16ps(0, 1, 6); }
-      if (steps > 5) { _tile_loadd(1, a + 160, stride_bytes); _tile_dpbf16ps(0, 1, 7); }
-      _tile_stored(0, cbuf, 4 * g);
-      for (int64_t h = 0; h < g; ++h)
-        _mm512_storeu_ps(s + h * s_stride + 16 * c,
-                         _mm512_mul_ps(_mm512_i32gather_ps(lane, cbuf + h, 4), vscale));
-    }
-    _tile_release();
-  }
-};
-#endif
+}  // namespace
+#include "paged_decode_attention_amx.h"
+namespace {
 
 // Softmax of s[0..n) (s padded to n16): the unnormalised weights rounded to bf16 into
 // w[0..n16) (zero past n); returns 1 / the sum of the float32 exponentials.
@@ -384,14 +314,12 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
   }
 }
 #else
+}  // namespace
+#include "paged_decode_attention_amx.h"  // its stub: AMX scores never usable
+namespace {
 inline bool avx512_bf16_usable() { return false; }
 struct Bf16Scratch {};
 inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&, bool) {}
-#endif
-#if !BATCHGEN_HAVE_AMX || !BATCHGEN_HAVE_BF16
-struct AmxScores {
-  static bool usable(int64_t, int64_t, int64_t) { return false; }
-};
 #endif
 
 }  // namespace
