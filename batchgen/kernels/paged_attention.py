@@ -27,8 +27,8 @@ AVX-512F (bf16 widened to float32, 16 lanes) for multiples of 16 where the libra
 for it, else AVX2 (multiples of 8), else generic loops. ``BATCHGEN_PAGED_ATTENTION_ISA`` (one
 of `ISAS`, default ``auto``) forces a path for A/B runs. Measured at the bench's shapes (70
 sequences, contexts log-uniform 32-1,500, Hq 8, Hkv 2, D 64, one thread, CPU time, loaded
-machine): ``amx`` 3-4x the ``avx512f`` path with the cache in L2/L3, 1.3-1.6x from DRAM, where
-both are bound by the misses one core keeps in flight (see docs/performance.md).
+machine): ``amx`` about 4x the ``avx512f`` path with the cache in L2/L3 and 2-2.4x from memory,
+where both wait on the cache misses one core keeps in flight (see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@
 // float32 and summed in float32 (another order than the AVX-512F path: pairs of dimensions,
 // then the tree, or AMX's fixed order within 32 dimensions; for P @ V, pairs of positions).
 // Measured (benchmarks/paged_attention.py, bench shapes, 1 thread, loaded machine): in L2/L3
-// 3-4x the AVX-512F path with AMX scores, 2.3-3x with vdpbf16ps scores; from DRAM 1.3-1.6x:
-// there both paths wait on the cache misses one core keeps in flight (perf: the stalls sit on
-// the prefetches of the next block's rows). vdpbf16ps and vcvtneps2bf16 treat subnormal
+// 4x the AVX-512F path with AMX scores, 3.3x with vdpbf16ps scores; from memory 2-2.4x and
+// 1.9x: there both paths wait on the cache misses one core keeps in flight (perf: the stalls
+// sit on the prefetches of the next block's rows). vdpbf16ps and vcvtneps2bf16 treat subnormal
 // inputs as zero and flush subnormal results (a weight below 2^-126 becomes 0: an error below
 // 2^-126 |v|).
 #pragma once
