@@ -110,8 +110,8 @@ def decode_kernel_isa(
 
 
 def default_isa() -> str:
-    """The ``isa`` `paged_decode_attention` uses when none is given: ``$BATCHGEN_PAGED_ATTENTION_ISA``
-    (case and spaces ignored), ``"auto"`` when unset or empty.
+    """The ``isa`` `paged_decode_attention` uses when none is given (bfloat16):
+    ``$BATCHGEN_PAGED_ATTENTION_ISA`` (case and spaces ignored), ``"auto"`` when unset or empty.
 
     Raises:
         ValueError: a value not in `ISAS`, naming the variable and the allowed values.

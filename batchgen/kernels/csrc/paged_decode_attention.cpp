@@ -12,24 +12,26 @@
 //
 // Two entry points, one code templated on the element type T of q, the caches and out:
 //   batchgen_paged_decode_attention_f32:  T = float.
-//   batchgen_paged_decode_attention_bf16: T = bfloat16 (stored as uint16_t). Every bf16 value
-//     is widened exactly to float32 (its 16 bits shifted into the high half of a float32:
-//     plain integer instructions, no avx512_bf16 needed); scores, softmax and the weighted sum
-//     are float32; like torch's CPU SDPA in bf16, the unnormalised softmax weights are rounded
+//   batchgen_paged_decode_attention_bf16: T = bfloat16 (stored as uint16_t). On the
+//     AVX-512F, AVX2 and generic paths every bf16 value is widened exactly to float32 (its 16
+//     bits shifted into the high half of a float32: plain integer instructions); the
+//     AVX512-BF16 path multiplies bf16 pairs (`vdpbf16ps`, `tdpbf16ps`: exact products, float32
+//     sums). Scores, softmax and the weighted sum are float32; like torch's CPU SDPA in bf16,
+//     the unnormalised softmax weights are rounded
 //     to bf16 before the weighted sum (`softmax_heads`), and the output is rounded to bf16
 //     (round to nearest even).
 //
 // Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
 // bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h; its scores
 // by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks are a
-// multiple of 16, D <= 192 and G <= 16) for head
-// sizes that are a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
+// multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
+// a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
 // is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
 // with); else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1:
 // AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16, 5: AVX512-BF16 with AMX scores; a
-// forced path that does not apply to the shapes or CPU falls back down that list) so tests and A/B measurements reach every
-// path on one machine.
+// forced path that does not apply to the shapes or CPU falls back down that list) so tests and
+// A/B measurements reach every path on one machine.
 //
 // Sequences are spread over OpenMP threads. The library is built with -fopenmp and loaded
 // after torch, so it joins torch's own OpenMP runtime (libgomp.so.1, already in the process)
