@@ -3,7 +3,16 @@ in float32 and bfloat16 beside the gathered torch path (block gathers + SDPA, wh
 ``BATCHGEN_CPU_KERNELS=0`` runs), alternating in one process.
 
     .venv/bin/python benchmarks/paged_attention.py [--seqs 512] [--context 448] [--rounds 8]
-        [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx2,bf16_generic]
+        [--context-range 32,1500] [--threads N]
+        [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx512_bf16,bf16_avx512f,
+                 bf16_avx2,bf16_generic]
+
+``--context-range LO,HI`` draws each sequence's context log-uniformly in [LO, HI] (seeded)
+instead of ``--context`` for all. ``bf16_<isa>`` forces that bf16 path (`pa.ISAS`).
+``--clock thread`` times the calling thread's CPU time (``time.thread_time``: meaningful with
+``--threads 1``, where the kernel runs in the calling thread, and immune to other processes
+taking the core on a loaded machine); ``wall`` (default) times wall-clock. The fastest round
+is printed beside the median (on a loaded machine the minimum is the steadier of the two).
 
 Bench-model shapes by default (8 query heads, 2 KV heads of 64, blocks of 16 scattered over the
 cache). Each path runs `paged_attention` (the cache write included) on its own cache; the torch
@@ -15,6 +24,7 @@ KV bytes it reads per second, and its largest absolute difference from the first
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -62,15 +72,27 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=512)
     parser.add_argument("--context", type=int, default=448)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--context-range", default=None, help="LO,HI: log-uniform contexts")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     parser.add_argument("--paths", default="kernel_f32,kernel_bf16,torch_bf16")
     args = parser.parse_args()
     paths = args.paths.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    kv_lens = [args.context] * args.seqs
-    nb = -(-args.context // BLOCK)
-    num_blocks = args.seqs * nb
+    if args.context_range:
+        lo, hi = (float(x) for x in args.context_range.split(","))
+        u = torch.rand(args.seqs, dtype=torch.float64)
+        kv_lens = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))).round().long()
+        kv_lens = kv_lens.tolist()
+    else:
+        kv_lens = [args.context] * args.seqs
+    nbs = [-(-n // BLOCK) for n in kv_lens]
+    num_blocks = sum(nbs)
     perm = torch.randperm(num_blocks).tolist()
-    tables = [perm[i * nb : (i + 1) * nb] for i in range(args.seqs)]
+    offsets = [sum(nbs[:i]) for i in range(args.seqs)]
+    tables = [perm[o : o + nb] for o, nb in zip(offsets, nbs)]
     k32 = torch.randn(num_blocks * BLOCK, HKV, D)
     v32 = torch.randn(num_blocks * BLOCK, HKV, D)
     q32 = torch.randn(args.seqs, HQ, D)
@@ -81,10 +103,11 @@ def main() -> None:
         in_place = not path.startswith("torch")
         k, v, q, new = (t.to(dtype) for t in (k32, v32, q32, new32))
         meta = _meta(kv_lens, tables, in_place, k[0].numel() * k.element_size() * BLOCK)
-        isa = {"bf16_avx2": "avx2", "bf16_generic": "generic"}.get(path, "auto")
+        isa = path.removeprefix("bf16_") if path.startswith("bf16_") else "auto"
         runs[path] = (q, new, (k, v), meta, isa)
     print(
-        f"{args.seqs} seqs x {args.context} positions, Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
+        f"{args.seqs} seqs x {sum(kv_lens) / len(kv_lens):.0f} positions on average "
+        f"({min(kv_lens)}-{max(kv_lens)}), Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
         f"{torch.get_num_threads()} threads; bf16 kernel path: "
         f"{pa.decode_kernel_isa(torch.bfloat16, D)}"
     )
@@ -103,21 +126,24 @@ def main() -> None:
             return out
         return paged_attention(q, new[0], new[1], cache, meta, D**-0.5)
 
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     times = {p: [] for p in paths}
     outs = {p: run(p) for p in paths}  # warm up (builds the kernel)
     for _ in range(args.rounds):
         for p in paths:
-            t0 = time.perf_counter()
+            t0 = clock()
             run(p)
-            times[p].append(time.perf_counter() - t0)
+            times[p].append(clock() - t0)
     base = statistics.median(times[paths[0]])
+    base_min = min(times[paths[0]])
     for p in paths:
         sec = statistics.median(times[p])
         itemsize = 4 if p.endswith("f32") else 2
-        gbs = 2 * args.seqs * args.context * HKV * D * itemsize / sec / 1e9
+        gbs = 2 * sum(kv_lens) * HKV * D * itemsize / sec / 1e9
         diff = (outs[p].float() - outs[paths[0]].float()).abs().max().item()
         print(
-            f"{p:>13}: {sec * 1e3:7.2f} ms  x{base / sec:5.2f} vs {paths[0]}  {gbs:5.1f} GB/s KV  "
+            f"{p:>16}: {sec * 1e3:7.2f} ms  x{base / sec:5.2f} vs {paths[0]} (fastest round "
+            f"{min(times[p]) * 1e3:.2f} ms, x{base_min / min(times[p]):.2f})  {gbs:5.1f} GB/s KV  "
             f"max|diff| {diff:.2e}  (all: {', '.join(f'{t * 1e3:.1f}' for t in times[p])})"
         )
 

@@ -58,6 +58,20 @@ CHECKPOINTS: dict[str, tuple[str, dict]] = {
         dict(TINY, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     ),
     "mistral_sliding": ("mistral", dict(TINY, sliding_window=8)),
+    # The bench model's attention shape (8 query heads, 2 KV heads of 64) at hidden 128: the
+    # bf16 decode attention kernel's AVX512-BF16 path (head size a multiple of 32).
+    "llama_d64": ("llama", dict(TINY, hidden_size=128, num_attention_heads=8, head_dim=64)),
+    "mixtral_d64": (
+        "mixtral",
+        dict(
+            TINY,
+            hidden_size=128,
+            num_attention_heads=8,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
     "qwen2": ("qwen2", dict(TINY, num_key_value_heads=1)),
     # Qwen2-MoE: shared expert with sigmoid gate, unnormalised top-k, layer 1 dense.
     "qwen2_moe": (

@@ -115,12 +115,27 @@ CASES = [
     (8, 2, 128, 16, 1, 3),  # window 1: only the token itself; more threads than needed
     (4, 2, 12, 16, None, 2),  # head size not a multiple of 8: the generic loops only
     (8, 8, 8, 4, 5, 1),  # one __m256 per head (AVX2 even under auto); G = 1 with a window
+    # AVX512-BF16 path (head size a multiple of 32): G = 8 (two passes of 4 heads over V),
+    # G = 4 at D 128 (two 64-dim passes), G = 6 (4 + 2) under a window (AMX chunks starting
+    # before the window), G = 3 at D 96 (a 32-dim tail pass) in blocks of 32 under a window,
+    # blocks of 8 (no AMX), G = 16 and D 192 (AMX's limits), D 256 (no AMX); D 48 falls back
+    # to AVX-512F.
+    (8, 1, 64, 16, None, 2),
+    (8, 2, 128, 16, None, 2),
+    (12, 2, 64, 16, 20, 2),
+    (3, 1, 96, 32, 40, 1),
+    (8, 2, 64, 8, 33, 2),
+    (16, 1, 32, 16, None, 2),
+    (4, 1, 192, 16, None, 1),
+    (2, 1, 256, 16, 100, 1),
+    (4, 2, 48, 16, None, 2),
 ]
-KV_LENS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 57, 200, 1, 64, 65, 5, 9]  # block edges
+KV_LENS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 57, 200, 1, 64, 65, 5, 9, 700]  # block edges
+ISA_NAMES = ["auto", "amx", "avx512_bf16", "avx512f", "avx2", "generic"]
 
 
 @needs_compiler
-@pytest.mark.parametrize("isa", ["auto", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ISA_NAMES)
 @pytest.mark.parametrize("hq,hkv,d,block_size,window,threads", CASES)
 def test_bf16_kernel_within_its_roundings_of_the_float64_reference(
     hq, hkv, d, block_size, window, threads, isa, monkeypatch
@@ -143,20 +158,50 @@ def test_bf16_kernel_within_its_roundings_of_the_float64_reference(
 def test_isa_names_the_path_for_the_head_size():
     if decode_kernel_isa(torch.bfloat16, 64) is None:
         pytest.skip("kernel not built")
+    flags = cpu_build.cpu_flags().split()
+    has_bf16, has_amx = "avx512_bf16" in flags, "amx_bf16" in flags
+    bf16_paths = {"amx", "avx512_bf16"} if has_amx else {"avx512_bf16"}  # AMX: if Linux grants it
+    assert (decode_kernel_isa(torch.bfloat16, 64, 4, 16) in bf16_paths) == has_bf16
+    assert (decode_kernel_isa(torch.bfloat16, 96, 3, 32) in bf16_paths) == has_bf16
+    # AMX scores need blocks of a multiple of 16, at most 16 query heads per KV head and a
+    # head size of at most 192.
+    for group, block, d in ((4, 8, 64), (17, 16, 64), (4, 16, 256)):
+        assert (decode_kernel_isa(torch.bfloat16, d, group, block) == "avx512_bf16") == has_bf16
+    assert decode_kernel_isa(torch.bfloat16, 48) in ("avx512f", "avx2", "generic")  # not % 32
     assert decode_kernel_isa(torch.bfloat16, 12) == "generic"
     assert decode_kernel_isa(torch.float32, 64) in ("avx2", "generic")  # float32: AVX2 at most
     assert decode_kernel_isa(torch.bfloat16, 8) in ("avx2", "generic")
     assert decode_kernel_isa(torch.float16, 64) is None
 
 
+@needs_compiler
+def test_isa_environment_variable_forces_a_path(monkeypatch):
+    """``BATCHGEN_PAGED_ATTENTION_ISA`` is the default ``isa`` (bit-identical to passing it);
+    an unknown value raises naming the variable."""
+    kv_lens = [1, 17, 300]
+    q, k_cache, v_cache, tables, _ = _paged_case(kv_lens, 8, 2, 64, 16, seed=3)
+    lens = torch.tensor(kv_lens)
+    for isa in ("avx512f", "avx512_bf16", "amx", "generic"):
+        explicit, from_env = torch.empty_like(q), torch.empty_like(q)
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 0.125, None, explicit, isa)
+        monkeypatch.setenv("BATCHGEN_PAGED_ATTENTION_ISA", f" {isa.upper()} ")
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 0.125, None, from_env)
+        assert torch.equal(explicit, from_env), isa
+    monkeypatch.setenv("BATCHGEN_PAGED_ATTENTION_ISA", "avx512")
+    with pytest.raises(ValueError, match="BATCHGEN_PAGED_ATTENTION_ISA"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 0.125, None, q.clone())
+
+
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (8, 1, 128), (4, 4, 64), (8, 2, 48)])
 @torch.no_grad()
-def test_bf16_decode_kernel_matches_the_gathered_torch_path(window, monkeypatch):
-    """`paged_attention` in bf16 (GQA, many sequences over several buckets): the kernel against
-    the block gathers + SDPA path that ``BATCHGEN_CPU_KERNELS=0`` takes, on the same cache."""
+def test_bf16_decode_kernel_matches_the_gathered_torch_path(window, hq, hkv, d, monkeypatch):
+    """`paged_attention` in bf16 (GQA, many sequences over several buckets): the kernel (its
+    default path, AVX512-BF16 where the CPU has it; D 48 falls back) against the block
+    gathers + SDPA path that ``BATCHGEN_CPU_KERNELS=0`` takes, on the same cache."""
     if not shutil.which(cpu_build.cxx_command()[0]):
         pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
-    block_size, hq, hkv, d = 16, 8, 2, 64
+    block_size = 16
     kv_lens = sorted([1, 2, 15, 16, 17, 33, 47, 48, 49, 100, 130, 200] * 3)
     q, k_cache, v_cache, tables, _ = _paged_case(kv_lens, hq, hkv, d, block_size, seed=2)
     k_new, v_new = torch.randn(2, len(kv_lens), hkv, d).bfloat16()
@@ -202,6 +247,8 @@ def test_bf16_decode_kernel_matches_the_gathered_torch_path(window, monkeypatch)
         ("llama", torch.bfloat16),
         ("mistral_sliding", torch.bfloat16),
         ("qwen2", torch.bfloat16),
+        ("llama_d64", torch.bfloat16),  # head size 64: the AVX512-BF16 path
+        ("mixtral_d64", torch.bfloat16),
         pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.xfail(reason=MIXTRAL_BF16)),
     ],
 )
@@ -222,7 +269,7 @@ def test_bf16_model_greedy_tokens_through_the_kernel_agree_with_transformers(
     calls = []
 
     def counted(q, *args, **kwargs):
-        calls.append(q.dtype)
+        calls.append((q.dtype, q.shape[-1]))
         return paged_decode_attention(q, *args, **kwargs)
 
     monkeypatch.setattr(attention, "paged_decode_attention", counted)
@@ -232,6 +279,10 @@ def test_bf16_model_greedy_tokens_through_the_kernel_agree_with_transformers(
     prompts = [tok.encode(p) for p in ("The quick brown fox", "def fib(n):", "a b c d e f")]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    assert calls and set(calls) == {torch.bfloat16}
+    assert calls and {dtype for dtype, _ in calls} == {torch.bfloat16}
+    if name.endswith("_d64"):  # the AVX512-BF16 path (AMX scores where usable)
+        assert {d for _, d in calls} == {64}
+        has_bf16 = "avx512_bf16" in cpu_build.cpu_flags().split()
+        assert (decode_kernel_isa(torch.bfloat16, 64, 4) in ("amx", "avx512_bf16")) == has_bf16
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(ref_dtype)
     assert_greedy_agrees_with_reference(name, prompts, outs, ref)

@@ -17,13 +17,25 @@ bfloat16 (q, caches and output in bf16): each bf16 value is widened exactly to f
 registers, scores, softmax and the weighted sum of values run in float32; the unnormalised
 softmax weights are rounded to bf16 before the sum and the output once, as torch's CPU SDPA does
 in bf16 (so decode here and a bf16 prefill, which runs SDPA, agree up to summation order);
-half the bytes of float32 to read. AVX-512F (16 lanes) for head sizes that are a multiple of 16 where the library is built for it, else AVX2 (multiples of 8), else
-generic loops (`decode_kernel_isa`).
+half the bytes of float32 to read. Paths (`decode_kernel_isa`, logged once per shape):
+``amx``: the ``avx512_bf16`` path with its scores by AMX-BF16 (``tdpbf16ps`` on 16 key rows
+loaded from the cache by stride), where the CPU has AMX and Linux grants its tile state, blocks
+are a multiple of 16, D <= 192 and Hq / Hkv <= 16; ``avx512_bf16`` (``vdpbf16ps`` on bf16 pairs
+for Q @ K^T and P @ V, one KV head and its query heads at a time, accumulators in registers, a
+vectorised exp) for head sizes that are a multiple of 32 where the CPU has avx512_bf16; else
+AVX-512F (bf16 widened to float32, 16 lanes) for multiples of 16 where the library is built
+for it, else AVX2 (multiples of 8), else generic loops. ``BATCHGEN_PAGED_ATTENTION_ISA`` (one
+of `ISAS`, default ``auto``) forces a path for A/B runs. Measured at the bench's shapes (70
+sequences, contexts log-uniform 32-1,500, Hq 8, Hkv 2, D 64, one thread, CPU time, loaded
+machine): ``amx`` about 4x the ``avx512f`` path with the cache in L2/L3 and 2-2.4x from memory,
+where both wait on the cache misses one core keeps in flight (see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 
 import torch
 from torch.profiler import record_function
@@ -32,10 +44,16 @@ from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
-# Forced paths of the bf16 entry (the ``isa`` argument): auto picks the widest the build has.
-ISAS = {"auto": 0, "avx2": 1, "generic": 2}
+# Forced paths of the bf16 entry (the ``isa`` argument): auto picks the fastest this CPU and
+# build run; a forced path that does not apply (head size, block size, CPU) falls back down
+# the list amx -> avx512_bf16 -> avx512f -> avx2 -> generic.
+ISAS = {"auto": 0, "avx2": 1, "generic": 2, "avx512f": 3, "avx512_bf16": 4, "amx": 5}
+ISA_ENV = "BATCHGEN_PAGED_ATTENTION_ISA"  # the default ``isa`` (A/B runs of the engine)
+_LEVEL_NAMES = {4: "amx", 3: "avx512_bf16", 2: "avx512f", 1: "avx2", 0: "generic"}
 
+logger = logging.getLogger(__name__)
 _lib = None
+_logged: set[tuple[torch.dtype, int, int, int, str]] = set()
 
 
 def _library():
@@ -49,7 +67,7 @@ def _library():
         common = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
         lib.batchgen_paged_decode_attention_f32.argtypes = common
         lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64]
-        lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64]
+        lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64] * 3
         for fn in (
             lib.batchgen_paged_decode_attention_f32,
             lib.batchgen_paged_decode_attention_bf16,
@@ -71,18 +89,50 @@ def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and _function() is not None
 
 
-def decode_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
-    """The path `paged_decode_attention` runs for ``dtype`` and ``head_size`` on this build:
-    ``"avx512f"`` (bfloat16, head size a multiple of 16, library built for AVX-512F),
-    ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"`` (plain loops), or
-    None when the kernel does not serve ``dtype`` or is unavailable."""
+def decode_kernel_isa(
+    dtype: torch.dtype, head_size: int, num_queries_per_kv: int = 1, block_size: int = 16
+) -> str | None:
+    """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype``, ``head_size``,
+    ``num_queries_per_kv`` (Hq / Hkv) and ``block_size`` on this CPU and build: ``"amx"``
+    (bfloat16, the ``"avx512_bf16"`` path with its scores by AMX-BF16: head size a multiple of
+    32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16, the CPU has
+    AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a multiple of
+    32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of 16, library
+    built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"``
+    (plain loops), or None when the kernel does not serve ``dtype`` or is unavailable."""
     lib = _function()
     if lib is None or dtype not in _DTYPES:
         return None
-    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size)
+    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size, num_queries_per_kv, block_size)
     if dtype == torch.float32:
         level = min(level, 1)  # the float32 kernel keeps its AVX2 path
-    return {2: "avx512f", 1: "avx2", 0: "generic"}[level]
+    return _LEVEL_NAMES[level]
+
+
+def default_isa() -> str:
+    """The ``isa`` `paged_decode_attention` uses when none is given (bfloat16):
+    ``$BATCHGEN_PAGED_ATTENTION_ISA`` (case and spaces ignored), ``"auto"`` when unset or empty.
+
+    Raises:
+        ValueError: a value not in `ISAS`, naming the variable and the allowed values.
+    """
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
+    if value not in ISAS:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: allowed values are {sorted(ISAS)}")
+    return value
+
+
+def _log_once(dtype: torch.dtype, head_size: int, group: int, block_size: int, isa: str) -> None:
+    key = (dtype, head_size, group, block_size, isa)
+    if key not in _logged:
+        _logged.add(key)
+        chosen = decode_kernel_isa(*key[:4]) if isa == "auto" else f"forced {isa}"
+        logger.info(
+            "paged decode attention, %s, head size %d, %d query heads per KV head, blocks of "
+            "%d: %s path",
+            *key[:4],
+            chosen,
+        )
 
 
 def paged_decode_attention(
@@ -95,7 +145,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
-    isa: str = "auto",
+    isa: str | None = None,
     context_checked: bool = False,
 ) -> None:
     """One decode token per sequence attends to its cached context; writes ``out``.
@@ -111,8 +161,11 @@ def paged_decode_attention(
         scale: softmax scale; sliding_window: HF's rule (key j visible iff ``pos - j <
             window``) or None.
         out: ``[B, Hq, D]``, q's dtype, contiguous: receives the result.
-        isa: bfloat16 only: ``"auto"`` (the widest vector path, `decode_kernel_isa`), or
-            ``"avx2"`` / ``"generic"`` to force a narrower one (tests, A/B measurements).
+        isa: bfloat16 only: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of
+            `ISAS` to force a path (tests, A/B measurements; one that does not apply to the
+            head size or CPU falls back to the next narrower). None: `default_isa` (the
+            ``BATCHGEN_PAGED_ATTENTION_ISA`` variable, ``"auto"`` when unset; ignored for
+            float32).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
             step share them: `batchgen.models.layers.attention.paged_attention` checks once per
@@ -126,6 +179,8 @@ def paged_decode_attention(
     lib = _function()
     if lib is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
+    if isa is None:
+        isa = default_isa() if q.dtype == torch.bfloat16 else "auto"
     if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
         raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
     args = (q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
@@ -136,6 +191,7 @@ def paged_decode_attention(
         fn, extra = lib.batchgen_paged_decode_attention_f32, ()
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
+    _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa)
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()

@@ -12,18 +12,26 @@
 //
 // Two entry points, one code templated on the element type T of q, the caches and out:
 //   batchgen_paged_decode_attention_f32:  T = float.
-//   batchgen_paged_decode_attention_bf16: T = bfloat16 (stored as uint16_t). Every bf16 value
-//     is widened exactly to float32 (its 16 bits shifted into the high half of a float32:
-//     plain integer instructions, no avx512_bf16 needed); scores, softmax and the weighted sum
-//     are float32; like torch's CPU SDPA in bf16, the unnormalised softmax weights are rounded
+//   batchgen_paged_decode_attention_bf16: T = bfloat16 (stored as uint16_t). On the
+//     AVX-512F, AVX2 and generic paths every bf16 value is widened exactly to float32 (its 16
+//     bits shifted into the high half of a float32: plain integer instructions); the
+//     AVX512-BF16 path multiplies bf16 pairs (`vdpbf16ps`, `tdpbf16ps`: exact products, float32
+//     sums). Scores, softmax and the weighted sum are float32; like torch's CPU SDPA in bf16,
+//     the unnormalised softmax weights are rounded
 //     to bf16 before the weighted sum (`softmax_heads`), and the output is rounded to bf16
 //     (round to nearest even).
 //
-// Implementations: generic loops (any head size, any CPU) and a vector path, chosen per call:
-// AVX-512F (16 floats a vector) for head sizes that are a multiple of 16 where the library is
-// compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured with),
-// else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1: AVX2,
-// 2: generic loops) so tests and A/B measurements reach every path on one machine.
+// Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
+// bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h; its scores
+// by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks are a
+// multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
+// a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
+// AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
+// is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
+// with); else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1:
+// AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16, 5: AVX512-BF16 with AMX scores; a
+// forced path that does not apply to the shapes or CPU falls back down that list) so tests and
+// A/B measurements reach every path on one machine.
 //
 // Sequences are spread over OpenMP threads. The library is built with -fopenmp and loaded
 // after torch, so it joins torch's own OpenMP runtime (libgomp.so.1, already in the process)
@@ -59,7 +67,7 @@ inline void store(bf16_t* p, float x) {
   *p = bf16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kGeneric = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
 template <class T>
 struct Args {
@@ -200,136 +208,36 @@ void run_seq_generic(const Args<T>& a, int64_t b, Scratch& s) {
   end_seq(a, b, s);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// The vector path. The generic score loop ends every dot product in a horizontal sum; here 8
-// positions x one query head run in 8 register accumulators, reduced together by one
-// transpose-add (`hsum8`; 16-wide accumulators are first folded to 8 lanes). Row pointers are
-// computed once per sequence (no division per head and position). Values are summed row by
-// row, prefetching `kValuePrefetch` rows ahead. In cache (one sequence, 256 positions) the AVX2
-// float32 path took 77-87 ns per position against 126 for the generic loops; from memory,
-// where the kernel is bandwidth-bound, the gain is about 7% (see paged_attention.py).
-constexpr int64_t kValuePrefetch = 16;
+}  // namespace
+#include "paged_decode_attention_vec.h"   // the AVX-512F and AVX2 paths
+#include "paged_decode_attention_bf16.h"  // the AVX512-BF16 path (AMX scores)
+namespace {
 
-// r[i] = sum of the 8 lanes of v[i].
-inline __m256 hsum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]);
-  const __m256 t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]);
-  const __m256 t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [v0..v3 low-half sums | v0..v3 high-half sums]
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // the same for v4..v7
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-struct Avx2 {  // 8 floats a vector
-  using V = __m256;
-  static constexpr int64_t kWidth = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V load(const bf16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static __m256 fold8(V x) { return x; }
-};
-
-#if defined(__AVX512F__)
-struct Avx512 {  // 16 floats a vector
-  using V = __m512;
-  static constexpr int64_t kWidth = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const bf16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static __m256 fold8(V x) {  // lanes i and i + 8 added
-    const __m256 lo = _mm512_castps512_ps256(x);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-    return _mm256_add_ps(lo, hi);
-  }
-};
-#endif
-
-template <class Vec, class T>
-void run_seq_vector(const Args<T>& a, int64_t b, Scratch& s, std::vector<const T*>& k_rows,
-                    std::vector<const T*>& v_rows) {
-  using V = typename Vec::V;
-  constexpr int64_t W = Vec::kWidth;
-  const int64_t g_size = a.hq / a.hkv, row = a.hkv * a.d, d = a.d;
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  int64_t start, n;
-  if (!begin_seq(a, b, s, start, n)) return;
-  const int64_t* table = a.block_tables + b * a.max_blocks;
-  const int64_t n8 = (n + 7) / 8 * 8;
-  k_rows.resize(n8);
-  v_rows.resize(n8);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = start + j;
-    const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
-    k_rows[j] = a.k_cache + slot * row;
-    v_rows[j] = a.v_cache + slot * row;
-  }
-  for (int64_t j = n; j < n8; ++j) k_rows[j] = v_rows[j] = k_rows[0];  // read, never used
-  s.scores.resize(a.hq * n8);
-  // Scores: s[hq][j] = scale * <q_hq, k_j[hq / G]>, 8 positions at a time.
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t j0 = 0; j0 < n8; j0 += 8) {
-    for (int64_t j = j0 + 8; j < std::min(j0 + 16, n); ++j)
-      for (int64_t off = 0; off < row; off += kLine) __builtin_prefetch(k_rows[j] + off, 0, 0);
-    for (int64_t hq = 0; hq < a.hq; ++hq) {
-      const float* qh = s.qf.data() + hq * d;
-      const int64_t col = (hq / g_size) * d;
-      V acc[8];
-      for (int p = 0; p < 8; ++p) acc[p] = Vec::zero();
-      for (int64_t c = 0; c < d; c += W) {
-        const V qv = Vec::load(qh + c);
-        for (int p = 0; p < 8; ++p)
-          acc[p] = Vec::fmadd(qv, Vec::load(k_rows[j0 + p] + col + c), acc[p]);
-      }
-      __m256 folded[8];
-      for (int p = 0; p < 8; ++p) folded[p] = Vec::fold8(acc[p]);
-      _mm256_storeu_ps(s.scores.data() + hq * n8 + j0, _mm256_mul_ps(hsum8(folded), scale));
-    }
-  }
-  softmax_heads<T>(s.scores.data(), n8, n, a.hq, s.inv_sum.data());  // the padding past n left out
-  // Weighted sum of values, position by position (rows in order, which the hardware
-  // prefetcher follows within a block), prefetching the row a block ahead.
-  float* acc = s.acc.data();
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kValuePrefetch < n)
-      for (int64_t off = 0; off < row; off += kLine)
-        __builtin_prefetch(v_rows[j + kValuePrefetch] + off, 0, 0);
-    for (int64_t hq = 0; hq < a.hq; ++hq) {
-      const V w = Vec::set1(s.scores[hq * n8 + j]);
-      const T* vh = v_rows[j] + (hq / g_size) * d;
-      float* o = acc + hq * d;
-      for (int64_t c = 0; c < d; c += W)
-        Vec::store(o + c, Vec::fmadd(w, Vec::load(vh + c), Vec::load(o + c)));
-    }
-  }
-  end_seq(a, b, s);
-}
-#endif
-
-// Per-thread buffers of the vector path: row pointers, [n rounded up to 8].
+// Per-thread buffers of the vector paths: row pointers, [n rounded up to 8]; the bf16 path's.
 template <class T>
 struct Rows {
   std::vector<const T*> k, v;
+  Bf16Scratch bf16;
 };
+
+// Whether `isa` (auto or forced) runs the AVX512-BF16 path for head size d on this CPU.
+inline bool bf16_path(int64_t isa, int64_t d) {
+  return (isa == kAuto || isa >= kAvx512Bf16) && d % 32 == 0 && avx512_bf16_usable();
+}
+// Whether that path takes its scores from AMX.
+inline bool amx_scores(int64_t isa, int64_t d, int64_t g, int64_t block_size) {
+  return (isa == kAuto || isa == kAmx) && bf16_path(isa, d) && AmxScores::usable(d, g, block_size);
+}
 
 template <class T>
 void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
+  if constexpr (std::is_same_v<T, bf16_t>)
+    if (bf16_path(a.isa, a.d))
+      return run_seq_bf16(a, b, rows.bf16, amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size));
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   // AVX-512 for bf16 only: the float32 kernel's numerics and speed stay as measured.
-  if (sizeof(T) == 2 && a.isa == kAuto && a.d % 16 == 0)
+  if (sizeof(T) == 2 && (a.isa == kAuto || a.isa >= kAvx512) && a.d % 16 == 0)
     return run_seq_vector<Avx512>(a, b, s, rows.k, rows.v);
 #endif
   if (a.isa != kGeneric && a.d % 8 == 0) return run_seq_vector<Avx2>(a, b, s, rows.k, rows.v);
@@ -371,16 +279,19 @@ extern "C" int batchgen_paged_decode_attention_bf16(
     const int64_t* kv_lens, bf16_t* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
     int64_t num_threads, int64_t isa) {
-  if (isa < kAuto || isa > kGeneric) return 2;
+  if (isa < kAuto || isa > kAmx) return 2;
   const Args<bf16_t> a{q,  k_cache, v_cache, block_tables, kv_lens,    out,
                        hq, hkv,     d,       block_size,   max_blocks, sliding_window,
                        scale, isa};
   return run(a, num_seqs, num_threads);
 }
 
-// The vector path the bf16 entry runs for head size d with isa 0: 2 AVX-512F, 1 AVX2, 0 the
-// generic loops.
-extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d) {
+// The vector path the bf16 entry runs with isa 0 for head size d, g query heads per KV head
+// and blocks of block_size: 4 AVX512-BF16 with AMX scores, 3 AVX512-BF16, 2 AVX-512F, 1 AVX2,
+// 0 the generic loops.
+extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d, int64_t g, int64_t block_size) {
+  if (amx_scores(kAuto, d, g, block_size)) return 4;
+  if (bf16_path(kAuto, d)) return 3;
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   if (d % 16 == 0) return 2;

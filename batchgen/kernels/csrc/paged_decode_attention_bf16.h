@@ -1,0 +1,335 @@
+// The AVX512-BF16 path of the bf16 paged decode attention kernel (paged_decode_attention.cpp
+// includes this after its Args and store helpers): `vdpbf16ps` for Q @ K^T and P @ V, a vector
+// exp, and the work of one (sequence, KV head) with the G query heads that share it.
+//
+// Per (sequence, KV head), positions [start, len) as n rows, padded to a multiple of 16 with
+// the row of the first position (finite values: their weights are zero):
+//   scores  per query head, 16 positions at a time: 16 accumulators of `vdpbf16ps(k row,
+//           q)` over D / 32 chunks (the K rows, 16 x D bf16, stay in L1 across the G heads),
+//           then one 16 -> 1 transpose-add tree (`reduce16`: 45 shuffles and adds for 16 dot
+//           products) whose result lane i is position i; times the scale. Or, where AMX-BF16
+//           is usable and blocks are a multiple of 16 slots (`AmxScores`), one `tdpbf16ps` per
+//           32 dimensions for 16 positions x the G heads at once (isa "amx", auto's choice).
+//   softmax per query head in float32: max, `exp_ps`, the sum of the float32 exponentials,
+//           the weights rounded to bf16 (`vcvtneps2bf16`, round to nearest even) into the
+//           layout P @ V reads: consecutive positions' weights are adjacent, so one 32-bit
+//           word is the pair (w_j, w_j+1).
+//   P @ V   two value rows j, j+1 interleaved per element (`vpunpck[lh]wd`: a word pair per
+//           dimension, the lanes permuted within 128 bits), one `vdpbf16ps` per query head
+//           against the broadcast weight pair: a KV head's up to 4 query heads x 64
+//           dimensions of float32 accumulators (16 zmm) stay in registers; more heads or
+//           dimensions take further passes over the rows. The lanes are put back in order,
+//           scaled by 1 / sum and rounded to bf16 once at the end.
+// Numerics (the contract of paged_decode_attention.cpp): bf16 x bf16 products are exact in
+// float32 and summed in float32 (another order than the AVX-512F path: pairs of dimensions,
+// then the tree, or AMX's fixed order within 32 dimensions; for P @ V, pairs of positions).
+// Measured (benchmarks/paged_attention.py, bench shapes, 1 thread, loaded machine): in L2/L3
+// 4x the AVX-512F path with AMX scores, 3.3x with vdpbf16ps scores; from memory 2-2.4x and
+// 1.9x: there both paths wait on the cache misses one core keeps in flight (perf: the stalls
+// sit on the prefetches of the next block's rows). vdpbf16ps and vcvtneps2bf16 treat subnormal
+// inputs as zero and flush subnormal results (a weight below 2^-126 becomes 0: an error below
+// 2^-126 |v|).
+#pragma once
+
+#include "fused_moe_common.h"
+
+namespace {
+
+#if BATCHGEN_HAVE_BF16
+#define BATCHGEN_ATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+
+// True where the CPU runs avx512f and avx512_bf16 (checked once; the library may be built on a
+// CPU without them).
+inline bool avx512_bf16_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return usable;
+}
+
+// e^x per lane for x <= 88.37 (the softmax calls it on x <= 0), float32. Cephes' expf
+// (S. Moshier, Cephes Math Library, expf.c): n = round(x log2 e); r = x - n ln2 in two parts
+// (C1 = 0.693359375 exact, C2 = -2.12194440e-4) so r is exact-ish on [-ln2/2, ln2/2];
+// e^r = 1 + r + r^2 P(r), P of degree 5 (Cephes' minimax coefficients); times 2^n by
+// `vscalefps` (exact, and it underflows to subnormals and 0 correctly). Cephes states a peak
+// relative error of 1.7e-7 (rms 2.8e-8) over [-87.3, 88.7] in IEEE single; inputs below -104
+// are clamped there (e^-104 < 2^-149: the result is 0).
+BATCHGEN_ATTN_BF16_TARGET inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Slot s of `reduce16` ends in lane kTreeLane[s] (an involution: slot kTreeLane[i] ends in
+// lane i), so position i accumulates in slot kTreeLane[i].
+constexpr int kTreeLane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// The 16 lane sums of v[0..15], lane kTreeLane[s] holding the sum of v[s].
+BATCHGEN_ATTN_BF16_TARGET inline __m512 reduce16(__m512* v) {
+  __m512 w[8], u[4], z[2];
+  for (int p = 0; p < 8; ++p)  // halves: lanes 0-7 slot p, 8-15 slot p + 8
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[p], v[p + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[p], v[p + 8], 0xEE));
+  for (int p = 0; p < 4; ++p)  // quarters: slots p, p + 8, p + 4, p + 12
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(w[p], w[p + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[p], w[p + 4], 0xDD));
+  for (int p = 0; p < 2; ++p)  // per 128 bits: two lanes of u[p]'s slot, two of u[p + 2]'s
+    z[p] = _mm512_add_ps(_mm512_shuffle_ps(u[p], u[p + 2], 0x44),
+                         _mm512_shuffle_ps(u[p], u[p + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+// Prefetch whole rows (row_bytes, every KV head) j0 .. j0 + 15 of `rows` into cache `Hint`.
+template <int Hint>
+inline void prefetch_rows(const bf16_t* const* rows, int64_t j0, int64_t n16, int64_t row_bytes) {
+  if (j0 >= n16) return;
+  for (int p = 0; p < 16; ++p) {
+    const char* r = reinterpret_cast<const char*>(rows[j0 + p]);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, Hint);
+  }
+}
+
+// s[j] = scale * <q, k_rows[j][off : off + d]> for j < n16 (a multiple of 16); d % 32 == 0.
+// With `prefetch` (the first head of the first KV head: the rows are not in cache yet), whole
+// K rows `kPrefetchAhead` chunks of 16 ahead go to L1 and the V rows of this chunk to L2 (the
+// rows of a sequence sit in blocks anywhere in the cache: the hardware prefetcher follows a
+// block's rows but cannot guess the next block).
+constexpr int64_t kPrefetchAhead = 2;
+BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t* const* k_rows,
+                                                  int64_t off, int64_t d, int64_t n16,
+                                                  float scale, float* s,
+                                                  const bf16_t* const* v_rows,
+                                                  int64_t row_bytes) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  if (v_rows != nullptr)
+    for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_rows<3>(k_rows, 16 * a, n16, row_bytes);
+  for (int64_t j0 = 0; j0 < n16; j0 += 16) {
+    if (v_rows != nullptr) {
+      prefetch_rows<3>(k_rows, j0 + 16 * kPrefetchAhead, n16, row_bytes);
+      prefetch_rows<2>(v_rows, j0, n16, row_bytes);
+    }
+    __m512 acc[16];
+    for (int p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
+    const bf16_t* const* rows = k_rows + j0;
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+      for (int p = 0; p < 16; ++p)
+        acc[kTreeLane[p]] = _mm512_dpbf16_ps(
+            acc[kTreeLane[p]], (__m512bh)_mm512_loadu_si512(rows[p] + off + c), qv);
+    }
+    _mm512_storeu_ps(s + j0, _mm512_mul_ps(reduce16(acc), vscale));
+  }
+}
+
+}  // namespace
+#include "paged_decode_attention_amx.h"
+namespace {
+
+// Softmax of s[0..n) (s padded to n16): the unnormalised weights rounded to bf16 into
+// w[0..n16) (zero past n); returns 1 / the sum of the float32 exponentials.
+BATCHGEN_ATTN_BF16_TARGET inline float softmax_bf16(const float* s, int64_t n, int64_t n16,
+                                                    bf16_t* w) {
+  const __m512 lowest = _mm512_set1_ps(-3.0e38f);
+  __m512 mx = lowest;
+  for (int64_t j = 0; j < n16; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, live, s + j));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n16; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// Value rows prefetched to L1 ahead of P @ V. The rows' L2 prefetch during the scores does not
+// keep them there in time: perf put 45% of the stalls on the value loads; from memory (1
+// thread, 4 caches of 13.5 MB cycled) this took P @ V + scores from 2.7 to 2.0 ms (16 rows:
+// 2.2, 64: 2.1).
+constexpr int64_t kValueAhead = 32;
+
+// out[i][c0 : c0 + 32 NC] = round_bf16(inv_sum[i] * sum_j w[i][j] v_rows[j][off + c0 : ...])
+// for GB query heads i: w[i] = w0 + i * w_stride (bf16, n2 of them, n2 even), out[i] = out0 +
+// i * d.
+template <int GB, int NC>
+BATCHGEN_ATTN_BF16_TARGET void pv_bf16(const bf16_t* w0, int64_t w_stride,
+                                       const bf16_t* const* v_rows, int64_t off, int64_t n2,
+                                       const float* inv_sum, bf16_t* out0, int64_t d) {
+  __m512 acc[GB][2 * NC];
+  for (int i = 0; i < GB; ++i)
+    for (int c = 0; c < 2 * NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  const uint32_t* w32[GB];
+  for (int i = 0; i < GB; ++i) w32[i] = reinterpret_cast<const uint32_t*>(w0 + i * w_stride);
+  for (int64_t j = 0; j < n2; j += 2) {
+    const bf16_t* r0 = v_rows[j] + off;
+    const bf16_t* r1 = v_rows[j + 1] + off;
+    if (j + kValueAhead < n2)
+      for (int r = 0; r < 2; ++r)
+        for (int c = 0; c < NC; ++c)
+          __builtin_prefetch(v_rows[j + kValueAhead + r] + off + 32 * c, 0, 3);
+    __m512bh lo[NC], hi[NC];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);  // dims 8L + 0..3 of each 128-bit lane L
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);  // dims 8L + 4..7
+    }
+    for (int i = 0; i < GB; ++i) {
+      const __m512bh wp = (__m512bh)_mm512_set1_epi32(int(w32[i][j / 2]));
+      for (int c = 0; c < NC; ++c) {
+        acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], lo[c], wp);
+        acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], hi[c], wp);
+      }
+    }
+  }
+  // Dimension t of a 32-dim chunk: lane 4 (t / 8) + t % 4 of lo (t % 8 < 4) or of hi (+16).
+  alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19,
+                                                     4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                                      12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int i = 0; i < GB; ++i) {
+    const __m512 sc = _mm512_set1_ps(inv_sum[i]);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 x0 = _mm512_permutex2var_ps(acc[i][2 * c], first, acc[i][2 * c + 1]);
+      const __m512 x1 = _mm512_permutex2var_ps(acc[i][2 * c], second, acc[i][2 * c + 1]);
+      const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_mul_ps(x1, sc), _mm512_mul_ps(x0, sc));
+      _mm512_storeu_si512(out0 + i * d + 32 * c, (__m512i)y);
+    }
+  }
+}
+
+template <int GB>
+void pv_bf16_dims(const bf16_t* w0, int64_t w_stride, const bf16_t* const* v_rows, int64_t off,
+                  int64_t n2, const float* inv_sum, bf16_t* out0, int64_t d) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    if (d - c0 >= 64)
+      pv_bf16<GB, 2>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d);
+    else
+      pv_bf16<GB, 1>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d);
+  }
+}
+
+// Per-thread buffers of the AVX512-BF16 path.
+struct Bf16Scratch {
+  std::vector<const bf16_t*> k_rows, v_rows;  // [n16]: slot rows (all KV heads)
+  std::vector<const bf16_t*> chunk_rows;      // AMX: K row of each 16-aligned chunk
+  std::vector<float> scores, inv_sum;         // [G, n16 + 16], [G]
+  std::vector<bf16_t> weights;                // [G, n16]
+  std::vector<uint32_t> qpairs;               // AMX: [D / 32][16][G]
+  alignas(64) float cbuf[16 * 16];            // AMX: tile C
+};
+
+// rows[j] = cache row of position start + j (all KV heads: row elements), j < n: one division
+// per block.
+inline void slot_rows(const bf16_t* cache, const int64_t* table, int64_t block_size,
+                      int64_t row, int64_t start, int64_t n, const bf16_t** rows) {
+  for (int64_t j = 0, p = start; j < n;) {
+    const int64_t in_block = p % block_size;
+    const bf16_t* base = cache + (table[p / block_size] * block_size + in_block) * row;
+    const int64_t count = std::min(block_size - in_block, n - j);
+    for (int64_t i = 0; i < count; ++i) rows[j + i] = base + i * row;
+    j += count;
+    p += count;
+  }
+}
+
+// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores by AMX
+// (AmxScores::usable).
+inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx) {
+  const int64_t len = a.kv_lens[b], d = a.d, g = a.hq / a.hkv, row = a.hkv * d;
+  const int64_t start = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
+  const int64_t n = len - start;
+  bf16_t* out = a.out + b * a.hq * d;
+  if (n <= 0) {
+    std::fill(out, out + a.hq * d, bf16_t(0));
+    return;
+  }
+  const int64_t n16 = (n + 15) / 16 * 16, n2 = (n + 1) / 2 * 2;
+  const int64_t* table = a.block_tables + b * a.max_blocks;
+  s.k_rows.resize(n16);
+  s.v_rows.resize(n16);
+  slot_rows(a.v_cache, table, a.block_size, row, start, n, s.v_rows.data());
+  for (int64_t j = n; j < n16; ++j) s.v_rows[j] = s.v_rows[0];  // finite rows, weight zero
+  // AMX: chunks of 16 positions from the 16-aligned a0 <= start (rows before start and past
+  // len are in the same blocks: read, then dropped); scores of position start + j at j + lead.
+  const int64_t lead = amx ? start % 16 : 0;
+  const int64_t s_stride = n16 + 16;
+  if (amx) {
+    const int64_t num_chunks = (n + lead + 15) / 16;
+    s.chunk_rows.resize(num_chunks);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t p = start - lead + 16 * c;
+      s.chunk_rows[c] =
+          a.k_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
+    }
+    s.qpairs.resize(d / 2 * g);
+  } else {
+    slot_rows(a.k_cache, table, a.block_size, row, start, n, s.k_rows.data());
+    for (int64_t j = n; j < n16; ++j) s.k_rows[j] = s.k_rows[0];
+  }
+  s.scores.resize(g * s_stride);
+  s.weights.resize(g * n16);
+  s.inv_sum.resize(g);
+  for (int64_t kv = 0; kv < a.hkv; ++kv) {
+    const bf16_t* q = a.q + (b * a.hq + kv * g) * d;
+    if (amx) {
+#if BATCHGEN_HAVE_AMX
+      // qpairs[k][i][h] = q_h's dimensions 32 k + 2 i, 32 k + 2 i + 1 (one word).
+      for (int64_t h = 0; h < g; ++h) {
+        const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + h * d);
+        for (int64_t i = 0; i < d / 2; ++i) s.qpairs[i * g + h] = qh[i];
+      }
+      AmxScores::scores(s.chunk_rows.data(), int64_t(s.chunk_rows.size()), kv * d, d, g,
+                        row * int64_t(sizeof(bf16_t)), s.qpairs.data(), a.scale,
+                        s.scores.data(), s_stride, s.cbuf, kv == 0 ? s.v_rows.data() : nullptr);
+#endif
+    }
+    for (int64_t h = 0; h < g; ++h) {
+      float* sh = s.scores.data() + h * s_stride;
+      if (!amx) {
+        const bool first = kv == 0 && h == 0;
+        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
+                    first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
+      }
+      s.inv_sum[h] = softmax_bf16(sh + lead, n, n16, s.weights.data() + h * n16);
+    }
+    bf16_t* o = out + kv * g * d;
+    for (int64_t h = 0; h < g; h += 4) {
+      const bf16_t* w = s.weights.data() + h * n16;
+      const float* inv = s.inv_sum.data() + h;
+      const bf16_t* const* v = s.v_rows.data();
+      switch (std::min<int64_t>(4, g - h)) {
+        case 1: pv_bf16_dims<1>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
+        case 2: pv_bf16_dims<2>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
+        case 3: pv_bf16_dims<3>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
+        default: pv_bf16_dims<4>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
+      }
+    }
+  }
+}
+#else
+}  // namespace
+#include "paged_decode_attention_amx.h"  // its stub: AMX scores never usable
+namespace {
+inline bool avx512_bf16_usable() { return false; }
+struct Bf16Scratch {};
+inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&, bool) {}
+#endif
+
+}  // namespace
