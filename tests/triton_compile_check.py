@@ -48,6 +48,15 @@ def kernels(dt: str):
     consts = dict(GROUP=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision)
     yield (f"paged_decode_attention {dt}", attention.paged_decode_attention_kernel,
            {**sig, **dict.fromkeys(consts, "constexpr")}, consts)  # fmt: skip
+    sig = dict(q_nope_ptr="*" + dt, q_pe_ptr="*" + dt, c_kv_ptr="*" + dt, k_pe_ptr="*" + dt,
+               out_ptr="*" + dt, block_tables_ptr="*i64", kv_lens_ptr="*i64", scale="fp32",
+               num_heads=i32, kv_lora_rank=i32, rope_dim=i32, block_size=i32, stride_qb=i32,
+               stride_qh=i32, stride_pb=i32, stride_ph=i32, stride_cs=i32, stride_ps=i32,
+               stride_ob=i32, stride_oh=i32, stride_bt=i32)  # fmt: skip
+    # DeepSeek-V3's latent (C = 512, Dr = 64) with the wrapper's tiles.
+    consts = dict(BLOCK_H=16, BLOCK_C=512, BLOCK_R=64, BLOCK_N=32, DOT_PRECISION=precision)
+    yield (f"mla_decode_attention {dt}", attention.mla_decode_attention_kernel,
+           {**sig, **dict.fromkeys(consts, "constexpr")}, consts)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,7 @@ from batchgen.models.layers.attention import (
     as_blocks,
     plan_decode_buckets,
 )
-from batchgen.models.layers.attention_backend import decode_attention_backend
+from batchgen.models.layers.attention_backend import decode_attention_backend, mla_decode_backend
 from batchgen.models.model_config import ModelConfig
 
 
@@ -82,10 +82,14 @@ class ModelRunner:
             tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
-        # GQA caches whose decode backend reads the cache in place (the CPU kernel, the Triton
-        # kernel: `decode_attention_backend`) take all decode rows in one bucket. Otherwise
-        # (the torch path, MLA) buckets bound each gather.
-        in_place = cfg.mla is None and decode_attention_backend(device, dtype) != "torch"
+        # Caches whose decode backend reads them in place (GQA: the CPU kernel, the Triton
+        # kernel, `decode_attention_backend`; MLA: the Triton kernel, `mla_decode_backend`)
+        # take all decode rows in one bucket. Otherwise (the torch paths) buckets bound each
+        # gather.
+        if cfg.mla is None:
+            in_place = decode_attention_backend(device, dtype) != "torch"
+        else:
+            in_place = mla_decode_backend(device, dtype) == "triton"
         self.decode_in_place = in_place
         block_bytes = max(c[0].numel() * c.element_size() * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (
