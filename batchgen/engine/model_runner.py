@@ -57,9 +57,9 @@ class ModelRunner:
         model: the loaded model.
         num_blocks: KV cache blocks; block_size: tokens per block.
         batch_invariant: where decode attention runs on the torch path (MLA, or the kernel
-            unavailable), one bucket per decode row, so a row's gathered context length and the
-            shapes of its attention GEMMs depend only on its own context
-            (`EngineConfig.batch_invariant`).
+            unavailable) or MLA runs the Triton kernel, one bucket per decode row, so a row's
+            gathered context length and the shapes of its attention GEMMs depend only on its
+            own context (`EngineConfig.batch_invariant`).
     """
 
     def __init__(
@@ -88,8 +88,9 @@ class ModelRunner:
         # gather.
         if cfg.mla is None:
             in_place = decode_attention_backend(device, dtype) != "torch"
-        else:
-            in_place = mla_decode_backend(device, dtype) == "triton"
+        else:  # MLA's absorbed einsums around the kernel take a bucket's rows as one GEMM,
+            # so the batch-invariant mode keeps one bucket per row
+            in_place = mla_decode_backend(device, dtype) == "triton" and not batch_invariant
         self.decode_in_place = in_place
         block_bytes = max(c[0].numel() * c.element_size() * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (
