@@ -239,3 +239,57 @@ def test_deepseek_engine_on_the_triton_mla_path_generates_the_torch_paths_tokens
     assert [ids for ids, _ in results["triton"]] == [ids for ids, _ in results["torch"]]
     for (_, got), (_, want) in zip(results["triton"], results["torch"]):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", ["v3_qlora_yarn", "v3_noqlora_yarn_bias", "v2_qlora_default"])
+def test_mla_layer_on_the_triton_path_matches_hf(case, monkeypatch):
+    """`test_deepseek_layers`' three mixed steps (prefills, a continuation chunk, decodes of
+    different context lengths, the rest of the cache NaN) with the Triton MLA decode forced:
+    every row equals HF's one-shot prefill (float32, 1e-5), and the kernel ran (twice)."""
+    import batchgen.models.layers.mla as mla
+    import tests.test_deepseek_layers as layers
+
+    calls = []
+    real = mla.triton_mla_decode_attention
+    monkeypatch.setattr(mla, "triton_mla_decode_attention", lambda *a, **k: (
+        calls.append(a[0].shape[0]), real(*a, **k)))  # fmt: skip
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
+    layers.test_mla_chunked_prefill_and_decode_match_full_prefill(case, absorb_decode=True)
+    assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.no_grad()
+def test_mla_layer_decode_triton_equals_torch_in_each_dtype(dtype, monkeypatch):
+    """One MLA layer's decode step (5 sequences, contexts 1 to 70, block size 16) with the
+    cache full of random latents: the Triton backend's output equals the torch backend's
+    within the kernel's tolerance, scaled by the layer's output size (W_UV and o_proj
+    multiply the latent-space differences by their norms)."""
+    import tests.test_deepseek_layers as layers
+    from batchgen.models.layers.attention import AttentionMetadata, DecodeBucket
+
+    _, ours = layers._build_pair("v3_qlora_yarn", absorb_decode=True)
+    ours = ours.to(device=DEVICE, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    lens, bs, num_blocks = [1, 16, 17, 33, 70], 16, 24
+    width = max(-(-n // bs) for n in lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    pos = torch.tensor(lens) - 1
+    slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    d = ours.dims
+    cache = (torch.randn(num_blocks * bs, d.kv_lora_rank, generator=g),
+             torch.randn(num_blocks * bs, d.qk_rope_head_dim, generator=g))  # fmt: skip
+    x = torch.randn(len(lens), ours.o_proj.out_features, generator=g).to(device=DEVICE, dtype=dtype)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(ATTENTION_BACKEND_ENV, backend)
+        bucket = DecodeBucket(0, len(lens), tables.to(DEVICE), torch.tensor(lens, device=DEVICE))
+        meta = AttentionMetadata(positions=pos.to(DEVICE), slot_mapping=slots.to(DEVICE),
+                                 num_decode_tokens=len(lens), decode_buckets=[bucket],
+                                 block_size=bs)  # fmt: skip
+        outs[backend] = ours(x, meta, tuple(c.to(device=DEVICE, dtype=dtype) for c in cache))
+    scale = outs["torch"].float().abs().max().item()
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        outs["triton"], outs["torch"], rtol=tol["rtol"], atol=tol["atol"] * max(1.0, scale)
+    )
