@@ -88,13 +88,14 @@ def _torch_path(q_lat, q_pe, c_kv, k_pe, bucket, block_size, scale):
     return mla_decode_torch(q_lat, q_pe, latent, pe, mask, scale)
 
 
-def _kernel(q_lat, q_pe, c_kv, k_pe, bucket, block_size, scale):
+def _kernel(q_lat, q_pe, c_kv, k_pe, bucket, block_size, scale, splits=None):
     from batchgen.kernels.triton_mla_decode import triton_mla_decode_attention
 
     out = torch.full_like(q_lat, float("nan"))
     triton_mla_decode_attention(
-        q_lat, q_pe, c_kv, k_pe, bucket.block_tables, bucket.kv_lens, block_size, scale, out
-    )
+        q_lat, q_pe, c_kv, k_pe, bucket.block_tables, bucket.kv_lens, block_size, scale, out,
+        num_kv_splits=splits,
+    )  # fmt: skip
     return out
 
 
@@ -113,14 +114,17 @@ MLA_CASES = [
 ]
 
 
+# KV splits: 1 (the programs write the output), 3 and 16 (contexts shorter than the split count
+# leave splits empty; the reduction skips them).
+@pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", MLA_CASES, ids=str)
-def test_triton_mla_decode_equals_the_torch_absorbed_path(case, dtype):
+def test_triton_mla_decode_equals_the_torch_absorbed_path(case, dtype, splits):
     kv_lens, n, c, dr, block_size, joint = case
     batch = _mla_batch(kv_lens, n, c, dr, block_size, dtype, seed=n + c, joint=joint)
     scale = (c // 4 + dr) ** -0.5  # a qk_head_dim's scale, Dn = C / 4
     want = _torch_path(*batch, block_size, scale)
-    got = _kernel(*batch, block_size, scale)
+    got = _kernel(*batch, block_size, scale, splits)
     assert got.dtype == dtype and got.shape == (len(kv_lens), n, c)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
@@ -167,8 +171,26 @@ def test_triton_mla_decode_rejects_bad_input():
         mla(q, q_pe, c_kv, k_pe, bt, lens * 0, 4, 0.2, out)
     with pytest.raises(ValueError, match="block_tables entries"):
         mla(q, q_pe, c_kv, k_pe, bt + 1000, lens, 4, 0.2, out)
+    with pytest.raises(ValueError, match="num_kv_splits must be None or an int"):
+        mla(q, q_pe, c_kv, k_pe, bt, lens, 4, 0.2, out, num_kv_splits=0)
     with pytest.raises(ValueError, match="dtype torch.int32"):
         mla(q.int(), q_pe.int(), c_kv.int(), k_pe.int(), bt, lens, 4, 0.2, out.int())
+
+
+def test_default_num_kv_splits_fills_the_sms_without_short_splits(monkeypatch):
+    from types import SimpleNamespace
+
+    import batchgen.kernels.triton_mla_decode as md
+
+    props = SimpleNamespace(multi_processor_count=132)  # an H100 / H200
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda")
+    assert md.default_num_kv_splits(torch.device("cpu"), 1, 128) == 1
+    assert md.default_num_kv_splits(cuda, 64, 128) == 1  # 512 programs >= 2 per SM
+    assert md.default_num_kv_splits(cuda, 1, 128) == 16  # 8 programs: 33 wanted, capped
+    assert md.default_num_kv_splits(cuda, 1, 128, max_kv_len=1000) == 4  # 256 keys per split
+    assert md.default_num_kv_splits(cuda, 20, 16, max_kv_len=100_000) == 14  # ceil(264 / 20)
+    assert md.default_num_kv_splits(cuda, 0, 16) == 1
 
 
 def test_mla_decode_backend_rules(monkeypatch, caplog):

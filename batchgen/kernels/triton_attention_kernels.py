@@ -1,10 +1,8 @@
-"""The Triton kernels of `batchgen.kernels.triton_paged_attention` (GQA) and
-`batchgen.kernels.triton_mla_decode` (MLA on the latent cache), imported lazily on first use,
-like `batchgen.kernels.triton_moe_kernels`, so ``TRITON_INTERPRET`` can be set first.
+"""The Triton kernel of `batchgen.kernels.triton_paged_attention` (imported lazily on first
+use, like `batchgen.kernels.triton_moe_kernels`, so ``TRITON_INTERPRET`` can be set first).
 
 Shape legend: B = decode sequences, Hq / Hkv = query / KV heads, G = Hq / Hkv (GQA group),
-D = head_size, BLOCK_N = keys per inner step; MLA: N = heads, C = kv_lora_rank, Dr =
-qk_rope_head_dim.
+D = head_size, BLOCK_N = keys per inner step.
 """
 
 from __future__ import annotations
@@ -85,97 +83,3 @@ def paged_decode_attention_kernel(
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def mla_decode_attention_kernel(
-    q_nope_ptr,  # [B, N, C] q_nope with W_UK absorbed
-    q_pe_ptr,  # [B, N, Dr] rotated rope queries
-    c_kv_ptr,  # [num_slots, C] normalised latents (the keys' first part and the values)
-    k_pe_ptr,  # [num_slots, Dr] rotated rope keys
-    out_ptr,  # [B, N, C] latent-space context
-    block_tables_ptr,  # [B, n] int32 / int64 block ids
-    kv_lens_ptr,  # [B] int context lengths including the new token
-    scale,  # softmax scale (float32)
-    num_heads,
-    kv_lora_rank,
-    rope_dim,
-    block_size,  # tokens per KV block
-    stride_qb,
-    stride_qh,
-    stride_pb,
-    stride_ph,
-    stride_cs,  # c_kv stride between slots
-    stride_ps,  # k_pe stride between slots
-    stride_ob,
-    stride_oh,
-    stride_bt,
-    BLOCK_H: tl.constexpr,  # heads per program, a power of two >= 16 (tl.dot's smallest M)
-    BLOCK_C: tl.constexpr,  # C padded to a power of two >= 16
-    BLOCK_R: tl.constexpr,  # Dr padded to a power of two >= 16
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One program per (sequence, block of BLOCK_H heads). MLA's absorbed decode is
-    multi-query attention with one key head ``[c_kv, k_pe]`` (C + Dr wide) and one value head
-    ``c_kv`` shared by all N heads, so the head block is the query tile of one GEMM per step, as
-    the GQA group is in `paged_decode_attention_kernel`; scores are the two partial products
-    ``q_nope . c_kv + q_pe . k_pe`` (the latent and rope parts stay in their own caches, so
-    nothing is concatenated). Latents and rope keys are read in place through the block table,
-    BLOCK_N positions per step, each read once per head block and used for both QK and PV;
-    online softmax (running max, running sum, float32 accumulator), the probabilities rounded
-    to the cache dtype for the PV product."""
-    seq = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int64)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_r = tl.arange(0, BLOCK_R)
-    h_mask = heads < num_heads
-    c_mask = offs_c < kv_lora_rank
-    r_mask = offs_r < rope_dim
-    q_nope = tl.load(
-        q_nope_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_c[None, :],
-        mask=h_mask[:, None] & c_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_H, BLOCK_C]
-    q_pe = tl.load(
-        q_pe_ptr + seq * stride_pb + heads[:, None] * stride_ph + offs_r[None, :],
-        mask=h_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_H, BLOCK_R]
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    # kv_len >= 1, so the first step holds key 0 and the running max stays finite.
-    for start in range(0, kv_len, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        visible = pos < kv_len
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bt + pos // block_size, mask=visible, other=0
-        ).to(tl.int64)
-        slots = block_ids * block_size + pos % block_size  # [BLOCK_N]
-        c_kv = tl.load(
-            c_kv_ptr + slots[:, None] * stride_cs + offs_c[None, :],
-            mask=visible[:, None] & c_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_C]
-        k_pe = tl.load(
-            k_pe_ptr + slots[:, None] * stride_ps + offs_r[None, :],
-            mask=visible[:, None] & r_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_R]
-        scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        scores = tl.where(visible[None, :], scores * scale, float("-inf"))  # [BLOCK_H, N] f32
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION
-        )  # [BLOCK_H, BLOCK_C]
-        m_i = m_new
-    out = acc / l_i[:, None]
-    o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_c[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
