@@ -1,6 +1,8 @@
 """The Triton MLA decode kernel (`batchgen.kernels.triton_mla_decode`) against the torch
-absorbed path (`batchgen.models.layers.mla.mla_decode_torch` on gathered latents), the backend
-choice (`mla_decode_backend`), and a tiny DeepSeek-V3 engine on the Triton path against the
+absorbed path (`batchgen.models.layers.mla.mla_decode_torch` on gathered latents), unsplit and
+split over the context; the KV-split and backend rules (`default_num_kv_splits`,
+`mla_decode_backend`); the MLA layer on the forced Triton path against HF's DeepSeek attention
+and against the torch backend; and a tiny DeepSeek-V3 engine on the Triton path against the
 torch path, token for token.
 
 Without CUDA the kernel runs under ``TRITON_INTERPRET=1`` on CPU tensors (set by
