@@ -169,7 +169,10 @@ def bench_mla_decode(args, device, dtype, time_fn) -> dict:
 def _mla_rows(backend, args, device, dtype, time_fn) -> list[dict]:
     """One timing row per (sequences, context) of the MLA decode on ``backend``."""
     from batchgen.kernels.paged_attention import check_decode_context
-    from batchgen.kernels.triton_mla_decode import triton_mla_decode_attention
+    from batchgen.kernels.triton_mla_decode import (
+        default_num_kv_splits,
+        triton_mla_decode_attention,
+    )
     from batchgen.models.layers.mla import mla_decode_torch
 
     n, c, dr, block = args.mla_heads, args.kv_lora_rank, args.qk_rope_head_dim, args.block_size
@@ -218,5 +221,7 @@ def _mla_rows(backend, args, device, dtype, time_fn) -> list[dict]:
                     share_of_hbm=gbs / args.peak_hbm_gbs,
                 )
             )
+            if backend == "triton":  # the kernel's own choice, as in the engine
+                rows[-1]["num_kv_splits"] = default_num_kv_splits(device, seqs, n, nb * block)
             del c_kv, k_pe
     return rows
