@@ -38,8 +38,8 @@ if [ "$DRY" = 1 ]; then
     ORACLE_K='(llama and not mqa and not tied) and not preemption'
     BENCH_ARGS="--device cpu --dtype float32 --workloads rollouts --rollouts-requests 4"
     KERNEL_ARGS="--device cpu --tiny --moe-paths reference --attention-backends torch"
-    # The suite runs the whole module; here the two slowest tests are left to it.
-    TRITON_K='not compile_for_hopper and not engine_on_the_triton_paths'
+    # The suite runs the whole modules; here the slowest tests (the engines) are left to it.
+    TRITON_K='not compile_for_hopper and not engine_on_the_triton'
     CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 kernels=60 triton=120)
 else
     DEV=cuda; BF16=bfloat16
@@ -158,7 +158,7 @@ kernels_stage() {
 triton_stage() {
     local k=()
     [ -n "$TRITON_K" ] && k=(-k "$TRITON_K")
-    "$PY" -m pytest tests/test_triton_kernels.py -q -rfE -p no:cacheprovider --timeout 120 "${k[@]}"
+    "$PY" -m pytest tests/test_triton_kernels.py tests/test_triton_mla.py -q -rfE -p no:cacheprovider --timeout 120 "${k[@]}"
 }
 
 export DRY OUT ROOT PY DEV ORACLE_K BENCH_ARGS KERNEL_ARGS TRITON_K WORK

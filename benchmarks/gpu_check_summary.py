@@ -119,6 +119,18 @@ def _kernels(path: Path) -> list[str]:
             lines.append(f"  decode attention forced {name}: " + (
                 f"failed: {alt['error']}" if "error" in alt
                 else ", ".join(f"{r['seqs']}x{r['context']}: {r['gbs']:.4g}" for r in alt["rows"])))
+    mla = rec.get("mla")
+    if mla and ("error" in mla or "skipped" in mla):
+        lines.append(f"MLA decode: {mla.get('error') or 'skipped: ' + mla['skipped']}")
+    elif mla:
+        lines.append(f"MLA decode ({mla['path']}; N {mla['num_heads']}, C {mla['kv_lora_rank']}, "
+                     f"Dr {mla['qk_rope_head_dim']}) GB/s of latent by seqs x context: "
+                     + ", ".join(f"{r['seqs']}x{r['context']}: {r['gbs']:.4g} "
+                                 f"({r['share_of_hbm']:.1%} of HBM)" for r in mla["rows"]))
+        for name, alt in mla.get("forced", {}).items():
+            lines.append(f"  MLA decode forced {name}: " + (
+                f"failed: {alt['error']}" if "error" in alt
+                else ", ".join(f"{r['seqs']}x{r['context']}: {r['gbs']:.4g}" for r in alt["rows"])))
     return lines
 
 

@@ -1,7 +1,9 @@
 """Per-kernel micro-benchmark for the device run (`benchmarks/gpu_check.sh`): bf16 matmul
 TFLOP/s by row count against the chip's peak, the MoE expert path `SparseMoeBlock.experts`
 takes on this device by rows per expert, and decode attention through the engine's
-`paged_attention` (`gpu_kernels_attention.py`) in GB/s of K/V read against HBM bandwidth. Writes one JSON record.
+`paged_attention` (`gpu_kernels_attention.py`) in GB/s of K/V read against HBM bandwidth, and
+(CUDA only) MLA's absorbed decode on the paged latent cache in GB/s of latent read. Writes one
+JSON record.
 
 Beside the path the engine picks (``auto``), each part also times the paths it could pick
 instead, forced through their variables (``forced`` in the record): on CUDA the MoE experts
@@ -36,7 +38,7 @@ import sys
 import time
 
 import torch
-from gpu_kernels_attention import bench_decode_attention, forced
+from gpu_kernels_attention import bench_decode_attention, bench_mla_decode, forced
 
 from batchgen.models.layers.expert_path import MOE_PATH_ENV, expert_path
 from batchgen.models.layers.moe import SparseMoeBlock
@@ -205,7 +207,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", default=None, help="write the JSON record here (also printed)")
-    p.add_argument("--parts", default="matmul,moe,attention", help="comma-separated subset")
+    p.add_argument("--parts", default="matmul,moe,attention,mla", help="comma-separated subset")
     p.add_argument(
         "--tiny", action="store_true", help="tiny sizes and few iterations (CPU self-test)"
     )
@@ -231,6 +233,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--decode-seqs", type=_ints, default=[64, 256])
     g.add_argument("--contexts", type=_ints, default=[1024, 4096])
+    g = p.add_argument_group("MLA decode on the latent cache (default: DeepSeek-V3's layer)")
+    g.add_argument("--mla-heads", type=int, default=128)
+    g.add_argument("--kv-lora-rank", type=int, default=512)
+    g.add_argument("--qk-rope-head-dim", type=int, default=64)
     g = p.add_argument_group("alternatives timed beside the engine's choice")
     g.add_argument(
         "--moe-paths", default=None, help="forced MoE paths to time too (default on CUDA: "
@@ -256,12 +262,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows_per_expert = [1, 4, 16]
         args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 32
         args.decode_seqs, args.contexts = [4], [64]
+        args.mla_heads, args.kv_lora_rank, args.qk_rope_head_dim = 4, 32, 16
     if args.num_heads % args.num_kv_heads:
         p.error(f"--num-heads ({args.num_heads}) must be a multiple of --num-kv-heads")
     args.parts = [x for x in args.parts.split(",") if x]
-    bad = set(args.parts) - {"matmul", "moe", "attention"}
+    bad = set(args.parts) - {"matmul", "moe", "attention", "mla"}
     if bad:
-        p.error(f"--parts: unknown {sorted(bad)}; allowed matmul,moe,attention")
+        p.error(f"--parts: unknown {sorted(bad)}; allowed matmul,moe,attention,mla")
     return args
 
 
@@ -284,7 +291,12 @@ def main(argv=None) -> int:
         peak_hbm_gbs=args.peak_hbm_gbs,
         tiny=args.tiny,
     )
-    parts = {"matmul": bench_matmul, "moe": bench_moe, "attention": bench_decode_attention}
+    parts = {
+        "matmul": bench_matmul,
+        "moe": bench_moe,
+        "attention": bench_decode_attention,
+        "mla": bench_mla_decode,
+    }
     failed = False
     for name in args.parts:
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from batchgen.kernels import triton_attention_kernels as attention
+from batchgen.kernels import triton_mla_kernels as mla
 from batchgen.kernels import triton_moe_kernels as moe
 
 DTYPES = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "ieee")}
@@ -47,6 +48,23 @@ def kernels(dt: str):
                stride_ch=i32, stride_ob=i32, stride_oh=i32, stride_bt=i32)  # fmt: skip
     consts = dict(GROUP=4, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision)
     yield (f"paged_decode_attention {dt}", attention.paged_decode_attention_kernel,
+           {**sig, **dict.fromkeys(consts, "constexpr")}, consts)  # fmt: skip
+    sig = dict(q_nope_ptr="*" + dt, q_pe_ptr="*" + dt, c_kv_ptr="*" + dt, k_pe_ptr="*" + dt,
+               out_ptr="*" + dt, mid_out_ptr="*fp32", mid_lse_ptr="*fp32",
+               block_tables_ptr="*i64", kv_lens_ptr="*i64", scale="fp32", num_heads=i32,
+               kv_lora_rank=i32, rope_dim=i32, block_size=i32, stride_qb=i32, stride_qh=i32,
+               stride_pb=i32, stride_ph=i32, stride_cs=i32, stride_ps=i32, stride_ob=i32,
+               stride_oh=i32, stride_bt=i32)  # fmt: skip
+    # DeepSeek-V3's latent (C = 512, Dr = 64) with the wrapper's tiles, unsplit and split.
+    for splits in (1, 8):
+        consts = dict(NUM_SPLITS=splits, BLOCK_H=16, BLOCK_C=512, BLOCK_R=64, BLOCK_N=32,
+                      DOT_PRECISION=precision)  # fmt: skip
+        yield (f"mla_decode_attention {dt} splits={splits}", mla.mla_decode_attention_kernel,
+               {**sig, **dict.fromkeys(consts, "constexpr")}, consts)  # fmt: skip
+    sig = dict(mid_out_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr="*" + dt, kv_lens_ptr="*i64",
+               num_heads=i32, kv_lora_rank=i32, stride_ob=i32, stride_oh=i32)  # fmt: skip
+    consts = dict(NUM_SPLITS=8, BLOCK_C=512)
+    yield (f"mla_decode_reduce {dt}", mla.mla_decode_reduce_kernel,
            {**sig, **dict.fromkeys(consts, "constexpr")}, consts)  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from batchgen.models.layers.attention import (
     as_blocks,
     plan_decode_buckets,
 )
-from batchgen.models.layers.attention_backend import decode_attention_backend
+from batchgen.models.layers.attention_backend import decode_attention_backend, mla_decode_backend
 from batchgen.models.model_config import ModelConfig
 
 
@@ -57,9 +57,9 @@ class ModelRunner:
         model: the loaded model.
         num_blocks: KV cache blocks; block_size: tokens per block.
         batch_invariant: where decode attention runs on the torch path (MLA, or the kernel
-            unavailable), one bucket per decode row, so a row's gathered context length and the
-            shapes of its attention GEMMs depend only on its own context
-            (`EngineConfig.batch_invariant`).
+            unavailable) or MLA runs the Triton kernel, one bucket per decode row, so a row's
+            gathered context length and the shapes of its attention GEMMs depend only on its
+            own context (`EngineConfig.batch_invariant`).
     """
 
     def __init__(
@@ -82,10 +82,15 @@ class ModelRunner:
             tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
-        # GQA caches whose decode backend reads the cache in place (the CPU kernel, the Triton
-        # kernel: `decode_attention_backend`) take all decode rows in one bucket. Otherwise
-        # (the torch path, MLA) buckets bound each gather.
-        in_place = cfg.mla is None and decode_attention_backend(device, dtype) != "torch"
+        # Caches whose decode backend reads them in place (GQA: the CPU kernel, the Triton
+        # kernel, `decode_attention_backend`; MLA: the Triton kernel, `mla_decode_backend`)
+        # take all decode rows in one bucket. Otherwise (the torch paths) buckets bound each
+        # gather.
+        if cfg.mla is None:
+            in_place = decode_attention_backend(device, dtype) != "torch"
+        else:  # MLA's absorbed einsums around the kernel take a bucket's rows as one GEMM,
+            # so the batch-invariant mode keeps one bucket per row
+            in_place = mla_decode_backend(device, dtype) == "triton" and not batch_invariant
         self.decode_in_place = in_place
         block_bytes = max(c[0].numel() * c.element_size() * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (

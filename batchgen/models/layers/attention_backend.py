@@ -16,7 +16,14 @@ Triton kernel beats the gather + SDPA path on a given GPU is a device measuremen
 (``benchmarks/gpu_kernels.py`` times both); it has never run on a GPU yet (docs/gpu.md).
 ``cpu_kernel``, ``triton`` or ``torch`` force that backend (tests force ``triton`` on CPU
 under ``TRITON_INTERPRET=1``, and ``torch`` as the oracle); forcing one that cannot run raises.
-Prefill always runs SDPA; MLA has its own decode (`batchgen.models.layers.mla`).
+Prefill always runs SDPA.
+
+MLA's absorbed decode on the latent cache (`batchgen.models.layers.mla`) has its own pair,
+chosen by `mla_decode_backend` under the same variable: ``triton``
+(`batchgen.kernels.triton_mla_decode.triton_mla_decode_attention`, reading the latent cache in
+place) or ``torch`` (each bucket's latents gathered, then two batched GEMMs). ``auto`` picks
+``triton`` on CUDA where triton imports, else ``torch``; there is no CPU kernel for MLA, so
+``cpu_kernel`` raises for an MLA model. The Triton MLA kernel has never run on a GPU either.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from batchgen.kernels.triton_support import triton_unsupported_reason
 logger = logging.getLogger(__name__)
 
 DecodeBackend = Literal["cpu_kernel", "triton", "torch"]
+MLADecodeBackend = Literal["triton", "torch"]
 ATTENTION_BACKEND_ENV = "BATCHGEN_ATTENTION_BACKEND"
 ATTENTION_BACKEND_CHOICES = ("auto", "cpu_kernel", "triton", "torch")
 _logged: set[tuple] = set()
@@ -82,13 +90,43 @@ def decode_attention_backend(device: torch.device, dtype: torch.dtype) -> Decode
         backend = "triton"
     else:
         backend = "torch"
-    key = (device.type, dtype, override, backend)
+    _log_once("decode attention", device, dtype, override, backend)
+    return backend
+
+
+def mla_decode_backend(device: torch.device, dtype: torch.dtype) -> MLADecodeBackend:
+    """The backend of MLA's absorbed decode on a latent cache of ``dtype`` on ``device``
+    (rules in the module docstring). Logs each distinct choice once (INFO).
+
+    Raises:
+        ValueError: a bad ``BATCHGEN_ATTENTION_BACKEND``, ``cpu_kernel`` (no CPU kernel for
+        MLA), or ``triton`` where it cannot run (the reason names the device or dtype)."""
+    override = attention_backend_override()
+    if override == "cpu_kernel":
+        raise ValueError(
+            f"{ATTENTION_BACKEND_ENV}=cpu_kernel: there is no CPU kernel for MLA decode "
+            "(DeepSeek-V2/V3 models); use auto, torch or triton"
+        )
+    if override == "triton":
+        reason = triton_unsupported_reason(device, dtype)
+        if reason is not None:
+            raise ValueError(f"{ATTENTION_BACKEND_ENV}=triton: {reason}")
+        backend: MLADecodeBackend = "triton"
+    elif override == "auto" and device.type == "cuda":
+        backend = "torch" if triton_unsupported_reason(device, dtype) else "triton"
+    else:
+        backend = "torch"
+    _log_once("MLA decode attention", device, dtype, override, backend)
+    return backend
+
+
+def _log_once(what: str, device: torch.device, dtype: torch.dtype, override: str, backend: str):
+    key = (what, device.type, dtype, override, backend)
     if key not in _logged:
         with _logged_lock:
             if key not in _logged:
                 _logged.add(key)
                 logger.info(
-                    "decode attention on %s in %s: %s backend (%s=%s)",
-                    device.type, dtype, backend, ATTENTION_BACKEND_ENV, override,
+                    "%s on %s in %s: %s backend (%s=%s)",
+                    what, device.type, dtype, backend, ATTENTION_BACKEND_ENV, override,
                 )  # fmt: skip
-    return backend

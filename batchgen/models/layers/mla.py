@@ -20,7 +20,9 @@ into the output, so attention runs directly on the cached latent as multi-query 
 one ``C + Dr`` wide key head and a ``C`` wide value head, and the context is never up-projected.
 Per decode token that costs ``N * L * (2C + Dr)`` multiply-adds instead of ``L * C * N * (Dn + Dv)``
 for the up-projection alone. Prefill chunks up-project (their queries are many, and the context is
-mostly the chunk itself).
+mostly the chunk itself). Which implementation runs the absorbed decode (the torch path below,
+or the Triton kernel reading the paged latent cache in place) is chosen by
+`batchgen.models.layers.attention_backend.mla_decode_backend`.
 
 Projections and the order of operations follow HF ``DeepseekV3Attention`` /
 ``DeepseekV2Attention`` (transformers 5) so that checkpoint names map 1:1 and fp32 outputs match.
@@ -35,7 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.models.layers.attention import AttentionMetadata
+from batchgen.kernels.paged_attention import check_decode_context
+from batchgen.kernels.triton_mla_decode import triton_mla_decode_attention
+from batchgen.models.layers.attention import AttentionMetadata, DecodeBucket
+from batchgen.models.layers.attention_backend import mla_decode_backend
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary_yarn import ScaledRotaryEmbedding, deepseek_softmax_scale
 
@@ -190,8 +195,14 @@ class MLAAttention(nn.Module):
 
         out = x.new_empty(t, d.num_heads, d.v_head_dim)  # [T, N, Dv]
         attend = self._decode_absorbed if self.absorb_decode else self._decode_expanded
+        backend = "torch"
+        if meta.decode_buckets and self.absorb_decode and x.dtype == latent_cache.dtype:
+            backend = mla_decode_backend(x.device, latent_cache.dtype)
         for bucket in meta.decode_buckets:
             rows = slice(bucket.start, bucket.end)
+            if backend == "triton":  # attend straight from the paged latent cache
+                out[rows] = self._decode_triton(q_nope[rows], q_pe[rows], kv_cache, meta, bucket)
+                continue
             latent_ctx = bucket.gather(latent_cache, meta.block_size)  # [b, L, C]
             pe_ctx = bucket.gather(rope_cache, meta.block_size)  # [b, L, Dr]
             mask = meta.decode_mask(bucket, None)  # [b, 1, 1, L]
@@ -252,6 +263,13 @@ class MLAAttention(nn.Module):
         )
         return o[:, :, 0, :]  # [B, N, Dv]
 
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [N, Dn, C]`` and ``W_UV [N, Dv, C]``: views of ``kv_b_proj.weight``."""
+        d = self.dims
+        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
+        w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)
+        return w_uk, w_uv
+
     def _decode_absorbed(
         self,
         q_nope: torch.Tensor,
@@ -267,16 +285,71 @@ class MLAAttention(nn.Module):
         one shared key head, and ``sum_j p_j W_UV c_j = W_UV (sum_j p_j c_j)``. Inputs as
         `_decode_expanded`; returns ``[B, N, Dv]``.
         """
-        d = self.dims
-        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
-        w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)  # [N, Dn, C], [N, Dv, C]
+        w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("bnd,ndc->bnc", q_nope, w_uk)  # [B, N, C]
-        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, N, C + Dr]
-        k = torch.cat((latent, k_pe), dim=-1)  # [B, L, C + Dr]: one key head shared by all N
-        # Heads are the rows of one GEMM per sequence (no per-head copy of the key, unlike SDPA's
-        # grouped-query path); softmax in float32 as in HF's eager attention.
-        scores = torch.bmm(q, k.transpose(1, 2)).float() * self.scale  # [B, N, L]
-        scores.masked_fill_(~mask[:, 0], float("-inf"))  # mask [B, 1, L]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o_lat = torch.bmm(probs, latent)  # [B, N, C]
+        o_lat = mla_decode_torch(q_lat, q_pe, latent, k_pe, mask, self.scale)  # [B, N, C]
         return torch.einsum("bnc,nvc->bnv", o_lat, w_uv)  # [B, N, Dv]
+
+    def _decode_triton(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        bucket: DecodeBucket,
+    ) -> torch.Tensor:
+        """`_decode_absorbed` with the latent attention run by the Triton kernel on the paged
+        cache in place (`triton_mla_decode_attention`): ``q_nope [b, N, Dn]``, ``q_pe [b, N,
+        Dr]`` of the bucket's rows -> ``[b, N, Dv]``."""
+        latent_cache, rope_cache = kv_cache
+        num_blocks = latent_cache.shape[0] // meta.block_size
+        if bucket.checked_num_blocks != num_blocks:  # the first layer of the step checks
+            check_decode_context(bucket.block_tables, bucket.kv_lens, meta.block_size, num_blocks)
+            bucket.checked_num_blocks = num_blocks
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = torch.einsum("bnd,ndc->bnc", q_nope, w_uk).contiguous()  # [b, N, C]
+        o_lat = torch.empty_like(q_lat)  # [b, N, C]
+        triton_mla_decode_attention(
+            q_lat,
+            q_pe.contiguous(),
+            latent_cache,
+            rope_cache,
+            bucket.block_tables,
+            bucket.kv_lens,
+            meta.block_size,
+            self.scale,
+            o_lat,
+            context_checked=True,
+        )
+        return torch.einsum("bnc,nvc->bnv", o_lat, w_uv)  # [b, N, Dv]
+
+
+def mla_decode_torch(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The torch absorbed decode on gathered latents, the oracle of the Triton kernel
+    (`triton_mla_decode_attention`).
+
+    Args:
+        q_nope_absorbed: ``[B, N, C]`` (``W_UK^T q_nope``); q_pe: ``[B, N, Dr]`` rotated.
+        latent: ``[B, L, C]`` gathered latents; k_pe: ``[B, L, Dr]`` gathered rope keys; same
+            dtype as the queries.
+        mask: ``[B, 1, 1, L]`` bool, True where a position is visible.
+        scale: softmax scale.
+    Returns:
+        ``[B, N, C]`` in the queries' dtype: ``softmax((q_lat . c_j + q_pe . k_pe_j) * scale)``
+        weighted latents (DeepSeek-V2 paper section 2.1.2).
+    """
+    q = torch.cat((q_nope_absorbed, q_pe), dim=-1)  # [B, N, C + Dr]
+    k = torch.cat((latent, k_pe), dim=-1)  # [B, L, C + Dr]: one key head shared by all N
+    # Heads are the rows of one GEMM per sequence (no per-head copy of the key, unlike SDPA's
+    # grouped-query path); softmax in float32 as in HF's eager attention.
+    scores = torch.bmm(q, k.transpose(1, 2)).float() * scale  # [B, N, L]
+    scores.masked_fill_(~mask[:, 0], float("-inf"))  # mask [B, 1, L]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.bmm(probs, latent)  # [B, N, C]
