@@ -197,8 +197,9 @@ class HostSync(AssertionError):
 
 
 def _no_host_sync_from_batchgen(monkeypatch):
-    """Patch the tensor methods that synchronise with the host to raise when BatchGen code
-    calls them (the Triton interpreter's own host copies are allowed)."""
+    """Patch the tensor methods and torch functions that synchronise with the host (or copy
+    host data in) to raise when BatchGen code calls them (the Triton interpreter's own host
+    copies are allowed). Not caught: syncs inside torch (boolean-mask indexing, CPU fallbacks)."""
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
                  "numpy", "nonzero"):  # fmt: skip
         original = getattr(torch.Tensor, name)
@@ -210,36 +211,47 @@ def _no_host_sync_from_batchgen(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
-    original_nonzero = torch.nonzero
+    # torch.nonzero syncs; torch.tensor / as_tensor from host data is a host-to-device copy
+    # that a CUDA graph cannot capture (and would replay stale).
+    for name in ("nonzero", "tensor", "as_tensor", "from_numpy"):
+        original = getattr(torch, name)
 
-    def nonzero(*args, **kwargs):
-        if "/batchgen/" in sys._getframe(1).f_code.co_filename:
-            raise HostSync("torch.nonzero called from batchgen")
-        return original_nonzero(*args, **kwargs)
+        def guarded_fn(*args, _name=name, _original=original, **kwargs):
+            if "/batchgen/" in sys._getframe(1).f_code.co_filename:
+                raise HostSync(f"torch.{_name} called from batchgen")
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "nonzero", nonzero)
+        monkeypatch.setattr(torch, name, guarded_fn)
 
 
+@pytest.mark.parametrize("moe_path, dtype", [("triton", "float32"), ("grouped_mm", "bfloat16")])
 def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
-    checkpoint_dir, monkeypatch
+    checkpoint_dir, monkeypatch, moe_path, dtype
 ):
+    """The captured region (embed .. logits) on the CUDA paths: Triton paged decode attention
+    and the Triton MoE or the grouped GEMMs (bf16; on CPU torch's ``_grouped_mm`` fallback
+    copies ``offs`` to the host inside torch, which CUDA's CUTLASS kernel does not: only
+    BatchGen's own calls are checked)."""
     pytest.importorskip("triton")
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("neither CUDA nor TRITON_INTERPRET=1")
-    monkeypatch.setenv("BATCHGEN_MOE_PATH", "triton")
+    monkeypatch.setenv("BATCHGEN_MOE_PATH", moe_path)
     monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
     _recording(monkeypatch)
-    engine = _engine(checkpoint_dir("mixtral"), cudagraph_capture_sizes=[4])
+    path = checkpoint_dir("mixtral")
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype,
+                                    cudagraph_capture_sizes=[4]))  # fmt: skip
+    torch_dtype = getattr(torch, dtype)
     graphs = engine.executor.graph_runner
     assert engine.runner.decode_in_place
-    assert decode_attention_backend(torch.device("cpu"), torch.float32) == "triton"
+    assert decode_attention_backend(torch.device("cpu"), torch_dtype) == "triton"
     block = engine.runner.model.layers[0].mlp
-    x = torch.zeros(2, block.w13_weight.shape[2])
+    x = torch.zeros(2, block.w13_weight.shape[2], dtype=torch_dtype)
     assert expert_path(x.device, x.dtype, batch_invariant=False, cpu_kernel=block.uses_kernel(x),
                        hidden_size=x.shape[1], intermediate_size=block.w2_weight.shape[2],
-                       num_experts=block.w13_weight.shape[0]) == "triton"  # fmt: skip
+                       num_experts=block.w13_weight.shape[0]) == moe_path  # fmt: skip
     sched = _decode_step(engine, [[5, 6, 7], [1, 2, 3, 4, 5], [42]])
     engine.executor.graph_runner = None
     _, logits_eager, _ = engine.executor.execute(sched.scheduled)
@@ -249,9 +261,12 @@ def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
         _no_host_sync_from_batchgen(patch)
         graphs._replay[4]()  # the captured region: embed .. logits
     torch.testing.assert_close(graphs._logits[4][:3], logits_eager)  # same kernels, same rows
-    # The guard does catch a sync: the eager MoE statistics hook (a Python list of counts).
+    # The guard does catch what the region must not do: the eager MoE statistics hook (a
+    # Python list of counts), and `ModelRunner.prepare`'s host lists (run before the replay).
     assert block.stats is engine.metrics.expert
     with monkeypatch.context() as patch:
         _no_host_sync_from_batchgen(patch)
+        with pytest.raises(HostSync, match="torch.tensor"):
+            graphs.execute(sched.scheduled)
         with pytest.raises(HostSync):
             block.experts(x, torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.long))
