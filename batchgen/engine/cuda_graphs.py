@@ -183,6 +183,7 @@ class CUDAGraphRunner:
         self._logits: dict[int, torch.Tensor] = {}  # size -> [size, V] float32, the output
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self._eager_reasons: set[str] = set()
 
     def padded_size(self, num_rows: int) -> int | None:
         """The smallest capture size >= ``num_rows`` (None above the largest)."""
@@ -201,7 +202,9 @@ class CUDAGraphRunner:
         bucket = DecodeBucket(0, size, self.block_tables[:size], self.kv_lens[:size])
         bucket.checked_num_blocks = self.num_cache_blocks  # `execute` checks the real rows
         meta.decode_buckets.append(bucket)
-        sinks = {i: (lambda ids, buf=buf: buf[:size].copy_(ids)) for i, buf in self.topk_ids.items()}
+        sinks = {
+            i: (lambda ids, buf=buf: buf[:size].copy_(ids)) for i, buf in self.topk_ids.items()
+        }
         model, kv = self.model, self.runner.kv_caches
 
         def forward() -> None:
@@ -260,13 +263,14 @@ class CUDAGraphRunner:
         if not self._replay:
             raise RuntimeError("CUDAGraphRunner.capture() must run before execute()")
         if not self.can_run(scheduled):
-            self.num_eager_steps += 1
+            self._eager("mixed prefill/decode, prompt logprobs or more rows than the largest "
+                        f"capture size ({self.sizes[-1]})")  # fmt: skip
             return None
         input_ids, meta, ordered, sample_indices = self.runner.prepare(scheduled)
         (bucket,) = meta.decode_buckets  # decode in place: one bucket
         n, width = len(ordered), bucket.block_tables.shape[1]
         if width > self.width:
-            self.num_eager_steps += 1
+            self._eager(f"a block table wider than max_model_len's {self.width} blocks")
             return None
         size = self.padded_size(n)
         check_decode_context(bucket.block_tables, bucket.kv_lens, meta.block_size,
@@ -288,6 +292,14 @@ class CUDAGraphRunner:
             self._record_expert_rows(n)
         sampling = [e for e in ordered if e.samples_next_token]
         return sampling, self._logits[size].index_select(0, sample_indices), []
+
+    def _eager(self, reason: str) -> None:
+        """Count a step left to the eager path; the first of each reason is logged (INFO)."""
+        self.num_eager_steps += 1
+        if reason not in self._eager_reasons:
+            self._eager_reasons.add(reason)
+            logger.info("CUDA graphs: a step runs eager (%s); the share of steps replayed is "
+                        "get_metrics()['cuda_graph_step_share']", reason)  # fmt: skip
 
     def _record_expert_rows(self, num_rows: int) -> None:
         """Rows per expert of the real rows (padding excluded), one record per MoE layer, as
