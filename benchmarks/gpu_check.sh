@@ -42,7 +42,7 @@ if [ "$DRY" = 1 ]; then
     # The suite runs the whole module; here the two slowest tests are left to it.
     TRITON_K='not compile_for_hopper and not engine_on_the_triton_paths'
     GRAPHS_ARGS="--device cpu --dtype float32 --dry-run --requests 8 --max-tokens 12 --rounds 1"
-    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 graphs=90 kernels=60
+    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 graphs=120 kernels=60
           triton=120)
 else
     DEV=cuda; BF16=bfloat16
@@ -50,8 +50,8 @@ else
     BENCH_ARGS="--device cuda --dtype bfloat16 --workloads rollouts,extraction,search"
     KERNEL_ARGS="--device cuda"
     TRITON_K=''
-    GRAPHS_ARGS="--device cuda --dtype bfloat16 --requests 64 --max-tokens 64 --rounds 2"
-    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 graphs=60 kernels=90
+    GRAPHS_ARGS="--device cuda --dtype bfloat16 --requests 32 --max-tokens 48 --rounds 2"
+    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 graphs=120 kernels=90
           triton=90)
 fi
 cap_of() { local kv; for kv in "${CAPS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
@@ -152,12 +152,18 @@ bench_stage() {
 print(format_table(json.load(open(sys.argv[1]))))" "$OUT/bench.json" | tee "$OUT/bench.txt"
 }
 
-# CUDA graphs (on by default: the bench stage above ran with them) against --enforce-eager:
-# decode-only tokens/s of each on the bench model, alternated; one DECODE_GRAPHS line in
-# log.txt, read by the summary. The dry run captures with the CPU stand-in backend.
+# CUDA graphs (on by default: the stages above ran with them): the fp32 token-identity test,
+# then against --enforce-eager decode-only tokens/s of each on the bench model, alternated; one
+# DECODE_GRAPHS line in log.txt, read by the summary. The dry run captures with the CPU
+# stand-in backend (the CUDA test skips).
 graphs_stage() {
+    # Real capture and replay in fp32 against --enforce-eager, token for token (skipped on CPU).
+    "$PY" -m pytest tests/test_cuda_graphs.py -q -rfEs -p no:cacheprovider --timeout 100 \
+        -k cuda_graphs_on_cuda
+    local rc=$?
     # shellcheck disable=SC2086
-    "$PY" benchmarks/decode_graphs.py $GRAPHS_ARGS
+    "$PY" benchmarks/decode_graphs.py $GRAPHS_ARGS || return 1
+    return $rc
 }
 
 kernels_stage() {

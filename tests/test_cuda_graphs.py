@@ -270,3 +270,62 @@ def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
             graphs.execute(sched.scheduled)
         with pytest.raises(HostSync):
             block.experts(x, torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_sizes_above_one_micro_batch_are_dropped_and_such_steps_run_eager(
+    checkpoint_dir, monkeypatch
+):
+    _recording(monkeypatch)
+    path = checkpoint_dir("mixtral")
+    config = dict(max_num_batched_tokens=2, cudagraph_capture_sizes=[1, 2, 4])
+    engine = _engine(path, **config)  # coalesce: a 3-row decode step is two micro-batches
+    graphs = engine.executor.graph_runner
+    assert graphs.sizes == [1, 2]
+    waves = [[([5, 6], 6), ([7], 6), ([8, 9], 6)]]
+    assert _run(engine, waves) == _run(_engine(path, max_num_batched_tokens=2), waves)
+    assert graphs.num_eager_steps > 0
+
+
+def test_no_runner_without_in_place_decode_or_with_a_failed_capture(
+    checkpoint_dir, monkeypatch, caplog
+):
+    _recording(monkeypatch)
+    path = checkpoint_dir("mixtral")
+    monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "torch")
+    with caplog.at_level("INFO", logger="batchgen.engine.cuda_graphs"):
+        engine = _engine(path)
+    assert engine.executor.graph_runner is None
+    assert "CUDA graphs off: decode attention does not read the cache in place" in caplog.text
+    with pytest.raises(ValueError, match="in place"):
+        cuda_graphs.CUDAGraphRunner(engine.runner, [1], 16, 64, RecordingGraphBackend())
+    monkeypatch.delenv("BATCHGEN_ATTENTION_BACKEND")
+    eager = _engine(path, enforce_eager=True)
+    with pytest.raises(ValueError, match="reserve_dummy_block"):
+        cuda_graphs.CUDAGraphRunner(eager.runner, [1], 16, 64, RecordingGraphBackend())
+
+    class Failing(RecordingGraphBackend):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "graph_backend_for", lambda device, eager: Failing())
+    with caplog.at_level("WARNING", logger="batchgen.engine.cuda_graphs"):
+        engine = _engine(path)
+    assert engine.executor.graph_runner is None and "CUDA graph capture failed" in caplog.text
+    waves = [[([5, 6], 4)]]
+    assert _run(engine, waves) == _run(eager, waves)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs: needs CUDA")
+def test_cuda_graphs_on_cuda_are_token_identical_to_enforce_eager(checkpoint_dir):
+    """The device run (`benchmarks/gpu_check.sh`, graphs stage): real `torch.cuda.graph`
+    capture and replay in float32, against the same engine with ``enforce_eager``."""
+    path = checkpoint_dir("mixtral")
+    kwargs = dict(
+        model=str(path), device="cuda", dtype="float32", cudagraph_capture_sizes=[1, 2, 4]
+    )
+    graphs_engine = LLMEngine(EngineConfig(**kwargs))
+    graphs = graphs_engine.executor.graph_runner
+    assert graphs is not None and isinstance(graphs.backend, cuda_graphs.CUDAGraphBackend)
+    eager = _run(LLMEngine(EngineConfig(enforce_eager=True, **kwargs)), WAVES)
+    assert _run(graphs_engine, WAVES) == eager
+    assert graphs.num_graph_steps >= 5

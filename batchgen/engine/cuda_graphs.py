@@ -319,8 +319,10 @@ def build_graph_runner(
 ) -> CUDAGraphRunner | None:
     """The engine's `CUDAGraphRunner`, captured, or None (logged): no ``backend`` (CPU, or
     ``enforce_eager``: `graph_backend_for`), expert parallelism, or a decode attention path
-    that is not in place (MLA, ``BATCHGEN_ATTENTION_BACKEND=torch``). ``config``: the
-    `EngineConfig`; the rest as `CUDAGraphRunner` takes them."""
+    that is not in place (MLA, ``BATCHGEN_ATTENTION_BACKEND=torch``), or a capture that raised
+    (logged as a WARNING with its traceback: the engine then runs eager; capture has never run
+    on a GPU, docs/gpu.md). ``config``: the `EngineConfig`; the rest as `CUDAGraphRunner`
+    takes them."""
     if backend is None:
         return None
     reason = None
@@ -339,5 +341,13 @@ def build_graph_runner(
         backend,
         expert_stats,
     )
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception:  # never yet run on a GPU: keep the engine usable, say so loudly
+        logger.warning(
+            "CUDA graph capture failed; every step runs eager (--enforce-eager skips the "
+            "attempt)",
+            exc_info=True,
+        )
+        return None
     return graphs
