@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from batchgen import SamplingParams
+from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig, default_capture_sizes
 from batchgen.engine import cuda_graphs
 from batchgen.engine.cuda_graphs import RecordingGraphBackend
@@ -112,12 +112,22 @@ def test_cpu_and_enforce_eager_never_build_a_runner(checkpoint_dir, monkeypatch)
     made = _recording(monkeypatch)
     engine = _engine(path, enforce_eager=True)
     assert engine.executor.graph_runner is None and engine.runner.dummy_block is None
+    llm = LLM(model=str(path), device="cpu", dtype="float32", enforce_eager=True)
+    assert llm.llm_engine.executor.graph_runner is None
     assert made == []
 
 
-@pytest.mark.parametrize("policy", ["coalesce", "lockstep"])
-def test_graph_replay_is_token_identical_to_eager(checkpoint_dir, monkeypatch, policy):
-    path = checkpoint_dir("mixtral")
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        ("mixtral", "coalesce"),
+        ("mixtral", "lockstep"),
+        ("qwen2_moe", "coalesce"),  # shared experts behind a gate
+        ("mistral_sliding", "coalesce"),  # dense (no MoE layer), a sliding window of 8
+    ],
+)
+def test_graph_replay_is_token_identical_to_eager(checkpoint_dir, monkeypatch, name, policy):
+    path = checkpoint_dir(name)
     eager = _run(_engine(path, scheduler_policy=policy), WAVES)
     made = _recording(monkeypatch)
     # Sizes 1, 2, 4: a 3-row step pads to 4, a 5-row step runs eager (above the largest).
