@@ -242,9 +242,8 @@ class CUDAGraphRunner:
     def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether a step of these entries replays a graph: one token each, no
         ``prompt_logprobs`` rows, at most the largest capture size."""
-        return (
-            0 < len(scheduled) <= self.sizes[-1]
-            and all(e.num_new_tokens == 1 and not e.prompt_logits for e in scheduled)
+        return 0 < len(scheduled) <= self.sizes[-1] and all(
+            e.num_new_tokens == 1 and not e.prompt_logits for e in scheduled
         )
 
     @torch.inference_mode()
@@ -314,19 +313,17 @@ class CUDAGraphRunner:
             self.expert_stats.record(row)
 
 
-def build_graph_runner(
-    config, runner, max_model_len: int, expert_parallel: bool, expert_stats, backend
-) -> CUDAGraphRunner | None:
-    """The engine's `CUDAGraphRunner`, captured, or None (logged): no ``backend`` (CPU, or
-    ``enforce_eager``: `graph_backend_for`), expert parallelism, or a decode attention path
-    that is not in place (MLA, ``BATCHGEN_ATTENTION_BACKEND=torch``), or a capture that raised
-    (logged as a WARNING with its traceback: the engine then runs eager; capture has never run
-    on a GPU, docs/gpu.md). ``config``: the `EngineConfig`; the rest as `CUDAGraphRunner`
-    takes them."""
+def build_graph_runner(engine, backend: GraphBackend | None) -> CUDAGraphRunner | None:
+    """The `CUDAGraphRunner` of an `LLMEngine` whose runner, executor and metrics are built,
+    captured, or None (logged): no ``backend`` (CPU, or ``enforce_eager``: `graph_backend_for`),
+    expert parallelism, a decode attention path that is not in place (MLA,
+    ``BATCHGEN_ATTENTION_BACKEND=torch``), or a capture that raised (logged as a WARNING with
+    its traceback: the engine then runs eager; capture has never run on a GPU, docs/gpu.md)."""
     if backend is None:
         return None
+    runner, config = engine.runner, engine.config
     reason = None
-    if expert_parallel:
+    if engine.expert_parallel is not None:
         reason = "expert parallelism (its dispatch / combine collectives are not captured)"
     elif not runner.decode_in_place:
         reason = "decode attention does not read the cache in place (MLA, or the torch path)"
@@ -337,16 +334,15 @@ def build_graph_runner(
         runner,
         config.resolved_capture_sizes,
         config.max_num_batched_tokens,
-        max_model_len,
+        engine.max_model_len,
         backend,
-        expert_stats,
+        engine.metrics.expert,
     )
     try:
         graphs.capture()
     except Exception:  # never yet run on a GPU: keep the engine usable, say so loudly
         logger.warning(
-            "CUDA graph capture failed; every step runs eager (--enforce-eager skips the "
-            "attempt)",
+            "CUDA graph capture failed; every step runs eager (--enforce-eager skips the attempt)",
             exc_info=True,
         )
         return None

@@ -191,10 +191,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self.metrics,
             expert_parallel=self.expert_parallel is not None,
         )
-        self.executor.graph_runner = cuda_graphs.build_graph_runner(
-            config, self.runner, max_len, self.expert_parallel is not None, self.metrics.expert,
-            graph_backend,
-        )
+        self.executor.graph_runner = cuda_graphs.build_graph_runner(self, graph_backend)
         logger.info(
             "scheduler: %s, %d tokens per attention micro-batch, %d tokens and %d sequences "
             "per step",
