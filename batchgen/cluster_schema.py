@@ -120,6 +120,7 @@ def type_text(annotation: object) -> str:
     """``int | None`` -> "an integer or null"."""
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    names[list[int]] = "a list of integers"
     return " or ".join(names.get(a, "null" if a is type(None) else str(a)) for a in args)
 
 

@@ -33,6 +33,15 @@ SCHED = "coroutine_scheduler"  # the cluster YAML section of the scheduling limi
 ALIASES = {"max_num_seqs": ("max_active_coroutines",), "max_active_coroutines": ("max_num_seqs",)}
 
 
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's default CUDA graph capture sizes: 1, 2, 4, then every multiple of 8, up to
+    ``min(max_num_seqs, 512)`` (vLLM ``CompilationConfig``; ``[1]`` at least).
+
+    Example: ``max_num_seqs=20`` -> ``[1, 2, 4, 8, 16]``."""
+    limit = min(max_num_seqs, 512)
+    return [n for n in [1, 2, 4, *range(8, 513, 8)] if n <= limit] or [1]
+
+
 @dataclass
 class EngineConfig:
     """Engine settings. Validation raises `ValueError` naming the field and its allowed values."""
@@ -144,6 +153,21 @@ class EngineConfig:
             "costs up to a few percent, docs/batch-invariance.md)"
         ),
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=meta(
+            "never capture CUDA graphs: every step runs eagerly (vLLM's flag); graphs are "
+            "only ever used on CUDA, for decode-only steps (docs/gpu.md)"
+        ),
+    )
+    cudagraph_capture_sizes: list[int] | None = field(
+        default=None,
+        metadata=meta(
+            "decode batch sizes to capture a CUDA graph for; a decode step is padded to the "
+            "next one (default, vLLM's: 1, 2, 4 and multiples of 8 up to "
+            "min(max_num_seqs, 512))"
+        ),
+    )
     tile_size: int = field(default=64, metadata=meta("GEMM tile rows for the tile-density metric"))
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=meta("force the number of KV blocks (testing preemption)")
@@ -166,6 +190,16 @@ class EngineConfig:
             )
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (
+            not isinstance(sizes, list) or not sizes or not all(is_int(n) and n >= 1 for n in sizes)
+        ):
+            raise ValueError(
+                f"cudagraph_capture_sizes must be a non-empty list of integers >= 1 or None, "
+                f"got {sizes!r}"
+            )
         if self.scheduler_policy not in POLICIES:
             raise ValueError(
                 f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}"
@@ -230,6 +264,15 @@ class EngineConfig:
             or self.max_active_coroutines
             or DEFAULT_MAX_NUM_SEQS[self.scheduler_policy]
         )
+
+    @property
+    def resolved_capture_sizes(self) -> list[int]:
+        """The CUDA graph capture sizes, ascending and distinct: ``cudagraph_capture_sizes``
+        when given, else vLLM's default ``[1, 2, 4] + [8, 16, ...]`` up to
+        ``min(max_num_seqs, 512)`` (`default_capture_sizes`)."""
+        if self.cudagraph_capture_sizes is not None:
+            return sorted(set(self.cudagraph_capture_sizes))
+        return default_capture_sizes(self.max_running_seqs)
 
     @classmethod
     def field_names(cls) -> list[str]:

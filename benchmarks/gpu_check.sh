@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared device run (issue 18, item 5; docs/gpu.md): environment, install, the
 # model-oracle tests on CUDA in float32 and bfloat16, `batchgen bench` (lockstep vs coalesce,
-# bf16), the per-kernel micro-benchmark, the Triton kernels' tests compiled for the GPU, and
-# $OUT/summary.md with every stage's status.
+# bf16, CUDA graphs on), decode with CUDA graphs vs --enforce-eager, the per-kernel
+# micro-benchmark, the Triton kernels' tests compiled for the GPU, and $OUT/summary.md with
+# every stage's status.
 #
 #   bash benchmarks/gpu_check.sh              # on the device machine (OUT set by the `run` tool)
 #   bash benchmarks/gpu_check.sh --dry-run    # here: every stage on CPU, tiny sizes, no install
@@ -40,14 +41,18 @@ if [ "$DRY" = 1 ]; then
     KERNEL_ARGS="--device cpu --tiny --moe-paths reference --attention-backends torch"
     # The suite runs the whole modules; here the slowest tests (the engines) are left to it.
     TRITON_K='not compile_for_hopper and not engine_on_the_triton'
-    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 kernels=60 triton=120)
+    GRAPHS_ARGS="--device cpu --dtype float32 --dry-run --requests 8 --max-tokens 12 --rounds 1"
+    CAPS=(env=30 install=60 oracle_fp32=120 oracle_bf16=120 bench=120 graphs=120 kernels=60
+          triton=120)
 else
     DEV=cuda; BF16=bfloat16
     ORACLE_K=''
     BENCH_ARGS="--device cuda --dtype bfloat16 --workloads rollouts,extraction,search"
     KERNEL_ARGS="--device cuda"
     TRITON_K=''
-    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 kernels=90 triton=90)
+    GRAPHS_ARGS="--device cuda --dtype bfloat16 --requests 32 --max-tokens 48 --rounds 2"
+    CAPS=(env=45 install=45 oracle_fp32=110 oracle_bf16=110 bench=120 graphs=120 kernels=90
+          triton=90)
 fi
 cap_of() { local kv; for kv in "${CAPS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 
@@ -147,6 +152,20 @@ bench_stage() {
 print(format_table(json.load(open(sys.argv[1]))))" "$OUT/bench.json" | tee "$OUT/bench.txt"
 }
 
+# CUDA graphs (on by default: the stages above ran with them): the fp32 token-identity test,
+# then against --enforce-eager decode-only tokens/s of each on the bench model, alternated; one
+# DECODE_GRAPHS line in log.txt, read by the summary. The dry run captures with the CPU
+# stand-in backend (the CUDA test skips).
+graphs_stage() {
+    # Real capture and replay in fp32 against --enforce-eager, token for token (skipped on CPU).
+    "$PY" -m pytest tests/test_cuda_graphs.py -q -rfEs -p no:cacheprovider --timeout 100 \
+        -k cuda_graphs_on_cuda
+    local rc=$?
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/decode_graphs.py $GRAPHS_ARGS || return 1
+    return $rc
+}
+
 kernels_stage() {
     # shellcheck disable=SC2086
     "$PY" benchmarks/gpu_kernels.py $KERNEL_ARGS --out "$OUT/kernels.json" >/dev/null
@@ -161,14 +180,15 @@ triton_stage() {
     "$PY" -m pytest tests/test_triton_kernels.py tests/test_triton_mla.py -q -rfE -p no:cacheprovider --timeout 120 "${k[@]}"
 }
 
-export DRY OUT ROOT PY DEV ORACLE_K BENCH_ARGS KERNEL_ARGS TRITON_K WORK
-export -f env_stage install_stage oracle_stage bench_stage kernels_stage triton_stage
+export DRY OUT ROOT PY DEV ORACLE_K BENCH_ARGS GRAPHS_ARGS KERNEL_ARGS TRITON_K WORK
+export -f env_stage install_stage oracle_stage bench_stage graphs_stage kernels_stage triton_stage
 echo "gpu_check: dry_run=$DRY device=$DEV out=$OUT budget=${BUDGET}s python=$PY" | tee -a "$LOG"
 stage env env_stage
 stage install install_stage
 stage oracle_fp32 oracle_stage fp32 float32
 stage oracle_bf16 oracle_stage bf16 "$BF16"
 stage bench bench_stage
+stage graphs graphs_stage
 stage kernels kernels_stage
 stage triton triton_stage
 "$PY" benchmarks/gpu_check_summary.py "$OUT" --dry-run "$DRY" --total-s "$(( $(date +%s) - START ))" \

@@ -16,7 +16,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels", "triton")
+STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "graphs", "kernels", "triton")
 
 
 def _stages(out: Path) -> list[dict]:
@@ -160,6 +160,24 @@ def _triton(out: Path) -> list[str]:
     return keep or ["(no pytest result line: see log.txt)"]
 
 
+def _graphs(out: Path) -> list[str]:
+    """The ``DECODE_GRAPHS {...}`` line `benchmarks/decode_graphs.py` left in log.txt."""
+    log = out / "log.txt"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = re.findall(r"^DECODE_GRAPHS (\{.*\})$", text, re.M)
+    if not found:
+        return ["(the graphs stage left no result: see log.txt)"]
+    r = json.loads(found[-1])
+    rate = r["decode_tokens_per_s"]
+    return [
+        f"decode-only tokens/s: eager {rate['eager']:.0f}, graphs {rate['graphs']:.0f} "
+        f"(graphs / eager {r['graphs_over_eager']:.2f}x); steps replayed "
+        f"{r['cuda_graph_step_share']:.0%}; tokens equal: {r['tokens_equal']}; runner built: "
+        f"{r['graph_runner_built']}" + (" (dry run: CPU stand-in, timing meaningless)"
+                                          if r["dry_run"] else "")
+    ]
+
+
 def write_summary(out: Path, dry_run: bool, total_s: int | None) -> str:
     """Builds the summary's markdown, writes it to ``out/summary.md`` and returns it."""
     stages = _stages(out)
@@ -172,6 +190,8 @@ def write_summary(out: Path, dry_run: bool, total_s: int | None) -> str:
     lines += ["", "## oracle tests", ""]
     lines += [_junit(out / "junit-fp32.xml"), "", _junit(out / "junit-bf16.xml")]
     lines += ["", "## bench (lockstep vs coalesce)", ""] + _bench(out / "bench.json")
+    lines += ["", "## CUDA graphs vs --enforce-eager (decode)", ""]
+    lines += [f"- {ln}" for ln in _graphs(out)]
     lines += ["", "## kernels", ""] + [f"- {ln}" for ln in _kernels(out / "kernels.json")]
     lines += ["", "## Triton kernels vs their oracles", ""] + [f"    {ln}" for ln in _triton(out)]
     text = "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import OracleTarget, read_oracle_target
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "kernels", "triton")
+STAGES = ("env", "install", "oracle_fp32", "oracle_bf16", "bench", "graphs", "kernels", "triton")
 
 
 def test_dry_run_summary_lists_every_stage_ok(tmp_path):
@@ -43,6 +43,8 @@ def test_dry_run_summary_lists_every_stage_ok(tmp_path):
     rollouts = bench["workloads"]["rollouts"]
     assert rollouts["lockstep"]["tokens_per_s"] > 0 and rollouts["coalesce"]["tokens_per_s"] > 0
     assert "coalesce / lockstep: rollouts" in summary
+    # The graphs stage ran the CPU stand-in backend end to end: same tokens, steps replayed.
+    assert re.search(r"steps replayed [1-9]\d*%; tokens equal: True; runner built: True", summary)
     kernels = json.loads((tmp_path / "kernels.json").read_text())
     assert [r["rows_per_expert"] for r in kernels["moe"]["rows"]] == [1, 4, 16]
     assert all(r["tflops"] > 0 for r in kernels["matmul"] + kernels["moe"]["rows"])

@@ -179,6 +179,7 @@ def run_batchgen(
             "prefill_tokens": m["prefill_tokens"],
             "prefix_cache_hits": m["prefix_cache_hits"],
             "prefix_cache_hit_rate": m["prefix_cache_hit_rate"],
+            "cuda_graph_step_share": m["cuda_graph_step_share"],
         },
     )
     if sampled is not None:

@@ -134,6 +134,8 @@ class StageExecutor:
         )
         self.layer_is_moe = cfg.layer_is_moe
         self._sync = runner.device.type == "cuda"
+        # Decode-only steps by graph replay (`batchgen.engine.cuda_graphs`), set by the engine.
+        self.graph_runner = None
 
     def form_groups(self, scheduled: list[ScheduledSeq]) -> list[list[ScheduledSeq]]:
         """Pack entries, in order, into groups of at most ``max_num_batched_tokens`` tokens
@@ -165,7 +167,15 @@ class StageExecutor:
         """Run a step. Returns the entries that sample a token (row order), their logits
         ``[B, V]`` float32, and for each entry with ``prompt_logits`` positions the final hidden
         states there (``[len(prompt_logits), H]``; the caller turns them into logits chunk by
-        chunk). ``local_prefill``: see the module docstring."""
+        chunk). ``local_prefill``: see the module docstring. A step the ``graph_runner`` takes
+        (decode-only, one micro-batch: `CUDAGraphRunner.can_run`) replays a CUDA graph."""
+        if self.graph_runner is not None and not local_prefill:
+            t0 = self._clock()
+            out = self.graph_runner.execute(scheduled)
+            if out is not None:
+                self.metrics.stage_seconds["cuda_graph"] += self._clock() - t0
+                self.metrics.cuda_graph_steps += 1
+                return out
         groups = []
         for entries in self.form_groups(scheduled):
             input_ids, meta, ordered, sample_indices = self.runner.prepare(entries)

@@ -34,6 +34,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
+from batchgen.engine import cuda_graphs
 from batchgen.engine.cpu_threads import configure_cpu_threads
 from batchgen.engine.engine_setup import load_engine_model, resolve_max_model_len
 from batchgen.engine.engine_requests import EngineRequests
@@ -155,6 +156,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             )
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_caching=caching)
         self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.dtype)  # all layers
+        graph_backend = cuda_graphs.graph_backend_for(self.device, config.enforce_eager)
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -162,6 +164,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self.device,
             self.dtype,
             batch_invariant=config.batch_invariant,
+            reserve_dummy_block=graph_backend is not None,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -188,6 +191,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self.metrics,
             expert_parallel=self.expert_parallel is not None,
         )
+        self.executor.graph_runner = cuda_graphs.build_graph_runner(self, graph_backend)
         logger.info(
             "scheduler: %s, %d tokens per attention micro-batch, %d tokens and %d sequences "
             "per step",

@@ -17,7 +17,10 @@ import torch
 
 # "grammar_mask": structured outputs' matcher work (each constrained row's allowed-token mask
 # and advancing its grammar by the sampled token); applying the masks is part of "sampling".
-STAGES = ("attention", "moe", "dense_ffn", "lm_head", "sampling", "grammar_mask", "scheduling")
+STAGES = (
+    "attention", "moe", "dense_ffn", "lm_head", "cuda_graph", "sampling", "grammar_mask",
+    "scheduling",
+)  # fmt: skip
 
 
 @dataclass
@@ -72,6 +75,7 @@ class EngineMetrics:
     decode_only_stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     shared_prefix_tokens: int = 0  # prompt positions taken from a sibling sample's KV blocks
     kv_imported_tokens: int = 0  # positions whose K/V were shipped from another rank
+    cuda_graph_steps: int = 0  # steps run by CUDA graph replay (`batchgen.engine.cuda_graphs`)
     started_at: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,7 @@ class EngineMetrics:
             ),
             "shared_prefix_tokens": self.shared_prefix_tokens,
             "kv_imported_tokens": self.kv_imported_tokens,
+            "cuda_graph_step_share": self.cuda_graph_steps / (self.num_steps or 1),
             "num_expert_gemms": self.expert.num_gemms,
             "mean_rows_per_expert_gemm": self.expert.mean_rows_per_gemm,
             "tile_size": self.tile_size,

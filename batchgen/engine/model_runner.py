@@ -60,6 +60,9 @@ class ModelRunner:
             unavailable) or MLA runs the Triton kernel, one bucket per decode row, so a row's
             gathered context length and the shapes of its attention GEMMs depend only on its
             own context (`EngineConfig.batch_invariant`).
+        reserve_dummy_block: allocate one KV block past ``num_blocks`` that no sequence owns,
+            ``dummy_block``: a CUDA graph's padding rows write their K/V there
+            (`batchgen.engine.cuda_graphs`). None without it.
     """
 
     def __init__(
@@ -70,13 +73,15 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         batch_invariant: bool = False,
+        reserve_dummy_block: bool = False,
     ) -> None:
         self.model = model
+        self.dummy_block = num_blocks if reserve_dummy_block else None
         self.batch_invariant = batch_invariant
         self.device = device
         self.block_size = block_size
         cfg = model.config
-        num_slots = num_blocks * block_size
+        num_slots = (num_blocks + reserve_dummy_block) * block_size
         shapes = kv_cache_token_shapes(cfg)
         self.kv_caches = [
             tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)

@@ -76,6 +76,9 @@ def add_config_flags(group, config_cls) -> None:
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:  # ``--cudagraph-capture-sizes 1 2 4`` (vLLM's)
+            (item,) = typing.get_args(kind)
+            kwargs.update(type=item, nargs="+", metavar="N")
         else:
             metavar = {int: "N", float: "X"}.get(kind, f.name.upper())
             kwargs.update(type=kind, metavar=metavar)

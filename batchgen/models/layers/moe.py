@@ -173,6 +173,9 @@ class SparseMoeBlock(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(held, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
         self.stats = None  # the engine injects its `ExpertGemmStats` here
+        # Inside a CUDA graph (`batchgen.engine.cuda_graphs`): receives ``topk_ids [T, A]``
+        # instead of ``stats`` (whose Python list would sync with the host).
+        self.topk_sink = None
         # Batch-invariant mode (`batchgen.models.batch_invariant`): GEMMs whose rows do not
         # depend on each other where the fused kernel does not serve this block.
         self.batch_invariant = False
@@ -279,6 +282,8 @@ class SparseMoeBlock(nn.Module):
             out = self.expert_parallel(self, x, local_rows)
         else:
             topk_weights, topk_ids = self.route(x)
+            if self.topk_sink is not None:
+                self.topk_sink(topk_ids)
             out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
