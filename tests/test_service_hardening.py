@@ -15,7 +15,7 @@ import httpx
 import pytest
 from service_helpers import Server, completion_line, is_error_object, make_tiny_model
 
-from batchgen.engine.llm_engine import served_model_name
+from batchgen.engine.engine_setup import served_model_name
 
 KEY = "sk-from-a-file"
 BODY_LIMIT_MB = 40

@@ -80,7 +80,7 @@ def run(
 ) -> dict:
     """Run the benchmark; returns the ``--json`` record (see `format_table`). ``progress``:
     a tqdm bar per mode on stderr, over the useful tokens."""
-    from batchgen.engine.llm_engine import resolve_device
+    from batchgen.engine.engine_setup import resolve_device
     from batchgen.models.loader import _DTYPES
 
     dev = resolve_device(device)

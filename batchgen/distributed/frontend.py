@@ -115,7 +115,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
     def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
         from transformers import AutoConfig
 
-        from batchgen.engine.llm_engine import served_model_name
+        from batchgen.engine.engine_setup import served_model_name
         from batchgen.models.loader import resolve_model_path
         from batchgen.models.model_config import ModelConfig
 

@@ -118,7 +118,8 @@ class RankLoop:
         from batchgen.distributed.layout import resolve_layout
         from batchgen.distributed.rank import RankContext
         from batchgen.distributed.rank_weights import apply_update
-        from batchgen.engine.llm_engine import LLMEngine, resolve_device
+        from batchgen.engine.engine_setup import resolve_device
+        from batchgen.engine.llm_engine import LLMEngine
 
         self.rank, self.link, self.launch = launch.rank, link, launch
         from batchgen.engine.cpu_threads import configure_cpu_threads

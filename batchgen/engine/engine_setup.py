@@ -1,10 +1,11 @@
-"""Two steps of `LLMEngine`'s construction: loading the model in its execution form, and
-resolving ``max_model_len`` against the model and the KV cache."""
+"""Steps of `LLMEngine`'s construction: the device, the served model name, loading the model in
+its execution form, and resolving ``max_model_len`` against the model and the KV cache."""
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,22 @@ from batchgen.models.loader import load_model
 from batchgen.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto" -> cuda when available, else cpu. Raises ValueError for cuda without CUDA."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available; use 'cpu'")
+    return torch.device(device)
+
+
+def served_model_name(model: str) -> str:
+    """The name a model is served under by default: a local directory's name (its path would
+    tell every client where the server keeps its files), else the hub id as given."""
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
 
 
 def load_engine_model(

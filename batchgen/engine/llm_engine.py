@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,12 @@ from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import KVCacheManager
 from batchgen.engine import cuda_graphs
 from batchgen.engine.cpu_threads import configure_cpu_threads
-from batchgen.engine.engine_setup import load_engine_model, resolve_max_model_len
+from batchgen.engine.engine_setup import (
+    load_engine_model,
+    resolve_device,
+    resolve_max_model_len,
+    served_model_name,
+)
 from batchgen.engine.engine_requests import EngineRequests
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
@@ -63,22 +67,6 @@ if TYPE_CHECKING:
     from batchgen.distributed.rank import RankContext
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    """ "auto" -> cuda when available, else cpu. Raises ValueError for cuda without CUDA."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but CUDA is not available; use 'cpu'")
-    return torch.device(device)
-
-
-def served_model_name(model: str) -> str:
-    """The name a model is served under by default: a local directory's name (its path would
-    tell every client where the server keeps its files), else the hub id as given."""
-    path = Path(model)
-    return path.resolve().name if path.is_dir() else model
 
 
 @dataclass

@@ -230,7 +230,7 @@ def _resolved_dtype(
 ) -> str:
     from types import SimpleNamespace
 
-    from batchgen.engine.llm_engine import resolve_device
+    from batchgen.engine.engine_setup import resolve_device
     from batchgen.models.loader import cpu_has_fast_bf16, resolve_dtype
 
     backend = getattr(parallel, "distributed_executor_backend", "mp")
