@@ -30,3 +30,38 @@ def test_bf16_decode_attention_a_nan_key_makes_the_output_nan(hq, hkv, d, block_
     )
     assert out[3].isnan().all(), f"{int(out[3].isnan().sum())} of {out[3].numel()} are NaN"
     assert not out[:3].isnan().any()  # the other sequences are untouched
+
+
+SWITCHES = [
+    ("BATCHGEN_PACKED_LINEAR", "batchgen.kernels.packed_linear", "packed_linear_enabled"),
+    ("BATCHGEN_CPU_AMX", "batchgen.kernels.fused_moe", "amx_enabled"),
+    ("BATCHGEN_ONEDNN_LINEAR", "batchgen.kernels.onednn_linear", "prepacked_linear_enabled"),
+]
+
+
+@pytest.mark.parametrize("var,module,fn", SWITCHES)
+@pytest.mark.parametrize("value", ["of", "2", "disable", "0,1"])
+def test_on_off_switches_reject_values_they_do_not_know(var, module, fn, value, monkeypatch):
+    """A typo such as ``BATCHGEN_PACKED_LINEAR=of`` used to mean "on" (anything but the four
+    off words did), so an A/B run silently measured the same path twice."""
+    import importlib
+
+    enabled = getattr(importlib.import_module(module), fn)
+    monkeypatch.setenv(var, value)
+    allowed = "allowed values are 1/true/yes/on .* 0/false/no/off"
+    with pytest.raises(ValueError, match=rf"{var}=.*{allowed}"):
+        enabled()
+
+
+@pytest.mark.parametrize("var,module,fn", SWITCHES)
+def test_on_off_switches_accept_the_documented_words(var, module, fn, monkeypatch):
+    import importlib
+
+    enabled = getattr(importlib.import_module(module), fn)
+    words = [("0", False), (" OFF ", False), ("no", False), ("false", False)]
+    words += [("1", True), ("On", True), ("yes", True), ("true", True), ("", True)]
+    for value, want in words:
+        monkeypatch.setenv(var, value)
+        assert enabled() is want, (var, value)
+    monkeypatch.delenv(var)
+    assert enabled() is True
