@@ -65,3 +65,51 @@ def test_on_off_switches_accept_the_documented_words(var, module, fn, monkeypatc
         assert enabled() is want, (var, value)
     monkeypatch.delenv(var)
     assert enabled() is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 0), (0, 0), (0, 5), (2, 0, 4)])
+def test_rms_norm_of_an_empty_tensor_is_the_eager_result(shape, dtype):
+    """No rows, or a hidden size of 0: the eager ops return an empty tensor of x's shape; the
+    kernel's wrapper raised reshape's "cannot reshape tensor of 0 elements" for H = 0."""
+    from batchgen.models.layers.norm import RMSNorm
+
+    x = torch.randn(shape).to(dtype)
+    norm = RMSNorm(shape[-1]).to(dtype)
+    with torch.no_grad():
+        y = norm(x)
+    assert y.shape == x.shape and y.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [1, 7, 17, 2880, 5128])
+def test_rms_norm_nan_inf_and_odd_hidden_sizes_follow_the_eager_ops(h, dtype):
+    """A NaN or an inf in a row makes that row NaN as in the eager ops (inf / inf), never a
+    number; the other rows are the eager result up to the kernel's summation order (one bf16
+    rounding, tests/test_rms_norm.py's bound); hidden sizes not a multiple of 16 take the
+    generic loops. Views at an odd element offset and transposed inputs give the same bits as
+    their contiguous copies, and one thread the same bits as two."""
+    from batchgen.kernels.rms_norm import rms_norm, rms_norm_available
+
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(40, h + 1, generator=g).to(dtype)[:, 1:]  # odd offset, strided rows
+    w = torch.randn(h + 1, generator=g).to(dtype)[1:]
+    if not rms_norm_available(x, w):
+        pytest.skip("rms_norm kernel not built")
+    x[1, 0], x[2, -1], x[3, h // 2] = float("nan"), float("inf"), float("-inf")
+    y = rms_norm(x, w, 1e-6)
+    x32 = x.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(y.isnan(), want.isnan()) and y[1:4].isnan().any(dim=-1).all()
+    finite = ~want.isnan()
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    assert ((y - want).float().abs()[finite] <= ulp * want.float().abs()[finite] * 2 + 1e-30).all()
+    same_bits = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(y, rms_norm(x.contiguous(), w.contiguous(), 1e-6), **same_bits)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rms_norm(x, w, 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, y, **same_bits)
