@@ -113,3 +113,88 @@ def test_rms_norm_nan_inf_and_odd_hidden_sizes_follow_the_eager_ops(h, dtype):
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(one, y, **same_bits)
+
+
+def _packed_linear_isas() -> list[str]:
+    from batchgen.kernels import packed_linear as pk
+
+    isa = pk.kernel_isa() if pk.packed_linear_supported() else None
+    return {None: [], "avx512_bf16": ["avx512_bf16"], "amx": ["amx", "avx512_bf16"]}[isa]
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 7), (33, 31), (17, 5128), (2880, 2880)])
+@pytest.mark.parametrize("m", [0, 1, 3, 33, 129])
+def test_packed_linear_odd_shapes_nan_inf_and_views(n, k, m):
+    """N, K not multiples of 16/32 (padded panels), 0/1/odd rows, NaN and inf in x: the kernel
+    is F.linear in float32 rounded once to bf16 (its docstring's contract), NaN and inf where
+    F.linear has them; odd-offset, strided, transposed and expanded (row stride 0) inputs give
+    the bits of their contiguous copies."""
+    from batchgen.kernels import packed_linear as pk
+
+    isas = _packed_linear_isas()
+    if not isas:
+        pytest.skip("packed_linear kernel not available")
+    g = torch.Generator().manual_seed(n * k + m)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = pk.pack_packed_linear_weight(w)
+    x = torch.randn(m, k + 3, generator=g).bfloat16()[:, 1 : k + 1]  # odd offset, row stride k+3
+    if m > 2:
+        x[1, 0], x[2, -1] = float("nan"), float("inf")
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    finite = want.isfinite()
+    scale = x.float().nan_to_num(0, 0, 0).abs() @ w.float().abs().T + bias.float().abs()
+    for isa in isas:
+        y = pk.packed_linear(x, packed, n, k, bias, isa)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
+        # one bf16 rounding of the result plus float32 summation error (K terms)
+        bound = 2.0**-8 * want.abs() + k * 2.0**-23 * scale + 1e-6
+        assert ((y.float() - want).abs()[finite] <= bound[finite]).all(), isa
+        same_bits = dict(rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(y, pk.packed_linear(x.contiguous(), packed, n, k, bias, isa),
+                                   **same_bits)
+        if m:
+            xt = x.contiguous().T.contiguous().T  # [m, k] with strides (1, m)
+            torch.testing.assert_close(pk.packed_linear(xt, packed, n, k, bias, isa), y,
+                                       **same_bits)
+            xe = x[:1].expand(m, k)
+            torch.testing.assert_close(pk.packed_linear(xe, packed, n, k, bias, isa),
+                                       y[:1].expand(m, n), **same_bits)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        # hidden 72 (not a multiple of 16 or 32), head size 18 (generic attention loops), MoE
+        ("mixtral", dict(hidden_size=72, intermediate_size=40, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+        # hidden 14, one head of 14, intermediate 9
+        ("llama", dict(hidden_size=14, intermediate_size=9, num_attention_heads=1,
+                       num_key_value_heads=1)),
+    ],
+)
+def test_bf16_engine_with_odd_hidden_size_generates_like_transformers(
+    arch, overrides, tmp_path
+):
+    """A bf16 model whose hidden and head sizes are no multiple of 16 runs end to end through
+    `LLM` (each kernel serving or falling back per shape), and its greedy tokens pass the bf16
+    kernel tests' criterion against `transformers` (tests/test_paged_attention_bf16.py)."""
+    import transformers as tf
+
+    from batchgen import LLM, SamplingParams
+    from batchgen.models.make_model import make_model
+    from tests.test_paged_attention_bf16 import assert_greedy_agrees_with_reference
+
+    path = make_model(
+        arch, tmp_path / arch, seed=1234, num_hidden_layers=2, initializer_range=0.1,
+        **overrides
+    )
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.05)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("The quick brown fox", "def fib(n):", "a b c d e f")]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16, 16]
+    ref = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    assert_greedy_agrees_with_reference(arch, prompts, outs, ref)
