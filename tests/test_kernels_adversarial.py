@@ -198,3 +198,69 @@ def test_bf16_engine_with_odd_hidden_size_generates_like_transformers(
     assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16, 16]
     ref = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     assert_greedy_agrees_with_reference(arch, prompts, outs, ref)
+
+
+def _odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts one element into its buffer (a pointer
+    aligned to 2 bytes only in bf16)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ISA_NAMES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size",
+    [(16, 1, 64, 16), (32, 2, 64, 16), (16, 1, 192, 32), (16, 16, 64, 1), (8, 2, 64, 8),
+     (17, 17, 32, 16)],
+)
+def test_bf16_decode_attention_edges_of_the_cache_and_the_arguments(hq, hkv, d, block_size, isa):
+    """G = 16 (AMX's limit) and 1, blocks of 1/8/16/32, contexts at block edges; then: a block
+    table pointing at the last block of an exactly sized cache, every tensor at an odd element
+    offset, a window far larger than the context, one thread against two, and a row with
+    kv_len 0 under ``context_checked`` (zeros, the other rows unchanged). The reference is
+    tests/test_paged_attention_bf16.py's float64 one with its error bound."""
+    from tests.test_paged_attention_bf16 import _reference
+
+    if not decode_kernel_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("kernel not built")
+    lens = [1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 1, 48]
+    q, k, v, tables, slots = _paged_case(lens, hq, hkv, d, block_size)
+    scale = d**-0.5
+
+    def run(q, k, v, tables, lens, window=None, out=None, checked=False):
+        out = torch.zeros(q.shape, dtype=q.dtype) if out is None else out
+        paged_decode_attention(
+            q, k, v, tables, torch.tensor(lens), block_size, scale, window, out, isa, checked
+        )
+        return out
+
+    def within_bound(out, tables_slots, window=None):
+        for i, s in enumerate(tables_slots):
+            want, bound = _reference(q[i], k[s], v[s], scale, window, with_bound=True)
+            assert ((out[i].double() - want).abs() <= bound).all(), i
+
+    out = run(q, k, v, tables, lens)
+    within_bound(out, slots)
+    last = k.shape[0] // block_size - 1
+    at_end = tables.clone()
+    at_end[0, 0] = last  # sequence 0 (kv_len 1) reads the cache's very last block
+    within_bound(run(q, k, v, at_end, lens)[:1], [torch.tensor([last * block_size])])
+    odd = run(_odd_offset(q), _odd_offset(k), _odd_offset(v), tables, lens,
+              out=_odd_offset(torch.zeros_like(q)))
+    assert torch.equal(odd, out)
+    assert torch.equal(run(q, k, v, tables, lens, window=10**9), out)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(q, k, v, tables, lens), out)
+    finally:
+        torch.set_num_threads(threads)
+    empty = list(lens)
+    empty[1] = 0
+    zeros = run(q, k, v, tables, empty, checked=True)
+    assert (zeros[1] == 0).all() and torch.equal(zeros[2:], out[2:])
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        run(q, k, v, tables, empty)
