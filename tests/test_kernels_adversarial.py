@@ -264,3 +264,30 @@ def test_bf16_decode_attention_edges_of_the_cache_and_the_arguments(hq, hkv, d, 
     assert (zeros[1] == 0).all() and torch.equal(zeros[2:], out[2:])
     with pytest.raises(ValueError, match="kv_lens must be in"):
         run(q, k, v, tables, empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_100k_rows_and_subnormals(dtype):
+    """100,000 rows (threads split them) give the bits of one thread and the eager result
+    within tests/test_rms_norm.py's bound; so does a row of subnormals (its mean square
+    underflows to 0, so eps decides), not flushed to zero."""
+    from batchgen.kernels.rms_norm import rms_norm, rms_norm_available
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(100_000, 64, generator=g).to(dtype)
+    w = torch.randn(64, generator=g).to(dtype)
+    if not rms_norm_available(x, w):
+        pytest.skip("rms_norm kernel not built")
+    x[5] = torch.finfo(dtype).tiny / 4  # subnormal (bf16 shares float32's exponent range)
+    y = rms_norm(x, w, 1e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(rms_norm(x, w, 1e-6), y)
+    finally:
+        torch.set_num_threads(threads)
+    x32 = x.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 4 * 2.0**-23
+    assert ((y - want).float().abs() <= ulp * want.float().abs() + 1e-30).all()
+    assert (y[5] != 0).all() and y[5].isfinite().all()  # not flushed: eps sets the scale
