@@ -291,3 +291,38 @@ def test_rms_norm_100k_rows_and_subnormals(dtype):
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 4 * 2.0**-23
     assert ((y - want).float().abs() <= ulp * want.float().abs() + 1e-30).all()
     assert (y[5] != 0).all() and y[5].isfinite().all()  # not flushed: eps sets the scale
+
+
+@pytest.mark.parametrize(
+    "case,field",
+    [
+        ("packed_float32", "packed"),  # read as bf16 bits: silent garbage
+        ("packed_strided", "packed"),  # read as if contiguous: silently wrong
+        ("bias_meta", "bias"),  # data_ptr 0 read as "no bias": silently dropped
+        ("x_meta", "x"),  # data_ptr 0 handed to the kernel: segmentation fault
+        ("packed_meta", "packed"),  # the same
+    ],
+)
+def test_packed_linear_rejects_tensors_it_cannot_read(case, field):
+    """`packed_linear` is public and hands raw pointers to C++: a packed weight of another
+    dtype or layout, or a tensor off the CPU (meta here; CUDA on a GPU machine), must be a
+    ValueError naming the argument, not garbage, a dropped bias or a crash."""
+    from batchgen.kernels import packed_linear as pk
+
+    if not _packed_linear_isas():
+        pytest.skip("packed_linear kernel not available")
+    w = torch.randn(16, 32).bfloat16()
+    packed = pk.pack_packed_linear_weight(w)
+    x, bias = torch.randn(2, 32).bfloat16(), None
+    if case == "packed_float32":
+        packed = packed.float()
+    elif case == "packed_strided":
+        packed = torch.cat([packed, packed], -1)[..., ::2]
+    elif case == "bias_meta":
+        bias = torch.empty(16, dtype=torch.bfloat16, device="meta")
+    elif case == "x_meta":
+        x = x.to("meta")
+    else:
+        packed = packed.to("meta")
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        pk.packed_linear(x, packed, 16, 32, bias)
