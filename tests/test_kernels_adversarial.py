@@ -326,3 +326,22 @@ def test_packed_linear_rejects_tensors_it_cannot_read(case, field):
         packed = packed.to("meta")
     with pytest.raises(ValueError, match=rf"^{field} "):
         pk.packed_linear(x, packed, 16, 32, bias)
+
+
+@needs_compiler
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("name", ["block_tables", "kv_lens"])
+def test_decode_attention_metadata_off_the_cpu_is_an_error(name, checked):
+    """Block tables or context lengths on another device (meta here, CUDA on a GPU machine)
+    went to the kernel as raw pointers: a segmentation fault under ``context_checked`` (and on
+    CUDA without it, after the context check ran there). A ValueError names the argument."""
+    if not decode_kernel_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("kernel not built")
+    q, k, v, tables, _ = _paged_case([3, 17], 8, 2, 64, 16)
+    args = {"block_tables": tables, "kv_lens": torch.tensor([3, 17])}
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"{name} must be on the CPU"):
+        paged_decode_attention(
+            q, k, v, args["block_tables"], args["kv_lens"], 16, 0.125, None,
+            torch.zeros_like(q), context_checked=checked,
+        )
