@@ -345,3 +345,30 @@ def test_decode_attention_metadata_off_the_cpu_is_an_error(name, checked):
             q, k, v, args["block_tables"], args["kv_lens"], 16, 0.125, None,
             torch.zeros_like(q), context_checked=checked,
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hw", [(16, 8), (8, 16), (32, 1)])
+def test_rms_norm_weight_of_another_size_is_the_eager_error(h, hw, dtype):
+    """An RMSNorm applied to rows of another width (a per-head q/k norm given whole hidden
+    rows, a mis-sized checkpoint) raises in the eager ops (no broadcast of [hw] to [..., h],
+    except hw = 1); the kernel read ``h`` weights from a tensor of ``hw``: past its end, or
+    the first ``h`` of them, silently. Now the kernel serves only a weight of [h] and the
+    eager ops decide."""
+    from batchgen.models.layers.norm import RMSNorm
+
+    norm = RMSNorm(hw).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, hw))
+    x = torch.randn(4, h).to(dtype)
+    x32 = x.float()
+    with torch.no_grad():
+        try:
+            want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+                dtype
+            )
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="size of tensor"):
+                norm(x)
+            return
+        torch.testing.assert_close(norm(x), want)

@@ -5,8 +5,8 @@ roundings of `batchgen.models.layers.norm.RMSNorm`'s eager ops) in one call inst
 torch ops; only the sum of squares is added in another order, so the mean can differ from
 torch's in its last bit (tests/test_rms_norm.py bounds the outputs' difference). Where the
 kernel does not serve (not CPU, other dtypes, weight of another dtype, gradients, the library
-not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``) `rms_norm_available` is False and the
-caller runs the eager ops.
+not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``, a weight that is not ``[H]``)
+`rms_norm_available` is False and the caller runs the eager ops.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ def _functions() -> dict[torch.dtype, object]:
 
 def rms_norm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when the kernel serves ``x [..., H]`` with ``weight [H]``: both on CPU, the same
-    dtype (float32 or bfloat16), no gradient needed, the kernel built and enabled."""
+    dtype (float32 or bfloat16), weight exactly ``[H]`` (the eager ops broadcast ``[1]`` or
+    raise for other sizes; the kernel reads H weights), no gradient needed, the kernel built
+    and enabled."""
     return (
         x.device.type == "cpu"
+        and weight.shape == x.shape[-1:]
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.device.type == "cpu"
