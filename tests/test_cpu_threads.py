@@ -111,3 +111,21 @@ def test_oversubscription_is_warned_once(fresh, caplog):
     assert len(warnings) == 1
     assert "load average 3.2 over the last minute on 2 CPU(s)" in warnings[0]
     assert "OMP_NUM_THREADS" in warnings[0]
+
+
+def test_omp_num_threads_list_takes_its_outer_level_and_garbage_is_an_error(fresh, monkeypatch):
+    """OpenMP's syntax is a list of levels (``4,2``: 4 threads at the outer level), which
+    libgomp honours; it was ignored here (not all digits) and ``cpus // N`` used instead. A
+    value that is no such list (``four``, ``0``, ``-2``) names the variable and its form
+    instead of silently running another thread count."""
+    monkeypatch.setattr(ct, "available_cpus", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", " 3,2 ")
+    assert ct.configure_cpu_threads(2) == 3 and torch.get_num_threads() == 3
+    for bad in ("four", "0", "-2", "3,,2", "2.5"):
+        monkeypatch.setattr(ct, "_configured", None)
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match=r"OMP_NUM_THREADS=.*positive int"):
+            ct.configure_cpu_threads(2)
+    monkeypatch.setattr(ct, "_configured", None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "  ")  # blank: unset
+    assert ct.configure_cpu_threads(2) == 4

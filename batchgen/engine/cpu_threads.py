@@ -126,6 +126,23 @@ def set_openmp_wait_policy(
     return dict(policy)
 
 
+def user_omp_num_threads() -> int | None:
+    """The threads ``OMP_NUM_THREADS`` asks for: its outer level (OpenMP's syntax is a list of
+    positive ints, one per nesting level: ``4,2`` means 4), None when unset or blank.
+
+    Raises:
+        ValueError: a value that is not such a list, naming the variable and its form.
+    """
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    levels = [level.strip() for level in raw.split(",")] if raw.strip() else []
+    if levels and not all(lv.isascii() and lv.isdigit() and int(lv) > 0 for lv in levels):
+        raise ValueError(
+            f"OMP_NUM_THREADS={raw!r}: expected a positive int (or OpenMP's comma-separated "
+            "list of them, one per nesting level), or unset"
+        )
+    return int(levels[0]) if levels else None
+
+
 def configure_cpu_threads(num_local_processes: int | None = None) -> int:
     """Set torch's intra-op threads for this process; returns their number.
 
@@ -136,7 +153,8 @@ def configure_cpu_threads(num_local_processes: int | None = None) -> int:
     Raises:
         ValueError: ``num_local_processes`` < 1.
 
-    ``OMP_NUM_THREADS`` set by the user wins over the computed number. The first call logs
+    ``OMP_NUM_THREADS`` set by the user wins over the computed number (`user_omp_num_threads`,
+    which raises ValueError for a malformed value). The first call logs
     the number and the wait policy in force; it also warns, once per process, when the
     1-minute load average is already at or above the CPUs.
     """
@@ -150,9 +168,9 @@ def configure_cpu_threads(num_local_processes: int | None = None) -> int:
     import torch
 
     cpus = available_cpus()
-    user_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if user_threads.isdigit() and int(user_threads) > 0:
-        threads = int(user_threads)
+    user_threads = user_omp_num_threads()
+    if user_threads is not None:
+        threads = user_threads
         source = "OMP_NUM_THREADS"
     else:
         threads = max(1, cpus // num_local_processes)

@@ -53,6 +53,29 @@ KERNEL_NAMES = (
 )  # the sources in csrc/
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_switch(name: str) -> bool:
+    """An on/off environment variable of the kernels (``BATCHGEN_PACKED_LINEAR``,
+    ``BATCHGEN_CPU_AMX``, ``BATCHGEN_ONEDNN_LINEAR``): True when unset, empty or one of
+    ``1/true/yes/on``, False for ``0/false/no/off`` (case and spaces ignored).
+
+    Raises:
+        ValueError: any other value, naming the variable and the allowed values (a typo such
+            as ``of`` must not silently mean "on" in an A/B run).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value in _ON or not value:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(
+        f"{name}={os.environ[name]!r}: allowed values are {'/'.join(_ON)} (on, the default) "
+        f"and {'/'.join(_OFF)} (off)"
+    )
+
+
 def kernels_enabled(name: str | None = None) -> bool:
     """Whether ``BATCHGEN_CPU_KERNELS`` lets the kernel ``name`` (None: any kernel) run.
 

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from batchgen.kernels.cpu_build import cpu_flags
+from batchgen.kernels.cpu_build import cpu_flags, env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +65,11 @@ def _onednn_bf16_fast() -> bool:
 
 
 def prepacked_linear_enabled() -> bool:
-    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
-    value = os.environ.get(ONEDNN_LINEAR_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``).
+
+    Raises:
+        ValueError: a value other than the on/off words (`cpu_build.env_switch`)."""
+    return env_switch(ONEDNN_LINEAR_ENV)
 
 
 def prepacked_linear_supported() -> bool:

@@ -172,9 +172,9 @@ def paged_decode_attention(
             step); the shape, dtype and layout checks run on every call regardless.
     Raises:
         RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
-        Hkv); ValueError (naming the argument) for a wrong dtype, a non-contiguous cache or
-        output, or a context or block id outside the cache: the kernel reads raw memory, so
-        these are checked first.
+        Hkv); ValueError (naming the argument) for a wrong dtype, a tensor off the CPU, a
+        non-contiguous cache or output, or a context or block id outside the cache: the
+        kernel reads raw memory, so these are checked first.
     """
     lib = _function()
     if lib is None:
@@ -250,6 +250,9 @@ def _check(
         )
     if block_tables.dtype != torch.int64 or kv_lens.dtype != torch.int64:
         raise ValueError("block_tables and kv_lens must be int64")
+    for name, t in (("block_tables", block_tables), ("kv_lens", kv_lens)):
+        if t.device.type != "cpu":  # read as raw pointers by the kernel
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
     if block_tables.shape[0] != q.shape[0] or kv_lens.shape != (q.shape[0],):
         raise ValueError(
             f"block_tables {tuple(block_tables.shape)} and kv_lens {tuple(kv_lens.shape)} "

@@ -5,8 +5,8 @@ roundings of `batchgen.models.layers.norm.RMSNorm`'s eager ops) in one call inst
 torch ops; only the sum of squares is added in another order, so the mean can differ from
 torch's in its last bit (tests/test_rms_norm.py bounds the outputs' difference). Where the
 kernel does not serve (not CPU, other dtypes, weight of another dtype, gradients, the library
-not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``) `rms_norm_available` is False and the
-caller runs the eager ops.
+not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``, a weight that is not ``[H]``)
+`rms_norm_available` is False and the caller runs the eager ops.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ def _functions() -> dict[torch.dtype, object]:
 
 def rms_norm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when the kernel serves ``x [..., H]`` with ``weight [H]``: both on CPU, the same
-    dtype (float32 or bfloat16), no gradient needed, the kernel built and enabled."""
+    dtype (float32 or bfloat16), weight exactly ``[H]`` (the eager ops broadcast ``[1]`` or
+    raise for other sizes; the kernel reads H weights), no gradient needed, the kernel built
+    and enabled."""
     return (
         x.device.type == "cpu"
+        and weight.shape == x.shape[-1:]
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.device.type == "cpu"
@@ -62,22 +65,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x: ``[..., H]`` float32 or bfloat16 on CPU; weight: ``[H]``, same dtype;
         eps: added to the mean square (float32).
     Returns:
-        ``[..., H]`` in x's dtype, a new tensor.
+        ``[..., H]`` in x's dtype, a new tensor (empty, as from the eager ops, when x has no
+        rows or H = 0).
     Raises:
-        RuntimeError: the kernel rejected the shapes (H = 0).
+        RuntimeError: the kernel rejected the shapes.
     Call only where `rms_norm_available` is True."""
     h = x.shape[-1]
+    if x.numel() == 0:  # reshape(-1, 0) cannot infer the rows
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     rows = x.reshape(-1, h).contiguous()
     w = weight.contiguous()
     out = torch.empty_like(rows)
-    if rows.shape[0]:
-        args = (rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], h, eps)
-        fn, threads = _functions()[x.dtype], torch.get_num_threads()
-        if torch.autograd._profiler_enabled():  # the scope costs ~5 us even when not profiled
-            with record_function("batchgen::rms_norm"):
-                rc = fn(*args, threads)
-        else:
+    args = (rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], h, eps)
+    fn, threads = _functions()[x.dtype], torch.get_num_threads()
+    if torch.autograd._profiler_enabled():  # the scope costs ~5 us even when not profiled
+        with record_function("batchgen::rms_norm"):
             rc = fn(*args, threads)
-        if rc != 0:
-            raise RuntimeError(f"rms_norm kernel rejected the shape {tuple(x.shape)} (code {rc})")
+    else:
+        rc = fn(*args, threads)
+    if rc != 0:
+        raise RuntimeError(f"rms_norm kernel rejected the shape {tuple(x.shape)} (code {rc})")
     return out.view(x.shape)

@@ -54,10 +54,12 @@ inline bool avx512_bf16_usable() {
 // e^r = 1 + r + r^2 P(r), P of degree 5 (Cephes' minimax coefficients); times 2^n by
 // `vscalefps` (exact, and it underflows to subnormals and 0 correctly). Cephes states a peak
 // relative error of 1.7e-7 (rms 2.8e-8) over [-87.3, 88.7] in IEEE single; inputs below -104
-// are clamped there (e^-104 < 2^-149: the result is 0).
+// are clamped there (e^-104 < 2^-149: the result is 0). NaN in, NaN out.
 BATCHGEN_ATTN_BF16_TARGET inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  // The clamps' operand order keeps a NaN: vmaxps / vminps return their second operand when
+  // either is NaN (x first, a NaN score became -104 and its weight 0: the key was dropped).
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
