@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 
 import torch
@@ -69,6 +68,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def _library():
 def amx_enabled() -> bool:
     """False when ``BATCHGEN_CPU_AMX`` is ``0`` (also ``false``/``no``/``off``): ``isa="auto"``
     then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs)."""
-    return os.environ.get(AMX_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag(AMX_ENV)
 
 
 def kernel_isa(dtype: torch.dtype) -> str | None:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 from batchgen.kernels.cpu_build import cpu_flags
+from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ def _onednn_bf16_fast() -> bool:
 
 def prepacked_linear_enabled() -> bool:
     """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
-    value = os.environ.get(ONEDNN_LINEAR_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return env_flag(ONEDNN_LINEAR_ENV)
 
 
 def prepacked_linear_supported() -> bool:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.switches import env_flag
 from batchgen.kernels.fused_moe import amx_enabled
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,7 @@ def _function():
 
 def packed_linear_enabled() -> bool:
     """False when ``BATCHGEN_PACKED_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
-    value = os.environ.get(PACKED_LINEAR_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return env_flag(PACKED_LINEAR_ENV)
 
 
 def packed_linear_supported() -> bool:
