@@ -77,3 +77,12 @@ def test_good_switch_values_still_run(checkpoint_dir, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate([[1, 7, 8, 9]], sp, use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 4
+
+
+def test_a_forced_moe_path_that_cannot_run_fails_the_engine_at_start(checkpoint_dir, monkeypatch):
+    """Triton on CPU without TRITON_INTERPRET: before, every request of the first step failed."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("BATCHGEN_MOE_PATH", "triton")
+    model = str(checkpoint_dir("mixtral"))
+    with pytest.raises(ValueError, match="BATCHGEN_MOE_PATH=triton: device cpu: Triton kernels"):
+        LLM(model, device="cpu", dtype="float32", kv_cache_memory_gb=0.05)

@@ -175,6 +175,8 @@ class LLMEngine(EngineRequests, RequestOutputs):
         for module in model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
+                # A forced BATCHGEN_MOE_PATH that cannot run here fails now, not mid-step.
+                module.expert_path_for(self.device, self.dtype)
         # Under expert parallelism: the rank's dispatcher (and streamer) on every MoE layer.
         self.rank = rank
         self.expert_parallel = (
