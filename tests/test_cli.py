@@ -119,3 +119,15 @@ def test_the_cli_module_does_not_load_torch():
     code = "import sys, batchgen.entrypoints.cli; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_a_bad_log_level_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Before: a ValueError traceback from logging (exit 1)."""
+    monkeypatch.setenv("BATCHGEN_LOG_LEVEL", "quiet")
+    argv = ["run", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "batchgen run: error: BATCHGEN_LOG_LEVEL='quiet': expected one of DEBUG, INFO, WARNING, "
+        "ERROR, CRITICAL (any case)\n"
+    )

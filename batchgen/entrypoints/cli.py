@@ -44,6 +44,9 @@ from batchgen.entrypoints.cli_flags import (  # noqa: F401  (re-exported)
 from batchgen.entrypoints.cli_run import SNAPSHOT_FIELDS  # noqa: F401  (re-exported)
 from batchgen.entrypoints.cli_service import api_key as _api_key  # noqa: F401  (re-exported)
 
+LOG_LEVEL_ENV = "BATCHGEN_LOG_LEVEL"  # the "batchgen" logger's level on stderr (default INFO)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # ---------------------------------------------------------------------------------------------
 # batchgen make-model
 
@@ -159,6 +162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Subcommand = args._subcommand
     if unknown:  # argparse would report them with the top-level usage, not the subcommand's
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    raw_level = os.environ.get(LOG_LEVEL_ENV, "")
+    level = raw_level.strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        allowed = ", ".join(LOG_LEVELS)
+        print(
+            f"{PROG} {command.name}: error: {LOG_LEVEL_ENV}={raw_level!r}: expected one of "
+            f"{allowed} (any case)",
+            file=sys.stderr,
+        )
+        return 2
     # Start-up facts (model, device, KV cache blocks/tokens) go to stderr beside the progress bar.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
@@ -166,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     root = logging.getLogger("batchgen")
     root.addHandler(handler)
-    root.setLevel(os.environ.get("BATCHGEN_LOG_LEVEL", "INFO").upper())
+    root.setLevel(level)
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
