@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ def _build(source: Path, cxx: list[str]) -> Path:
     if target.exists() and _stamp_path(target).exists():
         logger.warning("cached CPU kernel %s does not match its stamp; rebuilding it", target)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # First use stalls the first step for a few seconds per kernel: say why.
+    logger.info("compiling CPU kernel %s into %s (first use; cached)", source.stem, out_dir)
+    started = time.perf_counter()
     # Build into a temporary name and rename: concurrent builders never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -161,6 +165,7 @@ def _build(source: Path, cxx: list[str]) -> Path:
                 os.unlink(path)
     # Written after the library is in place: a stamp never vouches for a file not yet there.
     _write_atomically(_stamp_path(target), stamp)
+    logger.info("compiled CPU kernel %s in %.1f s", source.stem, time.perf_counter() - started)
     return target
 
 
