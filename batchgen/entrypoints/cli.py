@@ -178,8 +178,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
     root = logging.getLogger("batchgen")
+    previous_level = root.level
     root.addHandler(handler)
     root.setLevel(level)
+    try:
+        return _run_command(command, args)
+    finally:
+        # In-process callers (tests, notebooks) get the logger back as it was: no handler
+        # left on a closed stream, no level that outlives the command.
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
+
+
+def _run_command(command: Subcommand, args: argparse.Namespace) -> int:
+    """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted)."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
