@@ -119,3 +119,31 @@ def test_the_cli_module_does_not_load_torch():
     code = "import sys, batchgen.entrypoints.cli; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_a_bad_log_level_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Before: a ValueError traceback from logging (exit 1)."""
+    monkeypatch.setenv("BATCHGEN_LOG_LEVEL", "quiet")
+    argv = ["run", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "batchgen run: error: BATCHGEN_LOG_LEVEL='quiet': expected one of DEBUG, INFO, WARNING, "
+        "ERROR, CRITICAL (any case)\n"
+    )
+
+
+def test_main_leaves_the_batchgen_logger_as_it_found_it(tmp_path, monkeypatch):
+    """Called in process (tests, notebooks), main used to leave its stderr handler (on a stream
+    that may be closed later) and its INFO level on the "batchgen" logger: every later INFO
+    record then reached the root handlers, and each call added one more handler."""
+    import logging
+
+    logger = logging.getLogger("batchgen")
+    before = (list(logger.handlers), logger.level)
+    write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kwargs: FakeEngine())
+    argv = ["run", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert cli.main(["run", "-i", str(tmp_path / "missing.jsonl"), "-o", "x"]) == 2
+    assert (list(logger.handlers), logger.level) == before

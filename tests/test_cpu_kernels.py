@@ -327,3 +327,26 @@ def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch):
     stamp.unlink()  # e.g. a cache written before stamps: rebuilt, then stamped
     assert build() == library and library.stat().st_ino != inode
     assert stamp.read_text() == stamp_of(library)
+
+
+@needs_compiler
+def test_a_first_use_build_says_so_and_a_cached_one_is_silent(monkeypatch, tmp_path, caplog):
+    """The first step waits while a kernel compiles (seconds each, longer on a busy machine): the
+    log says which kernel, where, and how long it took, so the stalled progress bar has a
+    reason; loading the cached library logs nothing."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(cache))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "probe.cpp").write_text('extern "C" int probe() { return 7; }\n')
+    with caplog.at_level(logging.INFO, logger="batchgen.kernels.cpu_build"):
+        first = cpu_build._build(src / "probe.cpp", cpu_build.cxx_command())
+    messages = [r.getMessage() for r in caplog.records]
+    expected = f"compiling CPU kernel probe into {cache / 'kernels'} (first use; cached)"
+    assert messages[0] == expected
+    assert len(messages) == 2 and messages[1].startswith("compiled CPU kernel probe in ")
+    assert messages[1].endswith(" s")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="batchgen.kernels.cpu_build"):
+        assert cpu_build._build(src / "probe.cpp", cpu_build.cxx_command()) == first
+    assert not caplog.records

@@ -48,7 +48,7 @@ def test_on_off_switches_reject_values_they_do_not_know(var, module, fn, value, 
 
     enabled = getattr(importlib.import_module(module), fn)
     monkeypatch.setenv(var, value)
-    allowed = "allowed values are 1/true/yes/on .* 0/false/no/off"
+    allowed = "expected 1/true/yes/on .* 0/false/no/off"
     with pytest.raises(ValueError, match=rf"{var}=.*{allowed}"):
         enabled()
 

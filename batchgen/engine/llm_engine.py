@@ -54,7 +54,7 @@ from batchgen.engine.request_outputs import RequestOutputs
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
-from batchgen.kernels.cpu_build import kernels_enabled
+from batchgen.kernels.switches import check_kernel_switches
 from batchgen.models.batch_invariant import check_batch_invariant_support
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.loader import resolve_dtype, resolve_model_path
@@ -117,10 +117,10 @@ class LLMEngine(EngineRequests, RequestOutputs):
         self.dtype = resolve_dtype(config.dtype, self.device, cfg, config.batch_invariant)
         if config.batch_invariant:
             check_batch_invariant_support(self.device, self.dtype)
+        check_kernel_switches()  # a bad BATCHGEN_* kernel or path switch fails here, not mid-step
         if self.device.type == "cpu":
             configure_cpu_threads()
             tune_glibc_malloc()
-            kernels_enabled()  # a bad BATCHGEN_CPU_KERNELS fails here, not mid-step
         torch.manual_seed(config.seed)
         held = rank.held_experts(cfg) if rank is not None else None
         model = load_engine_model(path, cfg, self.device, self.dtype, held, config.batch_invariant)
@@ -166,6 +166,8 @@ class LLMEngine(EngineRequests, RequestOutputs):
         for module in model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
+                # A forced BATCHGEN_MOE_PATH that cannot run here fails now, not mid-step.
+                module.expert_path_for(self.device, self.dtype)
         # Under expert parallelism: the rank's dispatcher (and streamer) on every MoE layer.
         self.rank = rank
         self.expert_parallel = (

@@ -44,6 +44,9 @@ from batchgen.entrypoints.cli_flags import (  # noqa: F401  (re-exported)
 from batchgen.entrypoints.cli_run import SNAPSHOT_FIELDS  # noqa: F401  (re-exported)
 from batchgen.entrypoints.cli_service import api_key as _api_key  # noqa: F401  (re-exported)
 
+LOG_LEVEL_ENV = "BATCHGEN_LOG_LEVEL"  # the "batchgen" logger's level on stderr (default INFO)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # ---------------------------------------------------------------------------------------------
 # batchgen make-model
 
@@ -159,14 +162,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Subcommand = args._subcommand
     if unknown:  # argparse would report them with the top-level usage, not the subcommand's
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    raw_level = os.environ.get(LOG_LEVEL_ENV, "")
+    level = raw_level.strip().upper() or "INFO"
+    if level not in LOG_LEVELS:
+        allowed = ", ".join(LOG_LEVELS)
+        print(
+            f"{PROG} {command.name}: error: {LOG_LEVEL_ENV}={raw_level!r}: expected one of "
+            f"{allowed} (any case)",
+            file=sys.stderr,
+        )
+        return 2
     # Start-up facts (model, device, KV cache blocks/tokens) go to stderr beside the progress bar.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
     root = logging.getLogger("batchgen")
+    previous_level = root.level
     root.addHandler(handler)
-    root.setLevel(os.environ.get("BATCHGEN_LOG_LEVEL", "INFO").upper())
+    root.setLevel(level)
+    try:
+        return _run_command(command, args)
+    finally:
+        # In-process callers (tests, notebooks) get the logger back as it was: no handler
+        # left on a closed stream, no level that outlives the command.
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
+
+
+def _run_command(command: Subcommand, args: argparse.Namespace) -> int:
+    """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted)."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 

@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -53,27 +54,6 @@ KERNEL_NAMES = (
 )  # the sources in csrc/
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def env_switch(name: str) -> bool:
-    """An on/off environment variable of the kernels (``BATCHGEN_PACKED_LINEAR``,
-    ``BATCHGEN_CPU_AMX``, ``BATCHGEN_ONEDNN_LINEAR``): True when unset, empty or one of
-    ``1/true/yes/on``, False for ``0/false/no/off`` (case and spaces ignored).
-
-    Raises:
-        ValueError: any other value, naming the variable and the allowed values (a typo such
-            as ``of`` must not silently mean "on" in an A/B run).
-    """
-    value = os.environ.get(name, "").strip().lower()
-    if value in _ON or not value:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(
-        f"{name}={os.environ[name]!r}: allowed values are {'/'.join(_ON)} (on, the default) "
-        f"and {'/'.join(_OFF)} (off)"
-    )
 
 
 def kernels_enabled(name: str | None = None) -> bool:
@@ -166,6 +146,9 @@ def _build(source: Path, cxx: list[str]) -> Path:
     if target.exists() and _stamp_path(target).exists():
         logger.warning("cached CPU kernel %s does not match its stamp; rebuilding it", target)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # First use stalls the first step for a few seconds per kernel: say why.
+    logger.info("compiling CPU kernel %s into %s (first use; cached)", source.stem, out_dir)
+    started = time.perf_counter()
     # Build into a temporary name and rename: concurrent builders never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -184,6 +167,7 @@ def _build(source: Path, cxx: list[str]) -> Path:
                 os.unlink(path)
     # Written after the library is in place: a stamp never vouches for a file not yet there.
     _write_atomically(_stamp_path(target), stamp)
+    logger.info("compiled CPU kernel %s in %.1f s", source.stem, time.perf_counter() - started)
     return target
 
 

@@ -67,7 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from batchgen.kernels.cpu_build import env_switch, kernels_enabled, load_library
+from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,8 @@ def _library():
 
 def amx_enabled() -> bool:
     """False when ``BATCHGEN_CPU_AMX`` is ``0`` (also ``false``/``no``/``off``): ``isa="auto"``
-    then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs).
-
-    Raises:
-        ValueError: a value other than the on/off words (`cpu_build.env_switch`)."""
-    return env_switch(AMX_ENV)
+    then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs)."""
+    return env_flag(AMX_ENV)
 
 
 def kernel_isa(dtype: torch.dtype) -> str | None:

@@ -34,7 +34,8 @@ import logging
 
 import torch
 
-from batchgen.kernels.cpu_build import cpu_flags, env_switch
+from batchgen.kernels.cpu_build import cpu_flags
+from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ def _onednn_bf16_fast() -> bool:
 
 
 def prepacked_linear_enabled() -> bool:
-    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``).
-
-    Raises:
-        ValueError: a value other than the on/off words (`cpu_build.env_switch`)."""
-    return env_switch(ONEDNN_LINEAR_ENV)
+    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
+    return env_flag(ONEDNN_LINEAR_ENV)
 
 
 def prepacked_linear_supported() -> bool:

@@ -27,7 +27,7 @@ from batchgen.kernels.grouped_moe import fused_experts_grouped_mm
 from batchgen.kernels.invariant_linear import invariant_linear
 from batchgen.kernels.triton_moe import fused_experts_triton
 from batchgen.models.batch_invariant import invariant_activation
-from batchgen.models.layers.expert_path import expert_path
+from batchgen.models.layers.expert_path import ExpertPath, expert_path
 from batchgen.models.layers.mlp import GatedMLP, get_activation
 from batchgen.models.layers.moe_cpu import (  # noqa: F401 (re-exported: the CPU torch path)
     CORE_PARALLEL_MAX_MEAN_ROWS,
@@ -230,6 +230,30 @@ class SparseMoeBlock(nn.Module):
         )
         return not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act)
 
+    def _path(self, x: torch.Tensor) -> ExpertPath:
+        w13, w2 = self.w13_weight, self.w2_weight
+        return expert_path(
+            x.device,
+            x.dtype,
+            batch_invariant=self.batch_invariant,
+            cpu_kernel=self.uses_kernel(x),
+            hidden_size=w13.shape[2],
+            intermediate_size=w2.shape[2],
+            num_experts=w13.shape[0],
+        )
+
+    def expert_path_for(self, device: torch.device, dtype: torch.dtype) -> ExpertPath:
+        """The path `experts` takes for activations of ``dtype`` on ``device`` (the engine's),
+        as inference (no autograd) runs it. The engine asks once at start, so that a bad or
+        impossible ``BATCHGEN_MOE_PATH`` fails there rather than in every request of the
+        first step.
+
+        Raises:
+            ValueError: as `batchgen.models.layers.expert_path.expert_path`."""
+        with torch.no_grad():
+            x = torch.empty((0, self.w13_weight.shape[2]), dtype=dtype, device=device)
+            return self._path(x)
+
     def experts(
         self,
         x: torch.Tensor,
@@ -245,15 +269,7 @@ class SparseMoeBlock(nn.Module):
         Triton fused-MoE or the reference loop) is chosen by `batchgen.models.layers.expert_path.expert_path`,
         and nowhere else."""
         w13, w2 = self.w13_weight, self.w2_weight
-        path = expert_path(
-            x.device,
-            x.dtype,
-            batch_invariant=self.batch_invariant,
-            cpu_kernel=self.uses_kernel(x),
-            hidden_size=w13.shape[2],
-            intermediate_size=w2.shape[2],
-            num_experts=w13.shape[0],
-        )
+        path = self._path(x)
         if path == "cpu_kernel":
             order, counts = sort_by_expert(topk_ids, w13.shape[0])
             if self.stats is not None:
