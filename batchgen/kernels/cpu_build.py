@@ -54,8 +54,6 @@ KERNEL_NAMES = (
 )  # the sources in csrc/
 
 
-
-
 def kernels_enabled(name: str | None = None) -> bool:
     """Whether ``BATCHGEN_CPU_KERNELS`` lets the kernel ``name`` (None: any kernel) run.
 

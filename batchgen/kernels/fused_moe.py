@@ -102,7 +102,10 @@ def _library():
 
 def amx_enabled() -> bool:
     """False when ``BATCHGEN_CPU_AMX`` is ``0`` (also ``false``/``no``/``off``): ``isa="auto"``
-    then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs)."""
+    then runs bf16 on vdpbf16ps even where AMX is usable (for end-to-end A/B runs).
+
+    Raises:
+        ValueError: a value other than the on/off words (`switches.env_flag`)."""
     return env_flag(AMX_ENV)
 
 

@@ -66,7 +66,10 @@ def _onednn_bf16_fast() -> bool:
 
 
 def prepacked_linear_enabled() -> bool:
-    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
+    """False when ``BATCHGEN_ONEDNN_LINEAR`` is ``0`` (also ``false``/``no``/``off``).
+
+    Raises:
+        ValueError: a value other than the on/off words (`switches.env_flag`)."""
     return env_flag(ONEDNN_LINEAR_ENV)
 
 

@@ -61,7 +61,10 @@ def _function():
 
 
 def packed_linear_enabled() -> bool:
-    """False when ``BATCHGEN_PACKED_LINEAR`` is ``0`` (also ``false``/``no``/``off``)."""
+    """False when ``BATCHGEN_PACKED_LINEAR`` is ``0`` (also ``false``/``no``/``off``).
+
+    Raises:
+        ValueError: a value other than the on/off words (`switches.env_flag`)."""
     return env_flag(PACKED_LINEAR_ENV)
 
 
@@ -128,7 +131,8 @@ def packed_linear(
         to nearest even. bf16 subnormal inputs count as zero.
     Raises:
         ValueError: x's last dimension is not ``k``, a dtype is not bfloat16, ``packed`` does
-            not fit ``(n, k)``, or ``isa`` is unknown.
+            not fit ``(n, k)`` or is not contiguous, a tensor is not on the CPU, or ``isa``
+            is unknown.
         RuntimeError: the kernel is unavailable here or rejected the call (its code).
     """
     if x.shape[-1] != k:
@@ -140,8 +144,17 @@ def packed_linear(
     kp = -(-k // K_ALIGN) * K_ALIGN
     if packed.shape != (-(-n // PANEL), kp // 2, PANEL, 2):
         raise ValueError(f"packed has shape {tuple(packed.shape)}, not the packing of [{n}, {k}]")
+    if packed.dtype != torch.bfloat16 or not packed.is_contiguous():
+        raise ValueError(
+            f"packed must be the contiguous bfloat16 tensor of pack_packed_linear_weight, got "
+            f"{packed.dtype}{'' if packed.is_contiguous() else ', not contiguous'}"
+        )
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    # the kernel reads raw CPU pointers: a meta or CUDA tensor would crash it
+    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
     found = _function() if kernels_enabled("packed_linear") else None
