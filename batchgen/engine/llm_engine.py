@@ -347,6 +347,10 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self._add_prompt_logprobs(prompt_rows, failed)
         if sampling:
             finished = self._sample_isolated(sampling, logits, failed)
+        # Read what the step left on the device for the metrics, now that sampling has
+        # waited for the stream (no sync inside the step for them).
+        self.executor.flush_stage_times()
+        m.expert.flush()
         self.scheduler.remove_finished()
         elapsed = time.perf_counter() - t0
         if decode_only:
