@@ -156,3 +156,42 @@ def test_stage_timer_reads_events_only_at_flush():
     assert cpu.event_factory is None
     cpu.stop("lm_head", cpu.start())
     assert metrics.stage_seconds["lm_head"] >= 0.0 and cpu.pending == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's sync debug mode: needs CUDA")
+def test_steps_on_cuda_make_no_sync_before_their_logits(checkpoint_dir):
+    """The device run (`benchmarks/gpu_check.sh`, graphs stage): torch's own detector
+    (``torch.cuda.set_sync_debug_mode("error")``: ``.item()``, ``nonzero``, blocking copies,
+    syncs inside torch included) around an eager mixed step and a replayed decode step, from
+    `ModelRunner.prepare` (pinned staging) to the logits, on the engine's default CUDA paths
+    in float32 (Triton paged decode attention, Triton MoE)."""
+    config = EngineConfig(model=str(checkpoint_dir("mixtral")), device="cuda", dtype="float32",
+                          max_num_batched_tokens=8, cudagraph_capture_sizes=[1, 2, 4])  # fmt: skip
+    engine = LLMEngine(config)
+    assert engine.runner.staging.staged and engine.runner.staging.pin_memory
+    sched = _mixed_step(engine)
+    graphs = engine.executor.graph_runner
+    assert graphs is not None and not graphs.can_run(sched.scheduled)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _, logits, _ = engine.executor.execute(sched.scheduled)  # eager
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine.execute(sched)  # sample, advance
+    while True:  # until a decode-only step (the long prompt's last chunk is done)
+        sched = engine.schedule()
+        if graphs.can_run(sched.scheduled):
+            break
+        engine.execute(sched)
+    for e in sched.scheduled:
+        e.prompt_logits = prompt_logit_positions(e.seq, e.num_new_tokens)
+    torch.cuda.synchronize()
+    replays = graphs.num_graph_steps
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = engine.executor.execute(sched.scheduled)  # replayed
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out is not None and graphs.num_graph_steps == replays + 1
+    assert torch.isfinite(logits).all() and torch.isfinite(out[1]).all()

@@ -377,6 +377,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
         layer's dispatch and combine with zero rows (`StageExecutor.execute_dummy`)."""
         t0 = time.perf_counter()
         self.executor.execute_dummy()
+        self.executor.flush_stage_times()  # the step's end: its collectives have run
         self.num_dummy_steps += 1
         self.metrics.busy_seconds += time.perf_counter() - t0
 

@@ -7,6 +7,7 @@ launched tile rows that carry a token.
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 import time
@@ -107,7 +108,7 @@ class StageTimer:
     def __init__(self, metrics, device: torch.device, event_factory=None) -> None:
         self.metrics = metrics
         if event_factory is None and device.type == "cuda":
-            event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            event_factory = functools.partial(torch.cuda.Event, enable_timing=True)
         self.event_factory = event_factory
         self.pending: list[tuple[str, object, object]] = []
 
