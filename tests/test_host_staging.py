@@ -130,3 +130,30 @@ def test_engine_is_token_identical_with_staging_on(checkpoint_dir, policy):
     while staged.has_unfinished_requests():
         staged.step()
     assert ("copy_src", torch.long) in staged.runner.staging.slots
+
+
+def test_graph_replay_with_staging_is_token_identical(checkpoint_dir, monkeypatch):
+    """On CUDA the graph runner's `prepare` stages too: the CPU stand-in backend replays
+    staged steps (decode-only, padded) and gives the eager engine's tokens."""
+    from batchgen.engine import cuda_graphs
+    from batchgen.engine.cuda_graphs import RecordingGraphBackend
+
+    path = checkpoint_dir("mixtral")
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40] * 19]
+
+    def engine(graphs: bool) -> LLMEngine:
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32",
+                              cudagraph_capture_sizes=[1, 2, 4])  # fmt: skip
+        if graphs:
+            monkeypatch.setattr(cuda_graphs, "graph_backend_for",
+                                lambda device, eager: RecordingGraphBackend())  # fmt: skip
+        built = LLMEngine(config)
+        built.runner.staging = HostStaging(CPU, staged=True, pin_memory=False)
+        return built
+
+    eager = _greedy(engine(False), prompts, 8)
+    staged = engine(True)
+    graphs = staged.executor.graph_runner
+    assert graphs is not None
+    assert _greedy(staged, prompts, 8) == eager
+    assert graphs.num_graph_steps >= 5
