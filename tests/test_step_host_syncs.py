@@ -81,7 +81,8 @@ def test_an_eager_step_through_the_model_runner_never_syncs(
         assert stats.rows == rows_before  # not read yet: pending on the device
     torch.testing.assert_close(logits, logits_ref, rtol=0, atol=0)
     stats.flush()  # what the engine does after sampling
-    step_rows = sum(e.num_new_tokens for e in sched.scheduled) * engine.model_config.num_experts_per_tok
+    top_k = engine.model_config.num_experts_per_tok
+    step_rows = sum(e.num_new_tokens for e in sched.scheduled) * top_k
     num_moe = sum(engine.model_config.layer_is_moe)
     assert stats.rows - rows_before == step_rows * num_moe
     assert stats.num_moe_calls - calls_before == num_moe  # one coalesced call per MoE layer
