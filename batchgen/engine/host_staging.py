@@ -22,6 +22,9 @@ view, filled from the lists, sent with ``non_blocking=True``. This module does t
   no slot is free a new one is made (never a wait). That is vLLM's event discipline
   (``synchronize_input_prep``: wait on the event recorded after the last copies before
   refilling) without its wait, at the cost of a slot per concurrent use: a handful of KiB.
+- unlike ``CpuGpuBuffer`` there is no persistent device twin: each use copies into a fresh
+  device tensor from the caching allocator, because the micro-batches of one step hold their
+  tensors at the same time (and CUDA graphs copy into their own static buffers).
 
 On CPU the engine does not stage: `to_device` is ``torch.tensor(values)`` as before, no copy,
 no behaviour change. Tests force staging on CPU (``staged=True``, ``pin_memory=False``, a
