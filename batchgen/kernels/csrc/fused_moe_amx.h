@@ -142,9 +142,9 @@ struct AmxBf16 {
   // c_rows[row][cols of pair q] = scale[row] * C. With a scale (the down GEMM, whose rows are
   // y_slots rows that only the slot-sum pass reads, after every expert is done) and `stream`
   // (the driver's choice: a large call) the rows are written with non-temporal stores where
-  // 64-byte aligned: no read for ownership of lines of
-  // a buffer far larger than the caches (T x top-k x H floats, 33.5 MB at 2,048 tokens of the
-  // bench layer), and no eviction of the weights and activations the GEMMs reuse. Measured
+  // 64-byte aligned: no read for ownership of lines of a buffer far larger than the caches
+  // (T x top-k x H floats, 33.5 MB at 2,048 tokens of the bench layer), and no eviction of
+  // the weights and activations the GEMMs reuse. Measured
   // (single thread, process time, bench layer, machine loaded): 2,048 tokens 30.8 -> 22.2 ms,
   // 512 tokens 9.0 -> 8.2, 16 tokens 2.19 -> 2.03. gemm fences them before it returns.
   // A small call's y_slots fits the caches, and streaming it to memory only makes the slot

@@ -108,9 +108,11 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
       dispatch_rows<Tail<NP>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i, col,
                                    scale ? scale + i : nullptr, stream);
   }
+  // stream: non-temporal stores of scaled rows (the fused MoE's y_slots of a large call);
+  // the dense packed_linear.cpp passes no scale and keeps the default.
   BATCHGEN_BF16_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                         const uint16_t* packed, int64_t n, float* const* c_rows,
-                                        const float* scale, bool stream) {
+                                        const float* scale, bool stream = false) {
     stream = stream && scale != nullptr;
     const int64_t num_panels = n / kPanel;
     int64_t p = 0;
