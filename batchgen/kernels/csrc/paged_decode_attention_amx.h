@@ -1,5 +1,6 @@
 // The AMX-BF16 scores of the bf16 paged decode attention kernel's AVX512-BF16 path
-// (paged_decode_attention_bf16.h includes this after `prefetch_rows` and `kPrefetchAhead`).
+// (paged_decode_attention_bf16.h includes this after `prefetch_rows`, `kPrefetchAhead` and
+// `kValueAhead`).
 // Tile configuration and the OS permission come from the fused MoE kernel's AMX header.
 #pragma once
 
@@ -81,6 +82,96 @@ struct AmxScores {
       for (int64_t h = 0; h < g; ++h)
         _mm512_storeu_ps(s + h * s_stride + 16 * c,
                          _mm512_mul_ps(_mm512_i32gather_ps(lane, cbuf + h, 4), vscale));
+    }
+    _tile_release();
+  }
+};
+
+// P @ V by AMX-BF16 for the G query heads of one KV head (G <= 16, D % 32 == 0):
+//   out[h][:] = round_bf16(inv_sum[h] * sum_j w[h][j] v_rows[j][off : off + D]).
+// tile A = the G heads' bf16 weights of 32 positions (row h: w[h][k0 .. k0 + 31], adjacent
+// positions paired as tdpbf16ps wants); tile B = 16 position pairs x 16 dimensions, each row two
+// value rows interleaved per dimension (VNNI), built per 32 positions from the cache rows in L1
+// (`vpunpck[lh]wd`: dimension order permuted within 128 bits, undone at the end as `pv_bf16`
+// does); tiles C (G x 16 float32) sum over all positions, 64 dimensions a pass. Tiles: A = tmm0,
+// B = tmm1 .. tmm3 in turn, C = tmm4 .. tmm7. Against `pv_bf16` (16 vdpbf16ps per position pair
+// for 4 heads x 64 dimensions) this spends 4 interleaves and 4 stores per pair and 4 tdpbf16ps
+// of G rows per 32 positions.
+struct AmxPV {
+  BATCHGEN_AMX_TARGET static void configure(int64_t g) {
+    AmxTileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = uint8_t(t == 0 || t >= 4 ? g : 16);
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+  }
+
+  // w: [G][w_stride] bf16 weights, zero from n to n32 (a multiple of 32); v_rows[j] (j < n32,
+  // finite rows past n) + off: the KV head's D values of position j; vbuf: 4 x 512 bf16
+  // (64-byte aligned); cbuf: 4 x 16 x 16 floats.
+  BATCHGEN_AMX_TARGET static void pv(const bf16_t* w, int64_t w_stride, int64_t g,
+                                     const bf16_t* const* v_rows, int64_t off, int64_t n32,
+                                     const float* inv_sum, bf16_t* out, int64_t d,
+                                     bf16_t* vbuf, float* cbuf) {
+    configure(g);
+    alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19,
+                                                       4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static constexpr int32_t kSecond[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                                        12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      const int64_t halves = std::min<int64_t>(2, (d - c0) / 32);  // 32-dim chunks this pass
+      const int nt = int(2 * halves);                               // B / C tiles
+      _tile_zero(4);
+      _tile_zero(5);
+      if (nt > 2) { _tile_zero(6); _tile_zero(7); }
+      for (int64_t k0 = 0; k0 < n32; k0 += 32) {
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t j = k0 + 2 * r;
+          if (j + kValueAhead < n32)
+            for (int64_t c = 0; c < halves; ++c) {
+              __builtin_prefetch(v_rows[j + kValueAhead] + off + c0 + 32 * c, 0, 3);
+              __builtin_prefetch(v_rows[j + kValueAhead + 1] + off + c0 + 32 * c, 0, 3);
+            }
+          for (int64_t c = 0; c < halves; ++c) {
+            const __m512i a = _mm512_loadu_si512(v_rows[j] + off + c0 + 32 * c);
+            const __m512i b = _mm512_loadu_si512(v_rows[j + 1] + off + c0 + 32 * c);
+            _mm512_store_si512(vbuf + (2 * c) * 512 + 32 * r, _mm512_unpacklo_epi16(a, b));
+            _mm512_store_si512(vbuf + (2 * c + 1) * 512 + 32 * r, _mm512_unpackhi_epi16(a, b));
+          }
+        }
+        _tile_loadd(0, w + k0, w_stride * int64_t(sizeof(bf16_t)));
+        _tile_loadd(1, vbuf, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vbuf + 512, 64);
+        _tile_dpbf16ps(5, 0, 2);
+        if (nt > 2) {
+          _tile_loadd(3, vbuf + 1024, 64);
+          _tile_dpbf16ps(6, 0, 3);
+          _tile_loadd(1, vbuf + 1536, 64);
+          _tile_dpbf16ps(7, 0, 1);
+        }
+      }
+      _tile_stored(4, cbuf, 64);
+      _tile_stored(5, cbuf + 256, 64);
+      if (nt > 2) {
+        _tile_stored(6, cbuf + 512, 64);
+        _tile_stored(7, cbuf + 768, 64);
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        const __m512 sc = _mm512_set1_ps(inv_sum[h]);
+        for (int64_t c = 0; c < halves; ++c) {
+          const __m512 lo = _mm512_load_ps(cbuf + (2 * c) * 256 + 16 * h);
+          const __m512 hi = _mm512_load_ps(cbuf + (2 * c + 1) * 256 + 16 * h);
+          const __m512 x0 = _mm512_permutex2var_ps(lo, first, hi);
+          const __m512 x1 = _mm512_permutex2var_ps(lo, second, hi);
+          const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_mul_ps(x1, sc), _mm512_mul_ps(x0, sc));
+          _mm512_storeu_si512(out + h * d + c0 + 32 * c, (__m512i)y);
+        }
+      }
     }
     _tile_release();
   }
