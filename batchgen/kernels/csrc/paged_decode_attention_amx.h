@@ -10,29 +10,41 @@
 namespace {
 
 #if BATCHGEN_HAVE_AMX && BATCHGEN_HAVE_BF16
-// The AMX variant of the scores (`tdpbf16ps`), for blocks of a multiple of 16 slots: 16
-// positions p0 .. p0 + 15 with p0 a multiple of 16 lie in one block at a constant stride, so
-// tile A is 16 key rows x 32 dimensions loaded straight from the cache (`tileloadd`, stride =
-// one slot's row); tile B is the G query heads' 32 dimensions as 16 pairs x G (the VNNI
-// layout, `qpairs`, built once per sequence and KV head and kept in tiles 2 ..); tile C (16
-// positions x G heads, float32) sums the D / 32 steps. C's columns (one per head) are gathered
-// into each head's score row. Tiles: C = tmm0, A = tmm1, B = tmm2 .. tmm(1 + D / 32).
-struct AmxScores {
+// One tile configuration serves the scores and P @ V of every sequence a thread runs (loaded
+// once per call and thread: `ldtilecfg` and `tilerelease` per sequence and KV head cost about
+// as much as attending to a short context):
+//   tmm0  scores C   16 positions x G heads, float32      (16 rows of 4 G bytes)
+//   tmm1  scores B   32 dimensions of q as 16 pairs x G    (16 rows of 4 G bytes)
+//   tmm2  scores A   16 key rows x 32 dimensions; P @ V B  (16 rows of 64 bytes)
+//   tmm3  P @ V A    G heads x 32 positions of weights     (G rows of 64 bytes)
+//   tmm4-7 P @ V C   G heads x 16 dimensions, float32      (G rows of 64 bytes)
+struct AmxTiles {
   static bool usable(int64_t d, int64_t g, int64_t block_size) {
     return d % 32 == 0 && d <= 32 * 6 && g <= 16 && block_size % 16 == 0 && amx_usable();
   }
 
-  BATCHGEN_AMX_TARGET static void configure(int64_t d, int64_t g) {
+  BATCHGEN_AMX_TARGET static void configure(int64_t g) {
     AmxTileConfig cfg;
     std::memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 2 + d / 32; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = t == 1 ? 64 : uint16_t(4 * g);
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = uint8_t(t >= 3 ? g : 16);
+      cfg.colsb[t] = uint16_t(t <= 1 ? 4 * g : 64);
     }
     _tile_loadconfig(&cfg);
   }
 
+  BATCHGEN_AMX_TARGET static void release() { _tile_release(); }
+};
+
+// The AMX variant of the scores (`tdpbf16ps`), for blocks of a multiple of 16 slots: 16
+// positions p0 .. p0 + 15 with p0 a multiple of 16 lie in one block at a constant stride, so
+// tile A is 16 key rows x 32 dimensions loaded straight from the cache (`tileloadd`, stride =
+// one slot's row); tile B is the G query heads' 32 dimensions as 16 pairs x G (the VNNI
+// layout, `qpairs`, built once per sequence and KV head, loaded from L1 each step); tile C
+// (16 positions x G heads, float32) sums the D / 32 steps. C's columns (one per head) are
+// gathered into each head's score row. Tiles as `AmxTiles` configures them.
+struct AmxScores {
   // s[h * s_stride + j] = scale * <q_h, K row of position a0 + j> for chunks of 16 positions
   // from the 16-aligned a0: chunk c's rows at chunk_rows[c] + off, stride_bytes apart.
   // qpairs: [D / 32][16][G] words (pairs of q's dimensions); cbuf: 16 x G floats.
@@ -41,15 +53,7 @@ struct AmxScores {
                                          const uint32_t* qpairs, float scale, float* s,
                                          int64_t s_stride, float* cbuf,
                                          const bf16_t* const* v_rows) {
-    configure(d, g);
-    const int steps = int(d / 32);
-    // The B tiles: tile 2 + k holds step k (tile numbers are immediates: unrolled).
-    if (steps > 0) _tile_loadd(2, qpairs + 0 * 16 * g, 4 * g);
-    if (steps > 1) _tile_loadd(3, qpairs + 1 * 16 * g, 4 * g);
-    if (steps > 2) _tile_loadd(4, qpairs + 2 * 16 * g, 4 * g);
-    if (steps > 3) _tile_loadd(5, qpairs + 3 * 16 * g, 4 * g);
-    if (steps > 4) _tile_loadd(6, qpairs + 4 * 16 * g, 4 * g);
-    if (steps > 5) _tile_loadd(7, qpairs + 5 * 16 * g, 4 * g);
+    const int64_t steps = d / 32;
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512i lane = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -71,19 +75,16 @@ struct AmxScores {
       }
       const bf16_t* a = chunk_rows[c] + off;
       _tile_zero(0);
-      _tile_loadd(1, a, stride_bytes);
-      _tile_dpbf16ps(0, 1, 2);
-      if (steps > 1) { _tile_loadd(1, a + 32, stride_bytes); _tile_dpbf16ps(0, 1, 3); }
-      if (steps > 2) { _tile_loadd(1, a + 64, stride_bytes); _tile_dpbf16ps(0, 1, 4); }
-      if (steps > 3) { _tile_loadd(1, a + 96, stride_bytes); _tile_dpbf16ps(0, 1, 5); }
-      if (steps > 4) { _tile_loadd(1, a + 128, stride_bytes); _tile_dpbf16ps(0, 1, 6); }
-      if (steps > 5) { _tile_loadd(1, a + 160, stride_bytes); _tile_dpbf16ps(0, 1, 7); }
+      for (int64_t k = 0; k < steps; ++k) {
+        _tile_loadd(2, a + 32 * k, stride_bytes);
+        _tile_loadd(1, qpairs + k * 16 * g, 4 * g);
+        _tile_dpbf16ps(0, 2, 1);
+      }
       _tile_stored(0, cbuf, 4 * g);
       for (int64_t h = 0; h < g; ++h)
         _mm512_storeu_ps(s + h * s_stride + 16 * c,
                          _mm512_mul_ps(_mm512_i32gather_ps(lane, cbuf + h, 4), vscale));
     }
-    _tile_release();
   }
 };
 
@@ -93,22 +94,11 @@ struct AmxScores {
 // positions paired as tdpbf16ps wants); tile B = 16 position pairs x 16 dimensions, each row two
 // value rows interleaved per dimension (VNNI), built per 32 positions from the cache rows in L1
 // (`vpunpck[lh]wd`: dimension order permuted within 128 bits, undone at the end as `pv_bf16`
-// does); tiles C (G x 16 float32) sum over all positions, 64 dimensions a pass. Tiles: A = tmm0,
-// B = tmm1 .. tmm3 in turn, C = tmm4 .. tmm7. Against `pv_bf16` (16 vdpbf16ps per position pair
-// for 4 heads x 64 dimensions) this spends 4 interleaves and 4 stores per pair and 4 tdpbf16ps
-// of G rows per 32 positions.
+// does); tiles C (G x 16 float32) sum over all positions, 64 dimensions a pass. Against
+// `pv_bf16` (16 vdpbf16ps per position pair for 4 heads x 64 dimensions) this spends 4
+// interleaves and 4 stores per pair and 4 tdpbf16ps of G rows per 32 positions. Tiles as
+// `AmxTiles` configures them.
 struct AmxPV {
-  BATCHGEN_AMX_TARGET static void configure(int64_t g) {
-    AmxTileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = uint8_t(t == 0 || t >= 4 ? g : 16);
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-  }
-
   // w: [G][w_stride] bf16 weights, zero from n to n32 (a multiple of 32); v_rows[j] (j < n32,
   // finite rows past n) + off: the KV head's D values of position j; vbuf: 4 x 512 bf16
   // (64-byte aligned); cbuf: 4 x 16 x 16 floats.
@@ -116,7 +106,6 @@ struct AmxPV {
                                      const bf16_t* const* v_rows, int64_t off, int64_t n32,
                                      const float* inv_sum, bf16_t* out, int64_t d,
                                      bf16_t* vbuf, float* cbuf) {
-    configure(g);
     alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19,
                                                        4, 5, 6, 7, 20, 21, 22, 23};
     alignas(64) static constexpr int32_t kSecond[16] = {8,  9,  10, 11, 24, 25, 26, 27,
@@ -124,10 +113,9 @@ struct AmxPV {
     const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       const int64_t halves = std::min<int64_t>(2, (d - c0) / 32);  // 32-dim chunks this pass
-      const int nt = int(2 * halves);                               // B / C tiles
       _tile_zero(4);
       _tile_zero(5);
-      if (nt > 2) { _tile_zero(6); _tile_zero(7); }
+      if (halves > 1) { _tile_zero(6); _tile_zero(7); }
       for (int64_t k0 = 0; k0 < n32; k0 += 32) {
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t j = k0 + 2 * r;
@@ -143,21 +131,21 @@ struct AmxPV {
             _mm512_store_si512(vbuf + (2 * c + 1) * 512 + 32 * r, _mm512_unpackhi_epi16(a, b));
           }
         }
-        _tile_loadd(0, w + k0, w_stride * int64_t(sizeof(bf16_t)));
-        _tile_loadd(1, vbuf, 64);
-        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(3, w + k0, w_stride * int64_t(sizeof(bf16_t)));
+        _tile_loadd(2, vbuf, 64);
+        _tile_dpbf16ps(4, 3, 2);
         _tile_loadd(2, vbuf + 512, 64);
-        _tile_dpbf16ps(5, 0, 2);
-        if (nt > 2) {
-          _tile_loadd(3, vbuf + 1024, 64);
-          _tile_dpbf16ps(6, 0, 3);
-          _tile_loadd(1, vbuf + 1536, 64);
-          _tile_dpbf16ps(7, 0, 1);
+        _tile_dpbf16ps(5, 3, 2);
+        if (halves > 1) {
+          _tile_loadd(2, vbuf + 1024, 64);
+          _tile_dpbf16ps(6, 3, 2);
+          _tile_loadd(2, vbuf + 1536, 64);
+          _tile_dpbf16ps(7, 3, 2);
         }
       }
       _tile_stored(4, cbuf, 64);
       _tile_stored(5, cbuf + 256, 64);
-      if (nt > 2) {
+      if (halves > 1) {
         _tile_stored(6, cbuf + 512, 64);
         _tile_stored(7, cbuf + 768, 64);
       }
@@ -173,12 +161,13 @@ struct AmxPV {
         }
       }
     }
-    _tile_release();
   }
 };
 #else
-struct AmxScores {
+struct AmxTiles {
   static bool usable(int64_t, int64_t, int64_t) { return false; }
+  static void configure(int64_t) {}
+  static void release() {}
 };
 #endif
 

@@ -261,8 +261,8 @@ inline void slot_rows(const bf16_t* cache, const int64_t* table, int64_t block_s
   }
 }
 
-// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores by AMX
-// (AmxScores::usable).
+// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores and P @ V by AMX
+// (AmxTiles::usable; the calling thread has run AmxTiles::configure).
 inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx) {
   const int64_t len = a.kv_lens[b], d = a.d, g = a.hq / a.hkv, row = a.hkv * d;
   const int64_t start = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
