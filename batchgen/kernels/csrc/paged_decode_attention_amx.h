@@ -55,6 +55,16 @@ struct AmxScores {
                                          const bf16_t* const* v_rows) {
     const int64_t steps = d / 32;
     const __m512 vscale = _mm512_set1_ps(scale);
+    // G = 4: cbuf as 4 vectors of 4 keys x 4 heads; lane i of z_a (a = 0, 1) is key 4 a + i / 4,
+    // head i % 4 (index 16 a + i in permutex2var's pair).
+    const __m512i kHeads01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28,
+                                               1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i kHeads23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30,
+                                               3, 7, 11, 15, 19, 23, 27, 31);
+    const __m512i kLow = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7,
+                                           16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i kHigh = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15,
+                                            24, 25, 26, 27, 28, 29, 30, 31);
     const __m512i lane = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(int(g)));
@@ -81,6 +91,23 @@ struct AmxScores {
         _tile_dpbf16ps(0, 2, 1);
       }
       _tile_stored(0, cbuf, 4 * g);
+      if (g == 4) {  // 16 x 4 -> 4 x 16 by two rounds of permutes, not 4 gathers
+        const __m512 z0 = _mm512_load_ps(cbuf), z1 = _mm512_load_ps(cbuf + 16);
+        const __m512 z2 = _mm512_load_ps(cbuf + 32), z3 = _mm512_load_ps(cbuf + 48);
+        const __m512 t0 = _mm512_permutex2var_ps(z0, kHeads01, z1);  // h0 k0-7, h1 k0-7
+        const __m512 t1 = _mm512_permutex2var_ps(z0, kHeads23, z1);  // h2 k0-7, h3 k0-7
+        const __m512 t2 = _mm512_permutex2var_ps(z2, kHeads01, z3);  // h0 k8-15, h1 k8-15
+        const __m512 t3 = _mm512_permutex2var_ps(z2, kHeads23, z3);  // h2 k8-15, h3 k8-15
+        float* o = s + 16 * c;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(t0, kLow, t2), vscale));
+        _mm512_storeu_ps(o + s_stride,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(t0, kHigh, t2), vscale));
+        _mm512_storeu_ps(o + 2 * s_stride,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(t1, kLow, t3), vscale));
+        _mm512_storeu_ps(o + 3 * s_stride,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(t1, kHigh, t3), vscale));
+        continue;
+      }
       for (int64_t h = 0; h < g; ++h)
         _mm512_storeu_ps(s + h * s_stride + 16 * c,
                          _mm512_mul_ps(_mm512_i32gather_ps(lane, cbuf + h, 4), vscale));
