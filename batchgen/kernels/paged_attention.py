@@ -95,12 +95,13 @@ def decode_kernel_isa(
 ) -> str | None:
     """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype``, ``head_size``,
     ``num_queries_per_kv`` (Hq / Hkv) and ``block_size`` on this CPU and build: ``"amx"``
-    (bfloat16, the ``"avx512_bf16"`` path with its scores and P @ V by AMX-BF16: head size a multiple of
-    32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16, the CPU has
-    AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a multiple of
-    32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of 16, library
-    built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"``
-    (plain loops), or None when the kernel does not serve ``dtype`` or is unavailable."""
+    (bfloat16, the ``"avx512_bf16"`` path with its scores and P @ V by AMX-BF16: head size a
+    multiple of 32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16,
+    the CPU has AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a
+    multiple of 32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of
+    16, library built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build),
+    ``"generic"`` (plain loops), or None when the kernel does not serve ``dtype`` or is
+    unavailable."""
     lib = _function()
     if lib is None or dtype not in _DTYPES:
         return None

@@ -23,8 +23,8 @@
 //
 // Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
 // bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h; its scores
-// and P @ V by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks are a
-// multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
+// and P @ V by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks
+// are a multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
 // a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
 // is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
