@@ -19,7 +19,8 @@ softmax weights are rounded to bf16 before the sum and the output once, as torch
 in bf16 (so decode here and a bf16 prefill, which runs SDPA, agree up to summation order);
 half the bytes of float32 to read. Paths (`decode_kernel_isa`, logged once per shape):
 ``amx``: the ``avx512_bf16`` path with its scores by AMX-BF16 (``tdpbf16ps`` on 16 key rows
-loaded from the cache by stride), where the CPU has AMX and Linux grants its tile state, blocks
+loaded from the cache by stride) and its P @ V too (value rows interleaved in pairs into tiles
+per 32 positions), where the CPU has AMX and Linux grants its tile state, blocks
 are a multiple of 16, D <= 192 and Hq / Hkv <= 16; ``avx512_bf16`` (``vdpbf16ps`` on bf16 pairs
 for Q @ K^T and P @ V, one KV head and its query heads at a time, accumulators in registers, a
 vectorised exp) for head sizes that are a multiple of 32 where the CPU has avx512_bf16; else
@@ -94,12 +95,13 @@ def decode_kernel_isa(
 ) -> str | None:
     """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype``, ``head_size``,
     ``num_queries_per_kv`` (Hq / Hkv) and ``block_size`` on this CPU and build: ``"amx"``
-    (bfloat16, the ``"avx512_bf16"`` path with its scores by AMX-BF16: head size a multiple of
-    32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16, the CPU has
-    AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a multiple of
-    32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of 16, library
-    built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build), ``"generic"``
-    (plain loops), or None when the kernel does not serve ``dtype`` or is unavailable."""
+    (bfloat16, the ``"avx512_bf16"`` path with its scores and P @ V by AMX-BF16: head size a
+    multiple of 32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16,
+    the CPU has AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a
+    multiple of 32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of
+    16, library built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build),
+    ``"generic"`` (plain loops), or None when the kernel does not serve ``dtype`` or is
+    unavailable."""
     lib = _function()
     if lib is None or dtype not in _DTYPES:
         return None
@@ -192,25 +194,29 @@ def paged_decode_attention(
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
-    with record_function("batchgen::paged_decode_attention"):  # named for torch.profiler
-        rc = fn(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            kv_lens.data_ptr(),
-            out.data_ptr(),
-            b,
-            hq,
-            hkv,
-            d,
-            block_size,
-            block_tables.shape[1],
-            scale,
-            sliding_window or 0,
-            torch.get_num_threads(),
-            *extra,
-        )
+    c_args = (
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        kv_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        hq,
+        hkv,
+        d,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+        *extra,
+    )
+    if torch.autograd._profiler_enabled():  # the scope costs ~6 us a call even when not profiled
+        with record_function("batchgen::paged_decode_attention"):  # named for torch.profiler
+            rc = fn(*c_args)
+    else:
+        rc = fn(*c_args)
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 

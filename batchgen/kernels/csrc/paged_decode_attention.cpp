@@ -23,8 +23,8 @@
 //
 // Implementations: generic loops (any head size, any CPU) and vector paths, chosen per call:
 // bf16 only, AVX512-BF16 (`vdpbf16ps`, per KV head, paged_decode_attention_bf16.h; its scores
-// by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks are a
-// multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
+// and P @ V by AMX-BF16 `tdpbf16ps` where the CPU has AMX, Linux grants the tile state, blocks
+// are a multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
 // a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
 // is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
@@ -224,9 +224,9 @@ struct Rows {
 inline bool bf16_path(int64_t isa, int64_t d) {
   return (isa == kAuto || isa >= kAvx512Bf16) && d % 32 == 0 && avx512_bf16_usable();
 }
-// Whether that path takes its scores from AMX.
+// Whether that path takes its scores and P @ V from AMX.
 inline bool amx_scores(int64_t isa, int64_t d, int64_t g, int64_t block_size) {
-  return (isa == kAuto || isa == kAmx) && bf16_path(isa, d) && AmxScores::usable(d, g, block_size);
+  return (isa == kAuto || isa == kAmx) && bf16_path(isa, d) && AmxTiles::usable(d, g, block_size);
 }
 
 template <class T>
@@ -250,13 +250,17 @@ template <class T>
 int run(const Args<T>& a, int64_t num_seqs, int64_t num_threads) {
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0 || a.block_size <= 0) return 1;
   num_threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_seqs));
+  bool amx = false;
+  if constexpr (std::is_same_v<T, bf16_t>) amx = amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size);
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
     Rows<T> rows;
+    if (amx) AmxTiles::configure(a.hq / a.hkv);  // this thread's tiles, for all its sequences
     // Small chunks, handed out dynamically: contexts differ in length.
 #pragma omp for schedule(dynamic, 4)
     for (int64_t b = 0; b < num_seqs; ++b) run_seq(a, b, s, rows);
+    if (amx) AmxTiles::release();
   }
   return 0;
 }

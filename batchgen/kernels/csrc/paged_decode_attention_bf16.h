@@ -19,10 +19,14 @@
 //           against the broadcast weight pair: a KV head's up to 4 query heads x 64
 //           dimensions of float32 accumulators (16 zmm) stay in registers; more heads or
 //           dimensions take further passes over the rows. The lanes are put back in order,
-//           scaled by 1 / sum and rounded to bf16 once at the end.
+//           scaled by 1 / sum and rounded to bf16 once at the end. With AMX scores, P @ V
+//           is AMX's too (`AmxPV`: the same interleaved pairs stored as B tiles, the weights
+//           as tile A, `tdpbf16ps`; 32 positions a step, so the weights and rows are padded
+//           to a multiple of 32).
 // Numerics (the contract of paged_decode_attention.cpp): bf16 x bf16 products are exact in
 // float32 and summed in float32 (another order than the AVX-512F path: pairs of dimensions,
-// then the tree, or AMX's fixed order within 32 dimensions; for P @ V, pairs of positions).
+// then the tree, or AMX's fixed order within 32 dimensions; for P @ V, pairs of positions, or
+// AMX's order within 32 positions).
 // Measured (benchmarks/paged_attention.py, bench shapes, 1 thread, loaded machine): in L2/L3
 // 4x the AVX-512F path with AMX scores, 3.3x with vdpbf16ps scores; from memory 2-2.4x and
 // 1.9x: there both paths wait on the cache misses one core keeps in flight (perf: the stalls
@@ -109,6 +113,11 @@ inline void prefetch_rows(const bf16_t* const* rows, int64_t j0, int64_t n16, in
 // rows of a sequence sit in blocks anywhere in the cache: the hardware prefetcher follows a
 // block's rows but cannot guess the next block).
 constexpr int64_t kPrefetchAhead = 2;
+// Value rows prefetched to L1 ahead of P @ V. The rows' L2 prefetch during the scores does not
+// keep them there in time: perf put 45% of the stalls on the value loads; from memory (1
+// thread, 4 caches of 13.5 MB cycled) this took P @ V + scores from 2.7 to 2.0 ms (16 rows:
+// 2.2, 64: 2.1).
+constexpr int64_t kValueAhead = 32;
 BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t* const* k_rows,
                                                   int64_t off, int64_t d, int64_t n16,
                                                   float scale, float* s,
@@ -139,20 +148,25 @@ BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t*
 #include "paged_decode_attention_amx.h"
 namespace {
 
-// Softmax of s[0..n) (s padded to n16): the unnormalised weights rounded to bf16 into
-// w[0..n16) (zero past n); returns 1 / the sum of the float32 exponentials.
+// Softmax of s[0..n) (s readable to n16, a multiple of 16 that may exceed n by more than 16):
+// the unnormalised weights rounded to bf16 into w[0..n16) (zero past n); returns 1 / the sum
+// of the float32 exponentials.
 BATCHGEN_ATTN_BF16_TARGET inline float softmax_bf16(const float* s, int64_t n, int64_t n16,
                                                     bf16_t* w) {
   const __m512 lowest = _mm512_set1_ps(-3.0e38f);
   __m512 mx = lowest;
   for (int64_t j = 0; j < n16; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF)
+                           : n - j <= 0 ? __mmask16(0)
+                                        : __mmask16((1u << (n - j)) - 1);
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, live, s + j));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n16; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF)
+                           : n - j <= 0 ? __mmask16(0)
+                                        : __mmask16((1u << (n - j)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(e));
@@ -160,11 +174,6 @@ BATCHGEN_ATTN_BF16_TARGET inline float softmax_bf16(const float* s, int64_t n, i
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-// Value rows prefetched to L1 ahead of P @ V. The rows' L2 prefetch during the scores does not
-// keep them there in time: perf put 45% of the stalls on the value loads; from memory (1
-// thread, 4 caches of 13.5 MB cycled) this took P @ V + scores from 2.7 to 2.0 ms (16 rows:
-// 2.2, 64: 2.1).
-constexpr int64_t kValueAhead = 32;
 
 // out[i][c0 : c0 + 32 NC] = round_bf16(inv_sum[i] * sum_j w[i][j] v_rows[j][off + c0 : ...])
 // for GB query heads i: w[i] = w0 + i * w_stride (bf16, n2 of them, n2 even), out[i] = out0 +
@@ -234,7 +243,8 @@ struct Bf16Scratch {
   std::vector<float> scores, inv_sum;         // [G, n16 + 16], [G]
   std::vector<bf16_t> weights;                // [G, n16]
   std::vector<uint32_t> qpairs;               // AMX: [D / 32][16][G]
-  alignas(64) float cbuf[16 * 16];            // AMX: tile C
+  alignas(64) float cbuf[4 * 16 * 16];        // AMX: tiles C
+  alignas(64) bf16_t vbuf[4 * 512];           // AMX P @ V: tiles B
 };
 
 // rows[j] = cache row of position start + j (all KV heads: row elements), j < n: one division
@@ -251,8 +261,8 @@ inline void slot_rows(const bf16_t* cache, const int64_t* table, int64_t block_s
   }
 }
 
-// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores by AMX
-// (AmxScores::usable).
+// The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores and P @ V by AMX
+// (AmxTiles::usable; the calling thread has run AmxTiles::configure).
 inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx) {
   const int64_t len = a.kv_lens[b], d = a.d, g = a.hq / a.hkv, row = a.hkv * d;
   const int64_t start = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
@@ -262,18 +272,22 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
     std::fill(out, out + a.hq * d, bf16_t(0));
     return;
   }
+  // n16: positions padded for the scores; AMX's P @ V takes 32 at a time (w_len).
   const int64_t n16 = (n + 15) / 16 * 16, n2 = (n + 1) / 2 * 2;
-  const int64_t* table = a.block_tables + b * a.max_blocks;
-  s.k_rows.resize(n16);
-  s.v_rows.resize(n16);
-  slot_rows(a.v_cache, table, a.block_size, row, start, n, s.v_rows.data());
-  for (int64_t j = n; j < n16; ++j) s.v_rows[j] = s.v_rows[0];  // finite rows, weight zero
+  const int64_t w_len = amx ? (n + 31) / 32 * 32 : n16;
   // AMX: chunks of 16 positions from the 16-aligned a0 <= start (rows before start and past
   // len are in the same blocks: read, then dropped); scores of position start + j at j + lead.
   const int64_t lead = amx ? start % 16 : 0;
-  const int64_t s_stride = n16 + 16;
+  const int64_t num_chunks = (n + lead + 15) / 16;
+  const int64_t s_stride = w_len + 32;
+  const int64_t* table = a.block_tables + b * a.max_blocks;
+  // v_rows: read up to w_len by P @ V and 16 num_chunks by the AMX scores' prefetches.
+  const int64_t v_len = std::max(w_len, amx ? 16 * num_chunks : n16);
+  s.k_rows.resize(n16);
+  s.v_rows.resize(v_len);
+  slot_rows(a.v_cache, table, a.block_size, row, start, n, s.v_rows.data());
+  for (int64_t j = n; j < v_len; ++j) s.v_rows[j] = s.v_rows[0];  // finite rows, weight zero
   if (amx) {
-    const int64_t num_chunks = (n + lead + 15) / 16;
     s.chunk_rows.resize(num_chunks);
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int64_t p = start - lead + 16 * c;
@@ -286,7 +300,7 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
     for (int64_t j = n; j < n16; ++j) s.k_rows[j] = s.k_rows[0];
   }
   s.scores.resize(g * s_stride);
-  s.weights.resize(g * n16);
+  s.weights.resize(g * w_len);
   s.inv_sum.resize(g);
   for (int64_t kv = 0; kv < a.hkv; ++kv) {
     const bf16_t* q = a.q + (b * a.hq + kv * g) * d;
@@ -309,18 +323,25 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
         scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
                     first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
       }
-      s.inv_sum[h] = softmax_bf16(sh + lead, n, n16, s.weights.data() + h * n16);
+      s.inv_sum[h] = softmax_bf16(sh + lead, n, w_len, s.weights.data() + h * w_len);
     }
     bf16_t* o = out + kv * g * d;
+    if (amx) {
+#if BATCHGEN_HAVE_AMX
+      AmxPV::pv(s.weights.data(), w_len, g, s.v_rows.data(), kv * d, w_len, s.inv_sum.data(), o,
+                d, s.vbuf, s.cbuf);
+#endif
+      continue;
+    }
     for (int64_t h = 0; h < g; h += 4) {
-      const bf16_t* w = s.weights.data() + h * n16;
+      const bf16_t* w = s.weights.data() + h * w_len;
       const float* inv = s.inv_sum.data() + h;
       const bf16_t* const* v = s.v_rows.data();
       switch (std::min<int64_t>(4, g - h)) {
-        case 1: pv_bf16_dims<1>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
-        case 2: pv_bf16_dims<2>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
-        case 3: pv_bf16_dims<3>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
-        default: pv_bf16_dims<4>(w, n16, v, kv * d, n2, inv, o + h * d, d); break;
+        case 1: pv_bf16_dims<1>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
+        case 2: pv_bf16_dims<2>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
+        case 3: pv_bf16_dims<3>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
+        default: pv_bf16_dims<4>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
       }
     }
   }
