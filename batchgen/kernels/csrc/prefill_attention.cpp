@@ -187,7 +187,8 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
         m[q] = mnew[q];
       }
       float* ot = s.ot.data() + h * d * kTQ;
-      for (int64_t dd = 0; dd < d; ++dd) {  // O^T[dd][q] = alpha O^T[dd][q] + sum_k V[k][dd] P^T[k][q]
+      // O^T[dd][q] = alpha O^T[dd][q] + sum_k V[k][dd] P^T[k][q]
+      for (int64_t dd = 0; dd < d; ++dd) {
         float acc[kTQ];
         for (int64_t q = 0; q < kTQ; ++q) acc[q] = ot[dd * kTQ + q] * alpha[q];
         for (int64_t k = 0; k < nk; ++k) {
@@ -203,16 +204,18 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
 }
 
 }  // namespace
-#include "prefill_attention_amx.h"  // run_task_amx, amx_path_usable
+#include "prefill_attention_amx.h"  // run_tiles_amx, amx_path_usable
 namespace {
 
 template <class T>
 int run(const Args<T>& a, int64_t num_spans, int64_t num_threads, bool amx) {
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0) return 1;
+  // AMX tasks hold two 16-token tiles (the key blocks packed once for both).
+  const int64_t step = amx ? 2 * kTQ : kTQ;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (span, i0), the longest key ranges first
   for (int64_t sp = 0; sp < num_spans; ++sp) {
     const int64_t n = a.spans[4 * sp + 1];
-    for (int64_t i0 = (n - 1) / kTQ * kTQ; i0 >= 0; i0 -= kTQ) blocks.emplace_back(sp, i0);
+    for (int64_t i0 = (n - 1) / step * step; i0 >= 0; i0 -= step) blocks.emplace_back(sp, i0);
   }
   std::stable_sort(blocks.begin(), blocks.end(), [&](const auto& x, const auto& y) {
     return a.spans[4 * x.first + 2] - a.spans[4 * x.first + 1] + x.second >
@@ -229,7 +232,11 @@ int run(const Args<T>& a, int64_t num_spans, int64_t num_threads, bool amx) {
       const Task t = make_task(a, b.first, i % a.hkv, b.second);
       if constexpr (std::is_same_v<T, bf16_t>)
         if (amx) {
-          run_task_amx(a, t, s);
+          const int64_t n = a.spans[4 * b.first + 1];
+          const Task tiles[2] = {t, b.second + kTQ < n ? make_task(a, b.first, i % a.hkv,
+                                                                   b.second + kTQ)
+                                                       : t};
+          run_tiles_amx(a, tiles, b.second + kTQ < n ? 2 : 1, s);
           continue;
         }
       run_task_generic(a, t, s);
