@@ -10,9 +10,10 @@ runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32 accumulation and soft
 CPU has it; float32, and bf16 elsewhere, runs loops the compiler vectorises (AVX-512 FMA with
 ``-march=native`` on these machines). See the source's header for the layouts and numerics.
 
-``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel where it
-serves the dtype, `AUTO_DTYPES`), ``kernel`` (the kernel for every dtype it serves, float32
-included), ``sdpa`` (torch's SDPA per chunk, the oracle).
+``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel in
+bfloat16 where its AMX path serves the head size, else SDPA), ``kernel`` (the kernel for every
+dtype it serves, float32 and the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
+oracle).
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
     return "generic"
 
 
-def use_prefill_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `paged_attention`'s prefill chunks run this kernel: on CPU, per
-    `prefill_attention_mode` (``auto``: dtypes in `AUTO_DTYPES`; ``kernel``: every dtype the
-    kernel serves; ``sdpa``: never) and the library built.
+    `prefill_attention_mode` (``auto``: dtypes in `AUTO_DTYPES` where the AMX path serves the
+    head size, `prefill_kernel_isa`; ``kernel``: every dtype the kernel serves, any path;
+    ``sdpa``: never) and the library built.
 
     Raises:
         ValueError: a bad ``BATCHGEN_PREFILL_ATTENTION``.
@@ -101,8 +103,6 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     mode = prefill_attention_mode()
     if mode == "sdpa" or device.type != "cpu" or dtype not in _DTYPES:
         return False
-    if mode == "auto" and dtype not in AUTO_DTYPES:
-        return False
     if _library() is None:
         if mode == "kernel":
             raise RuntimeError(
@@ -110,6 +110,8 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype) -> bool:
                 "available (BATCHGEN_CPU_KERNELS, or no C++ compiler: see the log)"
             )
         return False
+    if mode == "auto":  # the generic loops measured slower than SDPA: AMX only
+        return dtype in AUTO_DTYPES and prefill_kernel_isa(dtype, head_size) == "amx"
     return True
 
 
@@ -122,11 +124,13 @@ class PrefillPlan:
         slots: ``[sum kv_len]`` int64: span i's slots of positions ``0 .. kv_len-1`` start at
             ``slot_offset``.
         num_slots: the cache rows every slot was checked against.
+        num_tokens: the flat batch's tokens every span was checked to lie in.
     """
 
     spans: torch.Tensor
     slots: torch.Tensor
     num_slots: int
+    num_tokens: int
 
 
 def build_prefill_plan(prefills: list, num_tokens: int, num_slots: int) -> PrefillPlan:
@@ -155,7 +159,7 @@ def build_prefill_plan(prefills: list, num_tokens: int, num_slots: int) -> Prefi
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_slots):
         raise ValueError(f"prefills' kv_slots must be in [0, {num_slots})")
     spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
-    return PrefillPlan(spans, flat.contiguous(), num_slots)
+    return PrefillPlan(spans, flat.contiguous(), num_slots, num_tokens)
 
 
 def paged_prefill_attention(
@@ -243,8 +247,8 @@ def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
         )
     if plan.num_slots != k_cache.shape[0]:
         raise ValueError(f"plan built for {plan.num_slots} slots, the cache has {k_cache.shape[0]}")
-    if plan.spans.numel() and int((plan.spans[:, 0] + plan.spans[:, 1]).max()) > q.shape[0]:
-        raise ValueError(f"plan's spans leave q's {q.shape[0]} tokens")
+    if plan.num_tokens != q.shape[0]:
+        raise ValueError(f"plan built for {plan.num_tokens} tokens, q has {q.shape[0]}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
     if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
