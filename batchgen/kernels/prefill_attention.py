@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
@@ -71,11 +71,7 @@ def prefill_attention_mode() -> str:
     Raises:
         ValueError: a value not in `MODES`, naming the variable and the allowed values.
     """
-    raw = os.environ.get(PREFILL_ATTENTION_ENV, "")
-    value = raw.strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{PREFILL_ATTENTION_ENV}={raw!r}: allowed values are {list(MODES)}")
-    return value
+    return env_choice(PREFILL_ATTENTION_ENV, MODES)
 
 
 def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
