@@ -3,8 +3,9 @@
 // span's slots (no gathered copy of the context, no materialised mask).
 //
 // Flash attention (Dao et al. 2022; FlashAttention-2, Dao 2023, Sec. 3.1 loop order): one task
-// holds a block of kTQ = 16 query tokens of one span and the G = Hq / Hkv query heads that share
-// one KV head (they share every key and value tile), keeps their outputs in float32, and walks
+// holds a block of kTQ = 16 query tokens (two such tiles on the AMX path) of one span and the
+// G = Hq / Hkv query heads that share one KV head (they share every key and value tile), keeps
+// their outputs in float32, and walks
 // the visible keys in blocks of kBK = 32 with an online softmax: per block, scores S, row max m',
 // P = exp(S - m'), l = l e^(m - m') + rowsum P, O = O e^(m - m') + P V; at the end O / l.
 //

@@ -159,6 +159,43 @@ BATCHGEN_PREFILL_AMX_TARGET inline void pv4(float* ot, const bf16_t* vt, const b
   if (n > 3) _tile_stored(3, ot + 48 * kTQ, 64);
 }
 
+// Q^T of query head h of the tile as pairs of dimensions, [D / 2][16 queries] words: per 32
+// dimensions, the 16 query rows' 16 words transposed (rows past nq are zeros).
+BATCHGEN_PREFILL_AMX_TARGET inline void pack_q(const Args<bf16_t>& a, const Task& t, int64_t h,
+                                               bf16_t* qv) {
+  const int64_t g = a.hq / a.hkv, d = a.d;
+  const bf16_t* q0 = a.q + ((a.spans[4 * t.span] + t.i0) * a.hq + t.kv * g + h) * d;
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512i r[16];
+    for (int64_t q = 0; q < 16; ++q)
+      r[q] = q < t.nq ? _mm512_loadu_si512(q0 + q * a.hq * d + c) : _mm512_setzero_si512();
+    transpose16x16_epi32(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(qv + (c + 2 * i) * kTQ, r[i]);
+  }
+}
+
+// write_out for the AMX path: per 16 dimensions, O^T's rows times 1 / l (lanes are queries),
+// transposed to query rows, rounded to bf16 (`vcvtneps2bf16`, round to nearest even).
+BATCHGEN_PREFILL_AMX_TARGET inline void write_out_amx(const Args<bf16_t>& a, const Task& t,
+                                                      const float* ot, const float* l) {
+  const int64_t g = a.hq / a.hkv, d = a.d;
+  const int64_t tok0 = a.spans[4 * t.span] + t.i0;
+  for (int64_t h = 0; h < g; ++h) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + h * kTQ));
+    const float* oh = ot + h * d * kTQ;
+    bf16_t* out0 = a.out + (tok0 * a.hq + t.kv * g + h) * d;
+    for (int64_t c = 0; c < d; c += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(oh + (c + i) * kTQ), inv));
+      transpose16x16_epi32(r);
+      for (int64_t q = 0; q < t.nq; ++q)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out0 + q * a.hq * d + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[q])));
+    }
+  }
+}
+
 // One task on AMX: `nt` (1 or 2) consecutive 16-token tiles of one span and KV head, sharing
 // each packed key block (the later tile sees more keys; a block a tile cannot see is skipped).
 BATCHGEN_PREFILL_AMX_TARGET void run_tiles_amx(const Args<bf16_t>& a, const Task* tiles,
@@ -175,17 +212,9 @@ BATCHGEN_PREFILL_AMX_TARGET void run_tiles_amx(const Args<bf16_t>& a, const Task
   s.s.resize(g * kBK * kTQ);  // S^T of every head, [G][32][16]
   bf16_t* zero_row = s.pv.data() + kBK * kTQ;
   std::fill(zero_row, zero_row + d, bf16_t(0));
-  for (int64_t ti = 0; ti < nt; ++ti) {
-    const Task& t = tiles[ti];
-    const int64_t tok0 = a.spans[4 * t.span] + t.i0;
+  for (int64_t ti = 0; ti < nt; ++ti)
     for (int64_t h = 0; h < g; ++h)
-      for (int64_t q = 0; q < t.nq; ++q) {
-        uint32_t qr[256];  // one query row as words (pairs of dimensions); d <= 512 here
-        std::memcpy(qr, a.q + ((tok0 + q) * a.hq + t.kv * g + h) * d, d * sizeof(bf16_t));
-        uint32_t* dst = reinterpret_cast<uint32_t*>(s.qv.data() + ti * per_tile + h * d * kTQ);
-        for (int64_t dp = 0; dp < d / 2; ++dp) dst[dp * kTQ + q] = qr[dp];
-      }
-  }
+      pack_q(a, tiles[ti], h, s.qv.data() + ti * per_tile + h * d * kTQ);
   amx_tile_config();
   // Word 2q of a P^T pair row is key 2kp at query q, word 2q + 1 key 2kp + 1.
   alignas(64) static constexpr int16_t kPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
@@ -271,7 +300,7 @@ BATCHGEN_PREFILL_AMX_TARGET void run_tiles_amx(const Args<bf16_t>& a, const Task
   }
   _tile_release();
   for (int64_t ti = 0; ti < nt; ++ti)
-    write_out(a, tiles[ti], s.ot.data() + ti * per_tile, s.l.data() + ti * g * kTQ);
+    write_out_amx(a, tiles[ti], s.ot.data() + ti * per_tile, s.l.data() + ti * g * kTQ);
 }
 #else
 inline bool amx_path_usable(int64_t) { return false; }
