@@ -257,7 +257,10 @@ BATCHGEN_PREFILL_AMX_TARGET void run_tiles_amx(const Args<bf16_t>& a, const Task
         // Raw scores: the max commutes with the positive scale, folded into the exponent.
         const __m512 m_old = _mm512_loadu_ps(m);
         __m512 mx = m_old;
-        for (int64_t k = 0; k < kBK; ++k) {
+        // Keys past the tile's last: when they fill the block's second half, its exponentials
+        // are skipped (zero weights).
+        const int64_t live = tnk <= 16 ? 16 : kBK;
+        for (int64_t k = 0; k < live; ++k) {
           __m512 x = _mm512_loadu_ps(st + k * kTQ);
           if (masked) {
             const __m512i j = _mm512_set1_epi32(int(kb + k));
@@ -271,7 +274,9 @@ BATCHGEN_PREFILL_AMX_TARGET void run_tiles_amx(const Args<bf16_t>& a, const Task
         const __m512 mx_scaled = _mm512_mul_ps(mx, vscale);
         __m512 rsum = _mm512_setzero_ps();
         bf16_t* pv = s.pv.data();
-        for (int64_t kp = 0; kp < kBK / 2; ++kp) {
+        for (int64_t kp = live / 2; kp < kBK / 2; ++kp)
+          _mm512_storeu_si512(pv + kp * 32, _mm512_setzero_si512());
+        for (int64_t kp = 0; kp < live / 2; ++kp) {
           const __m512 s0 = _mm512_loadu_ps(st + 2 * kp * kTQ);
           const __m512 s1 = _mm512_loadu_ps(st + (2 * kp + 1) * kTQ);
           const __m512 p0 = exp_ps(_mm512_fmsub_ps(s0, vscale, mx_scaled));
