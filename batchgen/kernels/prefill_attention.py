@@ -3,12 +3,13 @@
 The torch prefill path runs one SDPA call per prefill chunk; a chunk after a sequence's first
 ``index_select``s its sequence's whole cached context out of the paged cache and builds a
 ``[n, kv_len]`` mask. This kernel is flash attention (Dao et al. 2022; FlashAttention-2's loop
-order, Dao 2023 Sec. 3.1): per block of 16 query tokens (32 on the AMX path) and the query heads
-that share one KV head, it walks the visible keys in blocks of 32 straight from their cache slots with an online
-softmax (causal, grouped-query, sliding window; no copy of the context, no mask tensor). bf16
-runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32 accumulation and softmax) where the
-CPU has it; float32, and bf16 elsewhere, runs loops the compiler vectorises (AVX-512 FMA with
-``-march=native`` on these machines). See the source's header for the layouts and numerics.
+order, Dao 2023 Sec. 3.1): per block of 16 query tokens (32 on the AMX path) and the query
+heads that share one KV head, it walks the visible keys in blocks of 32 straight from their
+cache slots with an online softmax (causal, grouped-query, sliding window; no copy of the
+context, no mask tensor). bf16 runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32
+accumulation and softmax) where the CPU has it; float32, and bf16 elsewhere, runs loops the
+compiler vectorises (AVX-512 FMA with ``-march=native`` on these machines). See the source's
+header for the layouts and numerics.
 
 ``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel in
 bfloat16 where its AMX path serves the head size, else SDPA), ``kernel`` (the kernel for every
