@@ -22,6 +22,7 @@ BAD_SWITCHES = [
     ("BATCHGEN_PAGED_ATTENTION_ISA", "avx9", ["'amx'", "'avx512f'", "'auto'"]),
     ("BATCHGEN_MOE_PATH", "fast", ["'auto'", "'grouped_mm'", "'reference'", "'triton'"]),
     ("BATCHGEN_ATTENTION_BACKEND", "flash", ["'cpu_kernel'", "'torch'", "'triton'"]),
+    ("BATCHGEN_PREFILL_ATTENTION", "flash", ["'auto'", "'kernel'", "'sdpa'"]),
 ]
 
 

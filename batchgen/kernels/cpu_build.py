@@ -50,6 +50,7 @@ KERNEL_NAMES = (
     "invariant_linear",
     "packed_linear",
     "paged_decode_attention",
+    "prefill_attention",
     "rms_norm",
 )  # the sources in csrc/
 

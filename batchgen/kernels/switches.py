@@ -57,8 +57,8 @@ def env_choice(name: str, choices, default: str = "auto") -> str:
 def check_kernel_switches() -> None:
     """Read every kernel and path switch once, so that a bad value fails at engine start:
     ``BATCHGEN_CPU_KERNELS``, ``BATCHGEN_CPU_AMX``, ``BATCHGEN_PACKED_LINEAR``,
-    ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_PAGED_ATTENTION_ISA``, ``BATCHGEN_MOE_PATH`` and
-    ``BATCHGEN_ATTENTION_BACKEND``. Builds and loads nothing.
+    ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_PAGED_ATTENTION_ISA``, ``BATCHGEN_MOE_PATH``,
+    ``BATCHGEN_ATTENTION_BACKEND`` and ``BATCHGEN_PREFILL_ATTENTION``. Builds and loads nothing.
 
     Raises:
         ValueError: the first bad value, naming the variable and the allowed values.
@@ -69,6 +69,7 @@ def check_kernel_switches() -> None:
     from batchgen.kernels.onednn_linear import prepacked_linear_enabled
     from batchgen.kernels.packed_linear import packed_linear_enabled
     from batchgen.kernels.paged_attention import default_isa
+    from batchgen.kernels.prefill_attention import prefill_attention_mode
     from batchgen.models.layers.attention_backend import attention_backend_override
     from batchgen.models.layers.expert_path import moe_path_override
 
@@ -79,3 +80,4 @@ def check_kernel_switches() -> None:
     default_isa()
     moe_path_override()
     attention_backend_override()
+    prefill_attention_mode()

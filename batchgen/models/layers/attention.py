@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.paged_attention import check_decode_context, paged_decode_attention
+from batchgen.kernels.prefill_attention import (
+    build_prefill_plan,
+    paged_prefill_attention,
+    use_prefill_kernel,
+)
 from batchgen.kernels.triton_paged_attention import triton_paged_decode_attention
 from batchgen.models.layers.attention_backend import decode_attention_backend
 from batchgen.models.layers.norm import RMSNorm
@@ -149,6 +154,8 @@ class AttentionMetadata:
     block_size: int = 1
     prefills: list[PrefillSpan] = field(default_factory=list)
     rope_cache: dict = field(default_factory=dict, repr=False)
+    # The prefill spans packed for the CPU prefill kernel, built by the first layer of the step.
+    prefill_plan: object = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -196,7 +203,8 @@ def paged_attention(
         ``[T, Hq, D]`` attention output.
 
     Decode rows run the backend `decode_attention_backend` picks (the CPU kernel or the Triton
-    kernel reading the cache in place, or the torch gather + SDPA); prefill chunks run SDPA.
+    kernel reading the cache in place, or the torch gather + SDPA); prefill chunks run the CPU
+    prefill kernel where `use_prefill_kernel` says so (reading the cache in place), else SDPA.
     """
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -242,6 +250,15 @@ def paged_attention(
             scale=scale,
         )
         out[rows] = od.reshape(b, -1, q.shape[-1])
+    if (
+        meta.prefills
+        and q.dtype == k_cache.dtype
+        and use_prefill_kernel(q.device, q.dtype, q.shape[-1])
+    ):
+        if meta.prefill_plan is None or meta.prefill_plan.num_slots != k_cache.shape[0]:
+            meta.prefill_plan = build_prefill_plan(meta.prefills, q.shape[0], k_cache.shape[0])
+        paged_prefill_attention(q, k_cache, v_cache, meta.prefill_plan, scale, sliding_window, out)
+        return out
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         # 4-D [1, H, n, D] inputs: torch's CPU flash kernel takes only 4-D; 3-D inputs fall

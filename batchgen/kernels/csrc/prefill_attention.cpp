@@ -1,0 +1,274 @@
+// Prefill attention on CPU, float32 and bfloat16: the query tokens of prefill chunks ("spans")
+// attend causally to their sequence's context, read in place from the paged KV cache through the
+// span's slots (no gathered copy of the context, no materialised mask).
+//
+// Flash attention (Dao et al. 2022; FlashAttention-2, Dao 2023, Sec. 3.1 loop order): one task
+// holds a block of kTQ = 16 query tokens (two such tiles on the AMX path) of one span and the
+// G = Hq / Hkv query heads that share one KV head (they share every key and value tile), keeps
+// their outputs in float32, and walks
+// the visible keys in blocks of kBK = 32 with an online softmax: per block, scores S, row max m',
+// P = exp(S - m'), l = l e^(m - m') + rowsum P, O = O e^(m - m') + P V; at the end O / l.
+//
+// Layout trick: everything runs transposed, S^T = K Q^T [keys][16 queries] and O^T = V^T P^T
+// [D][16 queries], so the 16 queries of a tile are the 16 float32 lanes of one AVX-512 vector:
+// the softmax's max, exp, sums and the rescale of O are vertical vector ops, no horizontal
+// reductions. O^T is transposed once per task when the output is written.
+//
+// Layouts (vLLM's slot convention): q, out [T, Hq, D]; k_cache, v_cache [num_slots, Hkv, D];
+// spans [S, 4] int64 rows (token_start, num_tokens, kv_len, slot_offset): the span's tokens are
+// rows token_start .. + num_tokens of q and out, at positions kv_len - num_tokens .. kv_len - 1;
+// slots[slot_offset + p] is the cache slot of position p < kv_len. Visible keys (HF's rule): key
+// j for the query at position i iff j <= i and (no window, or i - j < window).
+//
+// Paths: bf16 with AMX-BF16 where the CPU has it and Linux grants the tile state, D % 32 == 0
+// (S^T by `tdpbf16ps` with A = 16 key rows x 32 dims copied from the cache, B = Q^T in pairs;
+// O^T by `tdpbf16ps` with A = V^T [16 dims][32 keys], B = P^T in pairs; softmax with the decode
+// kernel's `exp_ps`); else loops the compiler vectorises (float32, bf16 widened exactly to
+// float32), AVX-512 FMA under -march=native on these machines. Numerics: products and sums in
+// float32; bf16 rounds the unnormalised weights P to bf16 before P V (the sum l stays float32)
+// and the output once, as torch's CPU SDPA does in bf16.
+//
+// Tasks (span, KV head, query block) are spread over OpenMP threads (dynamic: the later blocks
+// of a span see more keys), in torch's OpenMP runtime (see paged_decode_attention.cpp).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "amx_bf16.h"       // amx_usable, amx_tile_config, BATCHGEN_AMX_TARGET
+#include "attention_exp.h"  // exp_ps, BATCHGEN_ATTN_BF16_TARGET
+#include "fused_moe_common.h"
+
+namespace {
+
+using bf16_t = uint16_t;
+constexpr int64_t kTQ = 16;             // query tokens per task: the 16 lanes / AMX tile rows
+constexpr int64_t kBK = 32;             // keys per block
+constexpr float kMasked = -3.0e38f;     // score of an invisible key (exp gives 0)
+constexpr float kInitMax = -1.0e30f;    // running max before any key: finite, above kMasked
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(bf16_t* p, float x) { *p = to_bf16(x); }
+inline float round_bf16(float x) { return to_f32(to_bf16(x)); }
+
+template <class T>
+struct Args {
+  const T* q;
+  const T* k_cache;
+  const T* v_cache;
+  T* out;
+  const int64_t* spans;  // [S, 4]
+  const int64_t* slots;
+  int64_t hq, hkv, d, window;
+  float scale;
+};
+
+// One task's geometry: tokens i0 .. i0 + nq - 1 of a span, at positions p0 .. p0 + nq - 1,
+// keys [lo, hi] (hi = p0 + nq - 1, the last query's position).
+struct Task {
+  int64_t span, kv, i0, nq, p0, lo, hi;
+  const int64_t* slots;  // the span's slots, by position
+};
+
+template <class T>
+inline Task make_task(const Args<T>& a, int64_t span, int64_t kv, int64_t i0) {
+  const int64_t* sp = a.spans + 4 * span;
+  const int64_t n = sp[1], base = sp[2] - n;
+  Task t{span, kv, i0, std::min(kTQ, n - i0), base + i0, 0, 0, a.slots + sp[3]};
+  t.hi = t.p0 + t.nq - 1;
+  t.lo = a.window > 0 ? std::max<int64_t>(0, t.p0 - a.window + 1) : 0;
+  return t;
+}
+
+// Whether key j is visible to lane q of the task (lanes past nq use the positions that would
+// follow: finite results, never written).
+inline bool visible(const Task& t, int64_t window, int64_t j, int64_t q) {
+  const int64_t pos = t.p0 + q;
+  return j <= pos && (window <= 0 || pos - j < window);
+}
+// Whether any key of [kb, kb + nk) is hidden from some lane < 16.
+inline bool block_needs_mask(const Task& t, int64_t window, int64_t kb, int64_t nk) {
+  return kb + nk - 1 > t.p0 || (window > 0 && kb <= t.p0 + kTQ - 1 - window) || nk < kBK;
+}
+
+template <class T>
+inline const T* cache_row(const T* cache, const Args<T>& a, const Task& t, int64_t j) {
+  return cache + (t.slots[j] * a.hkv + t.kv) * a.d;
+}
+
+// Writes out rows of the task: out[token][kv * G + h][dd] = ot[h][dd][q] / l[h][q].
+template <class T>
+void write_out(const Args<T>& a, const Task& t, const float* ot, const float* l) {
+  const int64_t g = a.hq / a.hkv, d = a.d;
+  const int64_t tok0 = a.spans[4 * t.span] + t.i0;
+  for (int64_t h = 0; h < g; ++h)
+    for (int64_t q = 0; q < t.nq; ++q) {
+      T* o = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
+      const float inv = 1.0f / l[h * kTQ + q];
+      const float* src = ot + h * d * kTQ + q;
+      for (int64_t dd = 0; dd < d; ++dd) store(o + dd, src[dd * kTQ] * inv);
+    }
+}
+
+// ---- the generic path (float32; bf16 widened) ---------------------------------------------
+
+struct Scratch {
+  std::vector<float, CacheAligned<float>> qt, kp, vp, s, ot, m, l;
+#if BATCHGEN_HAVE_BF16
+  std::vector<bf16_t, CacheAligned<bf16_t>> qv, kb, vt, pv;
+#endif
+};
+
+template <class T>
+void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
+  const int64_t g = a.hq / a.hkv, d = a.d;
+  const int64_t tok0 = a.spans[4 * t.span] + t.i0;
+  s.qt.assign(g * d * kTQ, 0.0f);  // [G][D][16]
+  s.ot.assign(g * d * kTQ, 0.0f);
+  s.m.assign(g * kTQ, kInitMax);
+  s.l.assign(g * kTQ, 0.0f);
+  s.kp.resize(kBK * d);
+  s.vp.resize(kBK * d);
+  s.s.resize(kBK * kTQ);
+  for (int64_t h = 0; h < g; ++h)
+    for (int64_t q = 0; q < t.nq; ++q) {
+      const T* qr = a.q + ((tok0 + q) * a.hq + t.kv * g + h) * d;
+      for (int64_t dd = 0; dd < d; ++dd) s.qt[(h * d + dd) * kTQ + q] = to_f32(qr[dd]);
+    }
+  for (int64_t kb = t.lo; kb <= t.hi; kb += kBK) {
+    const int64_t nk = std::min(kBK, t.hi + 1 - kb);
+    for (int64_t k = 0; k < nk; ++k) {
+      const T* kr = cache_row(a.k_cache, a, t, kb + k);
+      const T* vr = cache_row(a.v_cache, a, t, kb + k);
+      for (int64_t dd = 0; dd < d; ++dd) {
+        s.kp[k * d + dd] = to_f32(kr[dd]);
+        s.vp[k * d + dd] = to_f32(vr[dd]);
+      }
+    }
+    const bool masked = block_needs_mask(t, a.window, kb, nk);
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qt = s.qt.data() + h * d * kTQ;
+      float* st = s.s.data();
+      for (int64_t k = 0; k < nk; ++k) {  // S^T[k][q] = scale <K_k, Q_q>
+        float acc[kTQ] = {};
+        const float* kr = s.kp.data() + k * d;
+        for (int64_t dd = 0; dd < d; ++dd)
+#pragma omp simd
+          for (int64_t q = 0; q < kTQ; ++q) acc[q] += kr[dd] * qt[dd * kTQ + q];
+        for (int64_t q = 0; q < kTQ; ++q) st[k * kTQ + q] = acc[q] * a.scale;
+      }
+      if (masked)
+        for (int64_t k = 0; k < nk; ++k)
+          for (int64_t q = 0; q < kTQ; ++q)
+            if (!visible(t, a.window, kb + k, q)) st[k * kTQ + q] = kMasked;
+      float* m = s.m.data() + h * kTQ;
+      float* l = s.l.data() + h * kTQ;
+      float mnew[kTQ], alpha[kTQ], rsum[kTQ] = {};
+      for (int64_t q = 0; q < kTQ; ++q) mnew[q] = m[q];
+      for (int64_t k = 0; k < nk; ++k)
+        for (int64_t q = 0; q < kTQ; ++q) mnew[q] = std::max(mnew[q], st[k * kTQ + q]);
+      for (int64_t q = 0; q < kTQ; ++q) alpha[q] = std::exp(m[q] - mnew[q]);
+      for (int64_t k = 0; k < nk; ++k)
+        for (int64_t q = 0; q < kTQ; ++q) {
+          const float p = std::exp(st[k * kTQ + q] - mnew[q]);
+          rsum[q] += p;
+          st[k * kTQ + q] = std::is_same_v<T, bf16_t> ? round_bf16(p) : p;
+        }
+      for (int64_t q = 0; q < kTQ; ++q) {
+        l[q] = l[q] * alpha[q] + rsum[q];
+        m[q] = mnew[q];
+      }
+      float* ot = s.ot.data() + h * d * kTQ;
+      // O^T[dd][q] = alpha O^T[dd][q] + sum_k V[k][dd] P^T[k][q]
+      for (int64_t dd = 0; dd < d; ++dd) {
+        float acc[kTQ];
+        for (int64_t q = 0; q < kTQ; ++q) acc[q] = ot[dd * kTQ + q] * alpha[q];
+        for (int64_t k = 0; k < nk; ++k) {
+          const float v = s.vp[k * d + dd];
+#pragma omp simd
+          for (int64_t q = 0; q < kTQ; ++q) acc[q] += v * st[k * kTQ + q];
+        }
+        for (int64_t q = 0; q < kTQ; ++q) ot[dd * kTQ + q] = acc[q];
+      }
+    }
+  }
+  write_out(a, t, s.ot.data(), s.l.data());
+}
+
+}  // namespace
+#include "prefill_attention_amx.h"  // run_tiles_amx, amx_path_usable
+namespace {
+
+template <class T>
+int run(const Args<T>& a, int64_t num_spans, int64_t num_threads, bool amx) {
+  if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0) return 1;
+  // AMX tasks hold two 16-token tiles (the key blocks packed once for both).
+  const int64_t step = amx ? 2 * kTQ : kTQ;
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (span, i0), the longest key ranges first
+  for (int64_t sp = 0; sp < num_spans; ++sp) {
+    const int64_t n = a.spans[4 * sp + 1];
+    for (int64_t i0 = (n - 1) / step * step; i0 >= 0; i0 -= step) blocks.emplace_back(sp, i0);
+  }
+  std::stable_sort(blocks.begin(), blocks.end(), [&](const auto& x, const auto& y) {
+    return a.spans[4 * x.first + 2] - a.spans[4 * x.first + 1] + x.second >
+           a.spans[4 * y.first + 2] - a.spans[4 * y.first + 1] + y.second;
+  });
+  const int64_t num_tasks = int64_t(blocks.size()) * a.hkv;
+  num_threads = std::max<int64_t>(1, std::min(num_threads, num_tasks));
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch s;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      const auto& b = blocks[i / a.hkv];
+      const Task t = make_task(a, b.first, i % a.hkv, b.second);
+      if constexpr (std::is_same_v<T, bf16_t>)
+        if (amx) {
+          const int64_t n = a.spans[4 * b.first + 1];
+          const Task tiles[2] = {t, b.second + kTQ < n ? make_task(a, b.first, i % a.hkv,
+                                                                   b.second + kTQ)
+                                                       : t};
+          run_tiles_amx(a, tiles, b.second + kTQ < n ? 2 : 1, s);
+          continue;
+        }
+      run_task_generic(a, t, s);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int batchgen_prefill_attention_f32(const float* q, const float* k_cache,
+                                              const float* v_cache, float* out,
+                                              const int64_t* spans, const int64_t* slots,
+                                              int64_t num_spans, int64_t hq, int64_t hkv,
+                                              int64_t d, float scale, int64_t window,
+                                              int64_t num_threads) {
+  const Args<float> a{q, k_cache, v_cache, out, spans, slots, hq, hkv, d, window, scale};
+  return run(a, num_spans, num_threads, false);
+}
+
+// isa: 0 auto (AMX where `batchgen_prefill_attention_bf16_isa` says so), 1 the generic loops.
+extern "C" int batchgen_prefill_attention_bf16(const bf16_t* q, const bf16_t* k_cache,
+                                               const bf16_t* v_cache, bf16_t* out,
+                                               const int64_t* spans, const int64_t* slots,
+                                               int64_t num_spans, int64_t hq, int64_t hkv,
+                                               int64_t d, float scale, int64_t window,
+                                               int64_t num_threads, int64_t isa) {
+  if (isa < 0 || isa > 1) return 2;
+  const Args<bf16_t> a{q, k_cache, v_cache, out, spans, slots, hq, hkv, d, window, scale};
+  return run(a, num_spans, num_threads, isa == 0 && amx_path_usable(d));
+}
+
+// The bf16 path under isa 0 for head size d: 1 AMX, 0 the generic loops.
+extern "C" int batchgen_prefill_attention_bf16_isa(int64_t d) { return amx_path_usable(d); }

@@ -1,0 +1,252 @@
+"""Paged prefill attention for CPU, float32 and bfloat16 (``csrc/prefill_attention.cpp``).
+
+The torch prefill path runs one SDPA call per prefill chunk; a chunk after a sequence's first
+``index_select``s its sequence's whole cached context out of the paged cache and builds a
+``[n, kv_len]`` mask. This kernel is flash attention (Dao et al. 2022; FlashAttention-2's loop
+order, Dao 2023 Sec. 3.1): per block of 16 query tokens (32 on the AMX path) and the query
+heads that share one KV head, it walks the visible keys in blocks of 32 straight from their
+cache slots with an online softmax (causal, grouped-query, sliding window; no copy of the
+context, no mask tensor). bf16 runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32
+accumulation and softmax) where the CPU has it; float32, and bf16 elsewhere, runs loops the
+compiler vectorises (AVX-512 FMA with ``-march=native`` on these machines). See the source's
+header for the layouts and numerics.
+
+``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel in
+bfloat16 where its AMX path serves the head size, else SDPA), ``kernel`` (the kernel for every
+dtype it serves, float32 and the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
+oracle).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+
+from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.switches import env_choice
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
+# The dtypes ``auto`` runs it for: float32 stays on SDPA (the vectorised float32 loops measured
+# 0.4-0.6x torch's float32 SDPA at the bench shapes, benchmarks/prefill_attention.py).
+AUTO_DTYPES = (torch.bfloat16,)
+ISAS = {"auto": 0, "generic": 1}  # bf16 paths (``isa``): auto = AMX where usable
+PREFILL_ATTENTION_ENV = "BATCHGEN_PREFILL_ATTENTION"
+MODES = ("auto", "kernel", "sdpa")
+
+logger = logging.getLogger(__name__)
+_lib = None
+_logged: set[tuple] = set()
+
+
+def _library():
+    """The kernel library, or None while it is unavailable or turned off."""
+    global _lib
+    if not kernels_enabled("prefill_attention"):
+        return None
+    if _lib is None:
+        lib = load_library("prefill_attention")
+        if lib is None:
+            return None
+        common = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _i64, _i64]
+        lib.batchgen_prefill_attention_f32.argtypes = common
+        lib.batchgen_prefill_attention_bf16.argtypes = [*common, _i64]
+        lib.batchgen_prefill_attention_bf16_isa.argtypes = [_i64]
+        for fn in (
+            lib.batchgen_prefill_attention_f32,
+            lib.batchgen_prefill_attention_bf16,
+            lib.batchgen_prefill_attention_bf16_isa,
+        ):
+            fn.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def prefill_attention_mode() -> str:
+    """``$BATCHGEN_PREFILL_ATTENTION`` (case and spaces ignored), ``"auto"`` when unset or empty.
+
+    Raises:
+        ValueError: a value not in `MODES`, naming the variable and the allowed values.
+    """
+    return env_choice(PREFILL_ATTENTION_ENV, MODES)
+
+
+def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
+    """The path the kernel runs for ``dtype`` and ``head_size`` on this CPU: ``"amx"`` (bf16,
+    head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16 usable), ``"generic"``
+    (vectorised loops), or None when the kernel is unavailable or does not serve ``dtype``."""
+    lib = _library()
+    if lib is None or dtype not in _DTYPES:
+        return None
+    if dtype == torch.bfloat16 and lib.batchgen_prefill_attention_bf16_isa(head_size):
+        return "amx"
+    return "generic"
+
+
+def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether `paged_attention`'s prefill chunks run this kernel: on CPU, per
+    `prefill_attention_mode` (``auto``: dtypes in `AUTO_DTYPES` where the AMX path serves the
+    head size, `prefill_kernel_isa`; ``kernel``: every dtype the kernel serves, any path;
+    ``sdpa``: never) and the library built.
+
+    Raises:
+        ValueError: a bad ``BATCHGEN_PREFILL_ATTENTION``.
+        RuntimeError: ``kernel`` forced on a CPU tensor where the library is unavailable.
+    """
+    mode = prefill_attention_mode()
+    if mode == "sdpa" or device.type != "cpu" or dtype not in _DTYPES:
+        return False
+    if _library() is None:
+        if mode == "kernel":
+            raise RuntimeError(
+                f"{PREFILL_ATTENTION_ENV}=kernel but the CPU prefill attention kernel is not "
+                "available (BATCHGEN_CPU_KERNELS, or no C++ compiler: see the log)"
+            )
+        return False
+    if mode == "auto":  # the generic loops measured slower than SDPA: AMX only
+        return dtype in AUTO_DTYPES and prefill_kernel_isa(dtype, head_size) == "amx"
+    return True
+
+
+@dataclass
+class PrefillPlan:
+    """The prefill spans of one step as the kernel reads them, built once per step.
+
+    Attributes:
+        spans: ``[S, 4]`` int64 rows ``(token_start, num_tokens, kv_len, slot_offset)``.
+        slots: ``[sum kv_len]`` int64: span i's slots of positions ``0 .. kv_len-1`` start at
+            ``slot_offset``.
+        num_slots: the cache rows every slot was checked against.
+        num_tokens: the flat batch's tokens every span was checked to lie in.
+    """
+
+    spans: torch.Tensor
+    slots: torch.Tensor
+    num_slots: int
+    num_tokens: int
+
+
+def build_prefill_plan(prefills: list, num_tokens: int, num_slots: int) -> PrefillPlan:
+    """Pack `PrefillSpan`s (``token_start``, ``num_tokens``, ``kv_len``, ``kv_slots``) into a
+    `PrefillPlan`, checking what the kernel reads as raw memory.
+
+    Raises:
+        ValueError: a span whose tokens leave ``[0, num_tokens)``, with ``num_tokens`` outside
+            ``[1, kv_len]``, ``kv_slots`` not ``kv_len`` long, or a slot outside
+            ``[0, num_slots)``.
+    """
+    rows, slots, offset = [], [], 0
+    for i, sp in enumerate(prefills):
+        if sp.num_tokens < 1 or sp.num_tokens > sp.kv_len:
+            raise ValueError(f"prefills[{i}]: num_tokens {sp.num_tokens} not in [1, kv_len]")
+        if sp.token_start < 0 or sp.token_start + sp.num_tokens > num_tokens:
+            raise ValueError(f"prefills[{i}]: tokens leave the batch of {num_tokens}")
+        if sp.kv_slots.shape != (sp.kv_len,):
+            raise ValueError(
+                f"prefills[{i}]: kv_slots shape {tuple(sp.kv_slots.shape)} != ({sp.kv_len},)"
+            )
+        rows.append((sp.token_start, sp.num_tokens, sp.kv_len, offset))
+        slots.append(sp.kv_slots)
+        offset += sp.kv_len
+    flat = torch.cat(slots).to("cpu", torch.int64) if slots else torch.zeros(0, dtype=torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_slots):
+        raise ValueError(f"prefills' kv_slots must be in [0, {num_slots})")
+    spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    return PrefillPlan(spans, flat.contiguous(), num_slots, num_tokens)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    isa: str = "auto",
+) -> None:
+    """Causal attention of every prefill span's queries to its context in the paged cache;
+    writes the spans' rows of ``out`` (other rows untouched).
+
+    Args:
+        q: ``[T, Hq, D]`` float32 or bfloat16, RoPE applied (made contiguous here).
+        k_cache, v_cache: ``[num_slots, Hkv, D]``, q's dtype, contiguous, the spans' new K/V
+            already written (Hq a multiple of Hkv; query head h reads KV head h // (Hq / Hkv)).
+        plan: `build_prefill_plan` for these spans and this cache's ``num_slots``.
+        scale: softmax scale; sliding_window: HF's rule (key j visible to the query at
+            position i iff ``j <= i`` and ``i - j < window``) or None.
+        out: ``[T, Hq, D]``, q's dtype, contiguous.
+        isa: bf16 only: ``"auto"`` (AMX where `prefill_kernel_isa` says so) or ``"generic"``.
+    Numerics: scores, softmax and sums in float32; bf16 rounds the unnormalised softmax weights
+    and the output to bf16 (round to nearest even), as torch's CPU SDPA does in bf16.
+    Raises:
+        RuntimeError: the kernel is unavailable or rejects the head counts.
+        ValueError: naming the argument, for a wrong dtype, device, shape or layout, or a plan
+            built for another cache size.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU prefill attention kernel is not available")
+    _check(q, k_cache, v_cache, plan, sliding_window, out, isa)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if q.dtype == torch.bfloat16:
+        fn, extra = lib.batchgen_prefill_attention_bf16, (ISAS[isa],)
+    else:
+        fn, extra = lib.batchgen_prefill_attention_f32, ()
+    key = (q.dtype, d, hq // max(1, hkv), isa)
+    if key not in _logged:
+        _logged.add(key)
+        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else "forced generic"
+        logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
+    q = q.contiguous()
+    with record_function("batchgen::prefill_attention"):  # named for torch.profiler
+        rc = fn(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            plan.spans.data_ptr(),
+            plan.slots.data_ptr(),
+            plan.spans.shape[0],
+            hq,
+            hkv,
+            d,
+            scale,
+            sliding_window or 0,
+            torch.get_num_threads(),
+            *extra,
+        )
+    if rc != 0:
+        raise RuntimeError(f"prefill attention rejected Hq={hq}, Hkv={hkv}, D={d}")
+
+
+def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype or x.dtype not in _DTYPES or x.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a float32 or bfloat16 CPU tensor like q, got {x.dtype} on "
+                f"{x.device}"
+            )
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache "
+            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if plan.num_slots != k_cache.shape[0]:
+        raise ValueError(f"plan built for {plan.num_slots} slots, the cache has {k_cache.shape[0]}")
+    if plan.num_tokens != q.shape[0]:
+        raise ValueError(f"plan built for {plan.num_tokens} tokens, q has {q.shape[0]}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
+        raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
