@@ -120,11 +120,12 @@ def fused_add_rms_norm(
     h = x.shape[-1]
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), residual + x
-    rows, res = x.reshape(-1, h).contiguous(), residual.reshape(-1, h).contiguous()
-    w = weight.contiguous()
-    out, s = torch.empty_like(rows), torch.empty_like(rows)
-    args = (rows.data_ptr(), res.data_ptr(), s.data_ptr(), w.data_ptr(), out.data_ptr())
-    args += (rows.shape[0], h, eps, torch.get_num_threads())
+    x, residual = x.contiguous(), residual.contiguous()  # no-ops at decode: no reshape calls
+    both = torch.empty((2, *x.shape), dtype=x.dtype)  # one allocation: normed, sum
+    out, s = both[0], both[1]
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    args = (x.data_ptr(), residual.data_ptr(), s.data_ptr(), w.data_ptr(), out.data_ptr())
+    args += (x.numel() // h, h, eps, torch.get_num_threads())
     fn = _functions()[(x.dtype, "add")]
     if torch.autograd._profiler_enabled():
         with record_function("batchgen::fused_add_rms_norm"):
@@ -133,4 +134,4 @@ def fused_add_rms_norm(
         rc = fn(*args)
     if rc != 0:
         raise RuntimeError(f"fused_add_rms_norm rejected the shape {tuple(x.shape)} (code {rc})")
-    return out.view(x.shape), s.view(x.shape)
+    return out, s
