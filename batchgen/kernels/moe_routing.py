@@ -2,12 +2,13 @@
 
 `topk_softmax` is vLLM's ``topk_softmax`` for the softmax routers (Mixtral, Qwen-MoE, OLMoE):
 router logits ``[T, E]`` -> ``topk_weights [T, A]`` float32, ``topk_ids [T, A]`` int64, in
-Hugging Face's order of operations (softmax in float32, torch.topk, optional renormalisation)
-instead of six torch ops. The top-k is torch's CPU algorithm, so equal probabilities are
-chosen and ordered as torch.topk does; the softmax's exp and sum differ from torch's in the
-last bits (tests/test_fused_small_ops.py bounds them). `moe_sort` is the stable counting sort
-of ``topk_ids`` by expert: exactly ``torch.argsort(ids, stable=True)`` and
-``torch.bincount(ids, minlength=E)`` in one call.
+Hugging Face's order of operations (softmax in float32, torch.topk, optional renormalisation),
+in two calls instead of six torch ops: torch's own softmax (so the probabilities are HF's bit
+for bit; a C++ softmax with another exp differed in the last bits, which changed 23 of 70 greedy
+bf16 continuations of the bench model), then one kernel call for the top-k, with torch.topk's
+choice and order of tied experts, and the renormalisation: the result is HF's bit for bit.
+`moe_sort` is the stable counting sort of ``topk_ids`` by expert: exactly
+``torch.argsort(ids, stable=True)`` and ``torch.bincount(ids, minlength=E)`` in one call.
 
 Where the kernel does not serve (not CPU, other dtypes, gradients, the library not built,
 ``BATCHGEN_CPU_KERNELS`` without ``moe_routing``) the ``*_available`` functions are False and
@@ -36,12 +37,10 @@ def _functions() -> dict[str, object]:
         lib = load_library("moe_routing")
         fns: dict[str, object] = {}
         if lib is not None:
-            for key, name in (("f32", "batchgen_topk_softmax_f32"),
-                              ("bf16", "batchgen_topk_softmax_bf16")):
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = [_ptr] * 3 + [_i64] * 3 + [ctypes.c_int, ctypes.c_float, _i64]
-                fns[key] = fn
+            fn = lib.batchgen_topk_renorm
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr] * 3 + [_i64] * 3 + [ctypes.c_int, ctypes.c_float, _i64]
+            fns["topk"] = fn
             fn = lib.batchgen_moe_sort
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr]
@@ -50,7 +49,10 @@ def _functions() -> dict[str, object]:
     return _lib
 
 
-_KEYS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Top-k sizes whose float32 row sum torch.sum adds in slot order, as the kernel does (measured on
+# torch 2.13's AVX-512 build; 5-7 and 9+ are added in another order, so torch renormalises
+# those). tests/test_fused_small_ops.py checks every k from 1 to 16 bit for bit.
+_SLOT_ORDER_SUM_K = (1, 2, 3, 4, 8)
 
 
 def topk_softmax_available(router_logits: torch.Tensor) -> bool:
@@ -59,7 +61,7 @@ def topk_softmax_available(router_logits: torch.Tensor) -> bool:
     return (
         router_logits.device.type == "cpu"
         and router_logits.dim() == 2
-        and router_logits.dtype in _KEYS
+        and router_logits.dtype in (torch.float32, torch.bfloat16)
         and not (torch.is_grad_enabled() and router_logits.requires_grad)
         and kernels_enabled("moe_routing")
         and bool(_functions())
@@ -81,9 +83,9 @@ def topk_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in float32, top-k, optional renormalisation, times ``scale``.
 
-    Equal to `batchgen.models.layers.moe.select_experts_softmax` (HF `MixtralTopKRouter`,
-    `Qwen2MoeTopKRouter`: ``softmax(logits.float())``, ``torch.topk``, ``w / w.sum()``) up to
-    the softmax's last bits; ties in the probabilities resolved as torch.topk on CPU does.
+    Bit for bit `batchgen.models.layers.moe.select_experts_softmax`'s torch ops (HF
+    `MixtralTopKRouter`, `Qwen2MoeTopKRouter`: ``softmax(logits.float())``, ``torch.topk``,
+    ``w / w.sum()``, then ``* scale``), ties in the probabilities resolved as torch.topk on CPU.
 
     Args:
         router_logits: ``[T, E]`` float32 or bfloat16 on CPU.
@@ -98,18 +100,26 @@ def topk_softmax(
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    logits = router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
     if num_tokens == 0:
         return weights, ids
-    fn = _functions()[_KEYS[logits.dtype]]
+    # HF's softmax(logits.float()) exactly (one op: the cast happens inside, same bits).
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32).contiguous()  # [T, E]
+    # The kernel sums the k weights in slot order; torch.sum of a row of k adds them in that
+    # order only for these k (measured, tests/test_fused_small_ops.py): elsewhere torch does.
+    in_kernel = not renormalize or top_k in _SLOT_ORDER_SUM_K
     rc = _call(
-        "topk_softmax", fn, logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), num_tokens,
-        num_experts, top_k, int(renormalize), scale, torch.get_num_threads(),
+        "topk_softmax", _functions()["topk"], probs.data_ptr(), weights.data_ptr(),
+        ids.data_ptr(), num_tokens, num_experts, top_k, int(renormalize and in_kernel),
+        scale if in_kernel else 1.0, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise RuntimeError(f"topk_softmax kernel rejected {tuple(logits.shape)}, k={top_k}")
+        raise RuntimeError(f"topk_softmax kernel rejected {tuple(probs.shape)}, k={top_k}")
+    if not in_kernel:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if scale != 1.0:
+            weights = weights * scale
     return weights, ids
 
 

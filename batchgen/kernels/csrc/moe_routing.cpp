@@ -1,23 +1,20 @@
-// MoE routing on CPU: softmax + top-k + optional renormalisation of router logits in one call
-// (vLLM's `topk_softmax`), and the stable counting sort of the chosen experts (`moe_sort`).
+// MoE routing on CPU: top-k + optional renormalisation of the router's probabilities in one
+// call (the selection half of vLLM's `topk_softmax`), and the stable counting sort of the chosen
+// experts (`moe_sort`).
 //
-// topk_softmax, per row of logits [T, E] (float32 or bf16 bits), in Hugging Face
+// topk_renorm, per row of probabilities p [T, E] float32 (torch.softmax's output: the caller
+// keeps torch's softmax, so the probabilities are HF's bit for bit), in Hugging Face
 // `MixtralTopKRouter` / `Qwen2MoeTopKRouter`'s order of operations:
 //
-//   p = softmax(float32(logits))        max, exp(x - max), sum, then p = e * (1 / sum)
-//   (w, ids) = topk(p, k)                torch.topk's CPU algorithm (below), ties included
-//   if renormalize: w = w / sum(w)       true division, sum in slot order
+//   (w, ids) = topk(p, k)                torch.topk's CPU result, ties included
+//   if renormalize: w = w / sum(w)       true division, the sum in slot order
 //   w = w * scale                        (scale 1: left out)
 //
-// The softmax is torch's formula (aten/src/ATen/native/cpu/SoftMaxKernel.cpp,
-// `_vec_softmax_lastdim`: reciprocal of the sum, then a multiply) but not its exp
-// polynomial nor its summation order, so p can differ from torch's in the last bits
-// (tests/test_fused_small_ops.py bounds it in ulps). The top-k is torch's
-// (aten/src/ATen/native/TopKImpl.h, `topk_impl_loop`): (value, index) pairs, std::partial_sort
-// when k * 64 <= E else std::nth_element then std::sort of the first k - 1, with its
-// comparator (NaN first, then greater), so equal probabilities come out in torch's order.
-// A row without ties (the usual case) takes a faster insertion top-k that then gives the same
-// answer (`fast_topk`); rows with ties or NaN take torch's algorithm.
+// The top-k is torch's (aten/src/ATen/native/TopKImpl.h, `topk_impl_loop`): (value, index)
+// pairs, std::partial_sort when k * 64 <= E else std::nth_element then std::sort of the first
+// k - 1, with its comparator (NaN first, then greater), so equal probabilities come out in
+// torch's order. Only rows with a tie or a NaN need that algorithm: without ties every correct
+// top-k gives the same answer, so the others take a faster register argmax (`fast_topk`).
 // Renormalisation and scaling are compiled without fast-math (true division, no reciprocal).
 //
 // moe_sort: ids [N] int64 in [0, E) -> order [N] (the stable argsort: indices grouped by
@@ -39,13 +36,6 @@
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 constexpr int64_t kRowsPerThread = 64;
 
@@ -73,40 +63,6 @@ __attribute__((optimize("no-fast-math", "fp-contract=off"))) void finish_weights
   }
   if (scale != 1.0f)
     for (int64_t j = 0; j < k; ++j) w[j] = w[j] * scale;
-}
-
-#if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec's 16-lane expf
-#endif
-
-// Scalar expf, never vectorised: the fallback must give every lane the same function.
-__attribute__((optimize("no-tree-vectorize"))) float exp_sum_scalar(const float* d, float* p,
-                                                                   int64_t e) {
-  float sum = 0.0f;
-  for (int64_t j = 0; j < e; ++j) {
-    p[j] = std::exp(d[j]);
-    sum += p[j];
-  }
-  return sum;
-}
-
-// p[j] = exp(d[j]) for j < e, returning their sum. Every element goes through the same exp
-// (AVX-512: libmvec's 16-lane expf, the tail masked), so equal logits give equal
-// probabilities and their tie stays a tie, as in torch; a separate scalar tail loop would
-// break that.
-inline float exp_sum(const float* d, float* p, int64_t e) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < e; j += 16) {
-    const __mmask16 m = e - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e - j)) - 1);
-    const __m512 v = _ZGVeN16v_expf(_mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), m, d + j));
-    _mm512_mask_storeu_ps(p + j, m, v);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, v));
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  return exp_sum_scalar(d, p, e);
-#endif
 }
 
 #if defined(__AVX512F__)
@@ -180,17 +136,11 @@ inline bool fast_topk(const float* p, float* w, int64_t* ids, int64_t e, int64_t
   return equal_to_last == 1;
 }
 
-template <class T>
-void route_row(const T* x, float* w, int64_t* ids, int64_t e, int64_t k, int renormalize,
-               float scale, float* p, std::vector<Elem>& queue) {
-  float mx = to_f32(x[0]);
-  for (int64_t j = 1; j < e; ++j) mx = std::max(mx, to_f32(x[j]));
-  float* d = p + e;  // x - max
-  for (int64_t j = 0; j < e; ++j) d[j] = to_f32(x[j]) - mx;
-  const float sum = exp_sum(d, p, e);
-  const float r = 1.0f / sum;
-  for (int64_t j = 0; j < e; ++j) p[j] *= r;
-  if (!is_nan(sum) && fast_topk(p, w, ids, e, k)) {
+void route_row(const float* p, float* w, int64_t* ids, int64_t e, int64_t k, int renormalize,
+               float scale, std::vector<Elem>& queue) {
+  bool no_nan = true;
+  for (int64_t j = 0; j < e; ++j) no_nan &= !is_nan(p[j]);
+  if (no_nan && fast_topk(p, w, ids, e, k)) {
     finish_weights(w, k, renormalize, scale);
     return;
   }
@@ -208,35 +158,26 @@ void route_row(const T* x, float* w, int64_t* ids, int64_t e, int64_t k, int ren
   finish_weights(w, k, renormalize, scale);
 }
 
-template <class T>
-int topk_softmax(const T* x, float* w, int64_t* ids, int64_t rows, int64_t e, int64_t k,
-                 int renormalize, float scale, int64_t threads) {
+int topk_renorm(const float* p, float* w, int64_t* ids, int64_t rows, int64_t e, int64_t k,
+                int renormalize, float scale, int64_t threads) {
   if (rows < 0 || e <= 0 || k <= 0 || k > e) return 1;
   const int64_t use = rows >= 2 * kRowsPerThread ? threads : 1;
 #pragma omp parallel num_threads(use) if (use > 1)
   {
-    std::vector<float> p(2 * e + 16);
     std::vector<Elem> queue(e);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; ++i)
-      route_row(x + i * e, w + i * k, ids + i * k, e, k, renormalize, scale, p.data(), queue);
+      route_row(p + i * e, w + i * k, ids + i * k, e, k, renormalize, scale, queue);
   }
   return 0;
 }
 
 }  // namespace
 
-extern "C" int batchgen_topk_softmax_f32(const float* x, float* w, int64_t* ids, int64_t rows,
-                                         int64_t e, int64_t k, int renormalize, float scale,
-                                         int64_t threads) {
-  return topk_softmax(x, w, ids, rows, e, k, renormalize, scale, threads);
-}
-
-// x: bf16 bits (uint16).
-extern "C" int batchgen_topk_softmax_bf16(const uint16_t* x, float* w, int64_t* ids,
-                                          int64_t rows, int64_t e, int64_t k, int renormalize,
-                                          float scale, int64_t threads) {
-  return topk_softmax(x, w, ids, rows, e, k, renormalize, scale, threads);
+extern "C" int batchgen_topk_renorm(const float* p, float* w, int64_t* ids, int64_t rows,
+                                    int64_t e, int64_t k, int renormalize, float scale,
+                                    int64_t threads) {
+  return topk_renorm(p, w, ids, rows, e, k, renormalize, scale, threads);
 }
 
 // ids [n] in [0, e) -> order [n], counts [e]. Returns 2 (nothing written to order) when an id

@@ -50,8 +50,8 @@ def select_experts_softmax(
         router_logits: ``[T, E]``.
     Returns:
         ``topk_weights [T, A]`` float32 and ``topk_ids [T, A]`` int64.
-    On CPU one kernel call (`batchgen.kernels.moe_routing.topk_softmax`: the same top-k and
-    ties, the softmax within a few ulps), else the torch ops below.
+    On CPU torch's softmax and one kernel call (`batchgen.kernels.moe_routing.topk_softmax`:
+    the same result bit for bit, ties included), else the torch ops below.
     """
     if topk_softmax_available(router_logits):
         return topk_softmax(router_logits, top_k, norm_topk_prob)
