@@ -24,7 +24,6 @@
 // Each row is computed alone (batch-invariant). Rows run on OpenMP threads when there are
 // enough of them.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -35,7 +34,6 @@
 #endif
 
 namespace {
-
 
 constexpr int64_t kRowsPerThread = 64;
 
