@@ -125,7 +125,8 @@ def test_unknown_kernel_name_is_refused_naming_the_allowed_values(monkeypatch, v
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", value)
     with pytest.raises(ValueError, match=f"unknown kernel name {bad}; allowed: 1/on") as err:
         cpu_build.kernels_enabled("fused_moe")
-    assert "fused_moe, invariant_linear, packed_linear, paged_decode_attention" in str(err.value)
+    names = "fused_moe, invariant_linear, moe_routing, packed_linear, paged_decode_attention, "
+    assert names + "rms_norm, rotary_embedding" in str(err.value)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):

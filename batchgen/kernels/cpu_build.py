@@ -48,10 +48,12 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 KERNEL_NAMES = (
     "fused_moe",
     "invariant_linear",
+    "moe_routing",
     "packed_linear",
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",
+    "rotary_embedding",
 )  # the sources in csrc/
 
 

@@ -7,6 +7,9 @@ torch's in its last bit (tests/test_rms_norm.py bounds the outputs' difference).
 kernel does not serve (not CPU, other dtypes, weight of another dtype, gradients, the library
 not built, ``BATCHGEN_CPU_KERNELS`` without ``rms_norm``, a weight that is not ``[H]``)
 `rms_norm_available` is False and the caller runs the eager ops.
+
+`fused_add_rms_norm` is vLLM's: the residual add (HF's ``residual + x`` in the model dtype) and
+the norm of the sum in one call, bit for bit ``rms_norm(residual + x)`` of this kernel.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from torch.profiler import record_function
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_fns: dict[torch.dtype, object] | None = None
+_fns: dict | None = None
 
 
-def _functions() -> dict[torch.dtype, object]:
-    """The kernel's entry points by dtype; empty while the library is unavailable."""
+def _functions() -> dict:
+    """The kernel's entry points by dtype, the fused add's by ``(dtype, "add")``; empty while
+    the library is unavailable."""
     global _fns
     if _fns is None:
         lib = load_library("rms_norm")
@@ -37,6 +41,10 @@ def _functions() -> dict[torch.dtype, object]:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [_ptr] * 3 + [_i64] * 2 + [ctypes.c_float, _i64]
                 fns[dtype] = fn
+                fused = getattr(lib, name.replace("rms_norm", "fused_add_rms_norm"))
+                fused.restype = ctypes.c_int
+                fused.argtypes = [_ptr] * 5 + [_i64] * 2 + [ctypes.c_float, _i64]
+                fns[(dtype, "add")] = fused
         _fns = fns
     return _fns
 
@@ -86,3 +94,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rc != 0:
         raise RuntimeError(f"rms_norm kernel rejected the shape {tuple(x.shape)} (code {rc})")
     return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` (rounded to the dtype, as torch's add), then `rms_norm` of ``s``, in
+    one kernel call (vLLM's ``fused_add_rms_norm``, out of place here).
+
+    Args:
+        x, residual: ``[..., H]`` of one shape and dtype (float32 or bfloat16) on CPU;
+        weight: ``[H]``, same dtype; eps: as `rms_norm`.
+    Returns:
+        ``(normed, s)``: ``rms_norm(s, weight, eps)`` bit for bit, and the new residual ``s``,
+        both new ``[..., H]`` tensors.
+    Raises:
+        ValueError: x and residual differ in shape or dtype.
+        RuntimeError: the kernel rejected the shapes.
+    Call only where `rms_norm_available(x, weight)` is True."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
+            f"x {tuple(x.shape)} {x.dtype}"
+        )
+    h = x.shape[-1]
+    if x.numel() == 0:
+        return torch.empty_like(x, memory_format=torch.contiguous_format), residual + x
+    x, residual = x.contiguous(), residual.contiguous()  # no-ops at decode: no reshape calls
+    both = torch.empty((2, *x.shape), dtype=x.dtype)  # one allocation: normed, sum
+    out, s = both[0], both[1]
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    args = (x.data_ptr(), residual.data_ptr(), s.data_ptr(), w.data_ptr(), out.data_ptr())
+    args += (x.numel() // h, h, eps, torch.get_num_threads())
+    fn = _functions()[(x.dtype, "add")]
+    if torch.autograd._profiler_enabled():
+        with record_function("batchgen::fused_add_rms_norm"):
+            rc = fn(*args)
+    else:
+        rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"fused_add_rms_norm rejected the shape {tuple(x.shape)} (code {rc})")
+    return out, s

@@ -21,7 +21,7 @@ from torch import nn
 from batchgen.models.layers.attention import Attention, AttentionMetadata
 from batchgen.models.layers.mlp import GatedMLP
 from batchgen.models.layers.moe import SparseMoeBlock
-from batchgen.models.layers.norm import RMSNorm
+from batchgen.models.layers.norm import RMSNorm, add_and_prenorm, prenormed
 from batchgen.models.model_config import ModelConfig
 
 
@@ -76,6 +76,10 @@ class DecoderLayer(nn.Module):
 
     The attention is GQA (`Attention`) or MLA (`MLAAttention`); the FFN a dense `GatedMLP` or
     a `SparseMoeBlock`, per layer as `ModelConfig.layer_is_moe` says.
+    Each stage ends with the residual add fused with the next stage's norm where the CPU
+    kernel serves (`add_and_prenorm`: the normed rows ride on the returned residual; a stage
+    that gets another tensor, e.g. the executor's concatenation of groups, norms it itself,
+    to the same bits).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None) -> None:
@@ -88,11 +92,20 @@ class DecoderLayer(nn.Module):
     def attention_stage(
         self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        return h + self.self_attn(self.input_layernorm(h), meta, kv_cache)
+        x = prenormed(h, self.input_layernorm)
+        out = self.self_attn(x, meta, kv_cache)
+        return add_and_prenorm(out, h, self.post_attention_layernorm)
 
-    def ffn_stage(self, h: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x) if local_rows is None else self.mlp(x, local_rows))
+    def ffn_stage(
+        self,
+        h: torch.Tensor,
+        local_rows: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """``next_norm``: the next layer's input norm, fused with the residual add."""
+        x = prenormed(h, self.post_attention_layernorm)
+        out = self.mlp(x) if local_rows is None else self.mlp(x, local_rows)
+        return add_and_prenorm(out, h, next_norm)
 
 
 class CausalLM(nn.Module):
@@ -137,7 +150,9 @@ class CausalLM(nn.Module):
         self, layer: int, h: torch.Tensor, local_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``h [T, H]`` -> ``[T, H]``; ``local_rows`` see `SparseMoeBlock.forward`."""
-        return self.layers[layer].ffn_stage(h, local_rows)
+        following = layer + 1 < len(self.layers)
+        next_norm = self.layers[layer + 1].input_layernorm if following else None
+        return self.layers[layer].ffn_stage(h, local_rows, next_norm)
 
     def routed_expert_bytes(self) -> int:
         """Bytes of the routed expert parameters held (not counting the CPU kernel's packed

@@ -13,6 +13,9 @@
 // and division (an asm barrier keeps -ffast-math from turning it into rsqrt + Newton, which is
 // not correctly rounded).
 //
+// `batchgen_fused_add_rms_norm_*` is vLLM's fused_add_rms_norm: s = T(x + residual) (HF's
+// residual add in the model dtype), then the same normalisation of s, in one pass per row.
+//
 // Why: the eager module is eight small torch ops (cast, pow, mean, add, rsqrt, mul, cast, mul),
 // about 40 us per call on a [70, 512] bf16 decode batch, nearly all dispatch; this is one call.
 // Each row is computed alone, so a row's result does not depend on the other rows
@@ -20,62 +23,15 @@
 // library joins torch's OpenMP pool like the other kernels.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "bf16_rows.h"
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float round_to(float x, float) { return x; }
-// x rounded to the nearest bf16 (ties to even), as a float32 (finite inputs).
-inline float round_to(float x, uint16_t) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // x is already a bf16 value
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  *p = uint16_t(u >> 16);
-}
+using namespace bgrows;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsPerThread = 16;  // fewer rows than this per thread: stay single-threaded
-
-#if defined(__AVX512F__)
-// 16 values as float32: float32 loads, bf16 widened exactly (bits shifted into the high half).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 round16(__m512 v, float) { return v; }
-// To the nearest bf16, ties to even (the scalar round_to's integer rule), kept as float32.
-inline __m512 round16(__m512 v, uint16_t) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {  // v holds bf16 values
-  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(hi));
-}
-#endif
 
 template <class T>
 void norm_row(const T* x, const T* w, T* y, int64_t h, float eps) {
@@ -128,7 +84,47 @@ int run(const T* x, const T* w, T* y, int64_t rows, int64_t h, float eps, int64_
   return 0;
 }
 
+// vLLM's fused_add_rms_norm for one row: s = T(x + r) (torch's add: float32 sum rounded to
+// T) into r_out, then y = norm_row(s): bit for bit rms_norm of the sum. r_out may be r, y may
+// be x (in place).
+template <class T>
+void add_norm_row(const T* x, const T* r, T* r_out, const T* w, T* y, int64_t h, float eps) {
+  const T tag{};
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + kLanes <= h; j += kLanes)
+    store16(r_out + j, round16(_mm512_add_ps(load16(x + j), load16(r + j)), tag));
+#endif
+  for (; j < h; ++j) store(r_out + j, round_to(to_f32(x[j]) + to_f32(r[j]), tag));
+  norm_row(r_out, w, y, h, eps);
+}
+
+template <class T>
+int run_add(const T* x, const T* r, T* r_out, const T* w, T* y, int64_t rows, int64_t h,
+            float eps, int64_t threads) {
+  if (rows < 0 || h <= 0) return 1;
+  const int64_t use = rows >= 2 * kRowsPerThread ? threads : 1;
+#pragma omp parallel for num_threads(use) schedule(static) if (use > 1)
+  for (int64_t i = 0; i < rows; ++i)
+    add_norm_row(x + i * h, r + i * h, r_out + i * h, w, y + i * h, h, eps);
+  return 0;
+}
+
 }  // namespace
+
+extern "C" int batchgen_fused_add_rms_norm_f32(const float* x, const float* r, float* r_out,
+                                               const float* w, float* y, int64_t rows,
+                                               int64_t h, float eps, int64_t threads) {
+  return run_add(x, r, r_out, w, y, rows, h, eps, threads);
+}
+
+// All bf16 bits (uint16).
+extern "C" int batchgen_fused_add_rms_norm_bf16(const uint16_t* x, const uint16_t* r,
+                                                uint16_t* r_out, const uint16_t* w, uint16_t* y,
+                                                int64_t rows, int64_t h, float eps,
+                                                int64_t threads) {
+  return run_add(x, r, r_out, w, y, rows, h, eps, threads);
+}
 
 extern "C" int batchgen_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows,
                                      int64_t h, float eps, int64_t threads) {

@@ -346,6 +346,6 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(meta.positions, q, k, meta.rope_cache)
+        q, k = self.rotary_emb(meta.positions, q, k, meta.rope_cache, inplace=True)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -25,6 +25,7 @@ from torch import nn
 from batchgen.kernels.fused_moe import fused_moe_available, fused_moe_silu, pack_expert_weights
 from batchgen.kernels.grouped_moe import fused_experts_grouped_mm
 from batchgen.kernels.invariant_linear import invariant_linear
+from batchgen.kernels.moe_routing import topk_softmax, topk_softmax_available
 from batchgen.kernels.triton_moe import fused_experts_triton
 from batchgen.models.batch_invariant import invariant_activation
 from batchgen.models.layers.expert_path import ExpertPath, expert_path
@@ -49,7 +50,11 @@ def select_experts_softmax(
         router_logits: ``[T, E]``.
     Returns:
         ``topk_weights [T, A]`` float32 and ``topk_ids [T, A]`` int64.
+    On CPU torch's softmax and one kernel call (`batchgen.kernels.moe_routing.topk_softmax`:
+    the same result bit for bit, ties included), else the torch ops below.
     """
+    if topk_softmax_available(router_logits):
+        return topk_softmax(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, A]
     if norm_topk_prob:
@@ -66,6 +71,9 @@ def select_experts(
     """Dispatch to the routing rule of ``router`` (see `RouterConfig`). Returns
     ``topk_weights [T, A]`` float32 (routed scaling applied) and ``topk_ids [T, A]`` int64."""
     if router.topk_method == "greedy" and router.scoring_func == "softmax":
+        if topk_softmax_available(router_logits):  # the scaling in the same call
+            scale = router.routed_scaling_factor
+            return topk_softmax(router_logits, top_k, router.norm_topk_prob, scale)
         weights, ids = select_experts_softmax(router_logits, top_k, router.norm_topk_prob)
         if router.routed_scaling_factor != 1.0:
             weights = weights * router.routed_scaling_factor

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.moe_routing import moe_sort, moe_sort_available
+
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """Order token activations by expert.
@@ -18,7 +20,12 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     Returns ``order [T*A]`` (indices into the flattened ``topk_ids``, grouped by expert, stable)
     and ``counts`` (a Python list of E rows-per-expert). Example: topk_ids = [[2, 0], [0, 1]]
     flattens to [2, 0, 0, 1]; order = [1, 2, 3, 0]; counts = [2, 1, 1].
+    On CPU one counting-sort call (`batchgen.kernels.moe_routing.moe_sort`, the same result),
+    else argsort and bincount.
     """
+    if moe_sort_available(topk_ids):
+        order, counts = moe_sort(topk_ids, num_experts)
+        return order, counts.tolist()
     flat = topk_ids.reshape(-1)  # [T*A]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()

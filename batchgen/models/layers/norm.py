@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.kernels.rms_norm import rms_norm, rms_norm_available
+from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_available
+
+# The attribute of a residual tensor that carries its rows already normed for the next stage:
+# ``(norm module, normed [T, H])`` (see `add_and_prenorm`).
+PRENORMED_ATTR = "_batchgen_prenormed"
 
 
 class RMSNorm(nn.Module):
@@ -29,3 +33,31 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def add_and_prenorm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+    """The residual add ``residual + x`` of a pre-norm block (HF's order: the sum in the model
+    dtype), returned as the new residual stream ``[T, H]``.
+
+    With ``norm`` and the CPU kernel available (`rms_norm_available`), one
+    `fused_add_rms_norm` call also norms the sum for the next stage (vLLM's fused add + RMSNorm)
+    and attaches it to the returned tensor; `prenormed` picks it up there. The attached rows are
+    bit for bit ``norm(sum)``, so a stage that gets another tensor (no attachment) computes the
+    same values. The residual stream must not be changed in place after this call (nothing in
+    the engine does)."""
+    if norm is None or x.shape != residual.shape or not rms_norm_available(x, norm.weight):
+        return residual + x
+    if residual.dtype != x.dtype:
+        return residual + x
+    normed, summed = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    setattr(summed, PRENORMED_ATTR, (norm, normed))
+    return summed
+
+
+def prenormed(h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """``norm(h)``: the rows `add_and_prenorm` attached to ``h`` for this very ``norm``, else
+    computed now."""
+    attached = getattr(h, PRENORMED_ATTR, None)
+    if attached is not None and attached[0] is norm:
+        return attached[1]
+    return norm(h)

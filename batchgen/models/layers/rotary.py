@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from batchgen.kernels.rotary_embedding import rotary_embedding_, rotary_embedding_available
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -96,10 +98,13 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         cache: dict | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]`` (int64).
         ``cache``: a dict that lives as long as ``positions`` (one step), shared by the layers
-        that rotate at these positions; None computes cos/sin here."""
+        that rotate at these positions; None computes cos/sin here. ``inplace``: q and k may
+        be overwritten; on CPU one kernel call then rotates them in place, bit for bit the
+        eager result (`batchgen.kernels.rotary_embedding`)."""
         if cache is None:
             cos, sin = self.cos_sin(positions, q.dtype)
         else:
@@ -107,6 +112,8 @@ class RotaryEmbedding(nn.Module):
             if key not in cache:
                 cache[key] = self.cos_sin(positions, q.dtype)
             cos, sin = cache[key]
+        if inplace and rotary_embedding_available(q, k, cos, sin):
+            return rotary_embedding_(q, k, cos, sin)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k

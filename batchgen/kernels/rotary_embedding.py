@@ -1,0 +1,106 @@
+"""Rotary position embedding on CPU, in place on q and k in one kernel call
+(``csrc/rotary_embedding.cpp``), float32 and bfloat16.
+
+`rotary_embedding_` computes Hugging Face's ``q * cos + rotate_half(q) * sin`` (and the same for
+k) with torch's roundings, bit for bit, writing into q and k instead of ten torch ops.
+Where the kernel does not serve (not CPU, other dtypes, a layout it does not read, gradients, the
+library not built, ``BATCHGEN_CPU_KERNELS`` without ``rotary_embedding``)
+`rotary_embedding_available` is False and the caller runs the eager ops.
+
+Shape legend: T = num_tokens, Hq / Hkv = query / key heads, D = head_dim (the rotary dim).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch.profiler import record_function
+
+from batchgen.kernels.cpu_build import kernels_enabled, load_library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_fns: dict[torch.dtype, object] | None = None
+
+
+def _functions() -> dict[torch.dtype, object]:
+    """The kernel's entry points by dtype; empty while the library is unavailable."""
+    global _fns
+    if _fns is None:
+        lib = load_library("rotary_embedding")
+        fns: dict[torch.dtype, object] = {}
+        if lib is not None:
+            for dtype, name in (
+                (torch.float32, "batchgen_rotary_f32"),
+                (torch.bfloat16, "batchgen_rotary_bf16"),
+            ):
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]
+                fns[dtype] = fn
+        _fns = fns
+    return _fns
+
+
+def _heads_ok(x: torch.Tensor, d: int) -> bool:
+    """``x [T, H, D]`` with adjacent heads of contiguous values (any row stride)."""
+    return x.dim() == 3 and x.shape[2] == d and x.stride(2) == 1 and x.stride(1) == d
+
+
+def rotary_embedding_available(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """True when `rotary_embedding_` serves ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and
+    ``cos, sin [T, 1, D]``: all on CPU, one dtype (float32 or bfloat16), heads adjacent and
+    contiguous within a row (views of a fused qkv projection qualify), cos/sin contiguous,
+    no gradient needed, the kernel built and enabled."""
+    d = q.shape[-1] if q.dim() == 3 else -1
+    tensors = (q, k, cos, sin)
+    return (
+        d > 0
+        and d % 2 == 0
+        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in tensors)
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and _heads_ok(q, d)
+        and _heads_ok(k, d)
+        and k.shape[0] == q.shape[0]
+        and cos.shape == sin.shape == (q.shape[0], 1, d)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and kernels_enabled("rotary_embedding")
+        and q.dtype in _functions()
+    )
+
+
+def rotary_embedding_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place: ``x * cos + rotate_half(x) *
+    sin`` with ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, HF `apply_rotary_pos_emb`),
+    each product and sum rounded to x's dtype as torch's eager ops round them.
+
+    Args:
+        q, k: as `rotary_embedding_available` requires; overwritten.
+        cos, sin: ``[T, 1, D]`` of q's dtype.
+    Returns:
+        ``(q, k)``, the same tensors.
+    Raises:
+        RuntimeError: the kernel rejected the shapes.
+    Call only where `rotary_embedding_available` is True."""
+    t, hq, d = q.shape
+    if t == 0:
+        return q, k
+    args = (
+        q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], d,
+        cos.data_ptr(), sin.data_ptr(), t, torch.get_num_threads(),
+    )  # fmt: skip
+    fn = _functions()[q.dtype]
+    if torch.autograd._profiler_enabled():  # the scope costs ~5 us even when not profiled
+        with record_function("batchgen::rotary_embedding"):
+            rc = fn(*args)
+    else:
+        rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"rotary kernel rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return q, k
