@@ -126,7 +126,7 @@ def test_unknown_kernel_name_is_refused_naming_the_allowed_values(monkeypatch, v
     with pytest.raises(ValueError, match=f"unknown kernel name {bad}; allowed: 1/on") as err:
         cpu_build.kernels_enabled("fused_moe")
     names = "fused_moe, invariant_linear, moe_routing, packed_linear, paged_decode_attention, "
-    assert names + "rms_norm, rotary_embedding" in str(err.value)
+    assert names + "prefill_attention, rms_norm, rotary_embedding" in str(err.value)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
