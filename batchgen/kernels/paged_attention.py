@@ -38,9 +38,9 @@ import logging
 import os
 
 import torch
-from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.profiling import kernel_scope
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
@@ -195,7 +195,7 @@ def paged_decode_attention(
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
-    with record_function("batchgen::paged_decode_attention"):  # named for torch.profiler
+    with kernel_scope("batchgen::paged_decode_attention"):  # named for torch.profiler
         rc = fn(
             q.data_ptr(),
             k_cache.data_ptr(),
