@@ -63,6 +63,10 @@ class ModelRunner:
         reserve_dummy_block: allocate one KV block past ``num_blocks`` that no sequence owns,
             ``dummy_block``: a CUDA graph's padding rows write their K/V there
             (`batchgen.engine.cuda_graphs`). None without it.
+
+    Attributes:
+        decode_backend: GQA's decode attention backend (`decode_attention_backend`), chosen
+            here once and carried by every step's `AttentionMetadata`; None for MLA.
     """
 
     def __init__(
@@ -91,8 +95,10 @@ class ModelRunner:
         # kernel, `decode_attention_backend`; MLA: the Triton kernel, `mla_decode_backend`)
         # take all decode rows in one bucket. Otherwise (the torch paths) buckets bound each
         # gather.
+        # GQA's decode backend, chosen once here (None for MLA); the step metadata carries it.
+        self.decode_backend = decode_attention_backend(device, dtype) if cfg.mla is None else None
         if cfg.mla is None:
-            in_place = decode_attention_backend(device, dtype) != "torch"
+            in_place = self.decode_backend != "torch"
         else:  # MLA's absorbed einsums around the kernel take a bucket's rows as one GEMM,
             # so the batch-invariant mode keeps one bucket per row
             in_place = mla_decode_backend(device, dtype) == "triton" and not batch_invariant
@@ -168,6 +174,7 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             block_size=bs,
             prefills=spans,
+            decode_backend=self.decode_backend,
         )
         kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         num_blocks = [-(-n // bs) for n in kv_lens]
