@@ -175,6 +175,17 @@ def test_fast_decode_only_where_it_equals_decode(tok, tmp_path) -> None:
     assert detok.finalize() == "x"
 
 
+def test_detokenize_false_keeps_ids_and_decodes_nothing(tok) -> None:
+    ids = encode(tok, "Hello world 🦀")
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, [], detokenize=False)
+    assert feed(detok, ids, 1) == [""] * len(ids)
+    assert detok.finalize() == "" and detok.output_token_ids == ids
+    assert counting.window_lens == []
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        IncrementalDetokenizer(tok, [], stop=["x"], detokenize=False)
+
+
 # ---- stop strings -------------------------------------------------------------------------
 
 

@@ -86,6 +86,11 @@ class IncrementalDetokenizer:
         min_tokens: stop strings are not looked for while fewer than this many ids were
             generated (vLLM's ``SamplingParams.min_tokens``: text completed by the step that
             reaches ``min_tokens`` is checked, earlier text is not).
+        detokenize: False keeps the ids only: no decode, the text stays empty
+            (``SamplingParams.detokenize``; ``stop`` must then be empty).
+
+    Raises:
+        ValueError: stop strings with ``detokenize=False``.
     """
 
     def __init__(
@@ -97,12 +102,16 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        detokenize: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self._backend_decode = fast_decode(tokenizer)  # None: through `tokenizer.decode`
         self.prompt_token_ids = prompt_token_ids
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
+        if self.stop and not detokenize:
+            raise ValueError(f"stop strings need detokenize=True, got stop={self.stop!r}")
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.output_token_ids: list[int] = []
@@ -147,6 +156,8 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return None
         self.output_token_ids.extend(new_token_ids)
+        if not self.detokenize:
+            return None
         window = self._decode(self.output_token_ids[self._prefix_offset :])
         if len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR):
             # Nothing new (e.g. a skipped special token) or an incomplete UTF-8 sequence:
@@ -169,6 +180,8 @@ class IncrementalDetokenizer:
         """
         if not self.finished:
             self.finished = True
+            if not self.detokenize:
+                return self.output_text
             window = self._decode(self.output_token_ids[self._prefix_offset :])
             if len(window) > len(self._prefix_text):
                 self._append(window[len(self._prefix_text) :])
