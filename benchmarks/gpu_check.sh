@@ -153,7 +153,7 @@ print(format_table(json.load(open(sys.argv[1]))))" "$OUT/bench.json" | tee "$OUT
 }
 
 # CUDA graphs (on by default: the stages above ran with them): the fp32 token-identity test,
-# then against --enforce-eager decode-only tokens/s of each on the bench model, alternated; one
+# the no-host-sync check of a step under torch's sync debug mode, then against --enforce-eager decode-only tokens/s of each on the bench model, alternated; one
 # DECODE_GRAPHS line in log.txt, read by the summary. The dry run captures with the CPU
 # stand-in backend (the CUDA test skips).
 graphs_stage() {
@@ -161,6 +161,9 @@ graphs_stage() {
     "$PY" -m pytest tests/test_cuda_graphs.py -q -rfEs -p no:cacheprovider --timeout 100 \
         -k cuda_graphs_on_cuda
     local rc=$?
+    # No host sync from a step's inputs to its logits, eager and replayed (torch's detector).
+    "$PY" -m pytest tests/test_step_host_syncs.py -q -rfEs -p no:cacheprovider --timeout 100 \
+        -k on_cuda || rc=1
     # shellcheck disable=SC2086
     "$PY" benchmarks/decode_graphs.py $GRAPHS_ARGS || return 1
     return $rc

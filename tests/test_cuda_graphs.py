@@ -8,8 +8,6 @@ GPU (docs/gpu.md)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -21,6 +19,8 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.prompt_logprobs import prompt_logit_positions
 from batchgen.models.layers.attention_backend import decode_attention_backend
 from batchgen.models.layers.expert_path import expert_path
+from batchgen.models.layers.moe_sort import sort_by_expert
+from sync_guard import HostSync, no_host_sync_from_batchgen
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -202,38 +202,6 @@ def test_steps_the_runner_declines_run_eager(checkpoint_dir, monkeypatch):
     assert graphs.num_graph_steps == 1
 
 
-class HostSync(AssertionError):
-    pass
-
-
-def _no_host_sync_from_batchgen(monkeypatch):
-    """Patch the tensor methods and torch functions that synchronise with the host (or copy
-    host data in) to raise when BatchGen code calls them (the Triton interpreter's own host
-    copies are allowed). Not caught: syncs inside torch (boolean-mask indexing, CPU fallbacks)."""
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
-                 "numpy", "nonzero"):  # fmt: skip
-        original = getattr(torch.Tensor, name)
-
-        def guarded(self, *args, _name=name, _original=original, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if "/batchgen/" in caller.replace("\\", "/"):
-                raise HostSync(f"Tensor.{_name} called from {caller}")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, guarded)
-    # torch.nonzero syncs; torch.tensor / as_tensor from host data is a host-to-device copy
-    # that a CUDA graph cannot capture (and would replay stale).
-    for name in ("nonzero", "tensor", "as_tensor", "from_numpy"):
-        original = getattr(torch, name)
-
-        def guarded_fn(*args, _name=name, _original=original, **kwargs):
-            if "/batchgen/" in sys._getframe(1).f_code.co_filename:
-                raise HostSync(f"torch.{_name} called from batchgen")
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(torch, name, guarded_fn)
-
-
 @pytest.mark.parametrize("moe_path, dtype", [("triton", "float32"), ("grouped_mm", "bfloat16")])
 def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
     checkpoint_dir, monkeypatch, moe_path, dtype
@@ -268,18 +236,20 @@ def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
     # the replay re-writes the same K/V at the same slots: the eager step's cache is its input
     graphs.execute(sched.scheduled)  # fills the static buffers (its check syncs: outside)
     with monkeypatch.context() as patch:
-        _no_host_sync_from_batchgen(patch)
+        no_host_sync_from_batchgen(patch)
         graphs._replay[4]()  # the captured region: embed .. logits
     torch.testing.assert_close(graphs._logits[4][:3], logits_eager)  # same kernels, same rows
-    # The guard does catch what the region must not do: the eager MoE statistics hook (a
-    # Python list of counts), and `ModelRunner.prepare`'s host lists (run before the replay).
+    # The guard does catch what the region must not do: rows per expert as a Python list
+    # (`sort_by_expert`, the host paths'), and `torch.tensor` from host lists (`prepare` on
+    # CPU, where it does not stage). The eager MoE statistics hook stays on the device now.
     assert block.stats is engine.metrics.expert
     with monkeypatch.context() as patch:
-        _no_host_sync_from_batchgen(patch)
+        no_host_sync_from_batchgen(patch)
         with pytest.raises(HostSync, match="torch.tensor"):
             graphs.execute(sched.scheduled)
-        with pytest.raises(HostSync):
-            block.experts(x, torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.long))
+        with pytest.raises(HostSync, match="tolist"):
+            sort_by_expert(torch.zeros(2, 2, dtype=torch.long), 4)
+        block.experts(x, torch.ones(2, 2) / 2, torch.zeros(2, 2, dtype=torch.long))
 
 
 def test_sizes_above_one_micro_batch_are_dropped_and_such_steps_run_eager(

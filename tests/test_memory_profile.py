@@ -124,3 +124,96 @@ def test_num_kv_blocks_on_cuda_takes_the_profiled_budget(mixtral, monkeypatch):
     blocks = kv_sizing.num_kv_blocks(c, cfg, torch.float32, torch.device("cpu"), model)
     per_block = 16 * kv_sizing.kv_cache_bytes_per_token(cfg, torch.float32)
     assert blocks == int(kv_sizing.DEFAULT_CPU_KV_CACHE_GB * GiB // per_block)
+
+
+class GraphMemory(FakeMemory):
+    """A pretend device whose free memory drops by the next of ``costs`` at each capture
+    (`CostlyBackend`), and comes back when the estimate's graphs are gone."""
+
+    def __init__(self, free: int, total: int, costs: list[int]) -> None:
+        super().__init__(allocated=0, peak=0, free=free, total=total)
+        self.free0, self.costs, self.held = free, list(costs), 0
+
+    def free_total(self) -> tuple[int, int]:
+        return self.free0 - self.held, self._free_total[1]
+
+
+def _costly_backend(memory: GraphMemory):
+    from batchgen.engine.cuda_graphs import RecordingGraphBackend
+
+    class CostlyBackend(RecordingGraphBackend):
+        def capture(self, fn):
+            memory.held += memory.costs.pop(0)
+            return super().capture(fn)
+
+    return CostlyBackend()
+
+
+def test_cuda_graph_memory_is_vllms_two_graph_estimate_and_leaves_the_kv_budget(
+    mixtral, caplog
+):
+    from batchgen.engine.memory_profile import MIN_GRAPH_BYTES, estimate_cuda_graph_bytes
+
+    model, cfg = mixtral
+    MiB = 1 << 20
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=24, gpu_memory_utilization=0.9)
+    sizes = [s for s in c.resolved_capture_sizes if s <= 64]
+    assert sizes == [1, 2, 4, 8, 16, 24]
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[300 * MiB, 8 * MiB])
+    backend = _costly_backend(memory)
+    cpu = torch.device("cpu")
+    estimate, how = estimate_cuda_graph_bytes(model, c, cfg, cpu, torch.float32, memory, backend)
+    # the largest graph's 300 MiB, then the second's 8 MiB for each of the 5 other sizes
+    assert estimate == 300 * MiB + 8 * MiB * 5
+    assert len(backend.captured) == 2 and "24, 16" in how
+    with torch.inference_mode():  # the captured decode forwards run (the temporary runner)
+        for fn in backend.captured:
+            fn()
+    # A second graph that seems free still counts vLLM's 1 MiB floor.
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[300 * MiB, 0])
+    estimate, _ = estimate_cuda_graph_bytes(
+        model, c, cfg, cpu, torch.float32, memory, _costly_backend(memory)
+    )
+    assert estimate == 300 * MiB + MIN_GRAPH_BYTES * 5
+    # No backend (enforce_eager, CPU): nothing counted, nothing captured.
+    assert estimate_cuda_graph_bytes(model, c, cfg, cpu, torch.float32, memory, None)[0] == 0
+    # The budget: vLLM's formula less the estimate, logged at start.
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[300 * MiB, 8 * MiB])
+    memory._allocated, memory._peak = 10 * GiB, 13 * GiB
+    with caplog.at_level("INFO", logger="batchgen.engine.llm_engine"):
+        budget = profiled_kv_budget_bytes(model, c, cfg, cpu, torch.float32, memory=memory,
+                                          graph_backend=_costly_backend(memory))  # fmt: skip
+    sampler = SAMPLER_COPIES * 24 * cfg.vocab_size * 4
+    graphs = 300 * MiB + 8 * MiB * 5
+    assert budget == int(80 * GiB * 0.9) - 20 * GiB - 3 * GiB - sampler - graphs
+    assert "CUDA graphs 0.33 GiB (6 sizes, from capturing 24, 16: 300 MiB + 8 MiB x 5)" in (
+        caplog.text
+    )
+    # enforce_eager: the default backend is none, so the budget is the plain formula.
+    eager = EngineConfig(max_num_batched_tokens=64, max_num_seqs=24, enforce_eager=True)
+    memory = FakeMemory(allocated=10 * GiB, peak=13 * GiB, free=60 * GiB, total=80 * GiB)
+    budget = profiled_kv_budget_bytes(model, eager, cfg, cpu, torch.float32, memory=memory)
+    assert budget == int(80 * GiB * 0.9) - 20 * GiB - 3 * GiB - sampler
+
+
+def test_cuda_graph_estimate_is_zero_where_no_graph_would_be_built(mixtral, monkeypatch):
+    from batchgen.engine.cuda_graphs import RecordingGraphBackend
+    from batchgen.engine.memory_profile import estimate_cuda_graph_bytes
+
+    model, cfg = mixtral
+    c = EngineConfig(max_num_batched_tokens=64)
+    memory = FakeMemory(allocated=0, peak=0, free=GiB, total=GiB)
+    monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "torch")  # not in place: no graphs
+    backend = RecordingGraphBackend()
+    got = estimate_cuda_graph_bytes(model, c, cfg, torch.device("cpu"), torch.float32, memory,
+                                    backend)  # fmt: skip
+    assert got[0] == 0 and "in place" in got[1] and backend.captured == []
+
+    class Failing(RecordingGraphBackend):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.delenv("BATCHGEN_ATTENTION_BACKEND")
+    got = estimate_cuda_graph_bytes(model, c, cfg, torch.device("cpu"), torch.float32, memory,
+                                    Failing())  # fmt: skip
+    assert got == (0, "capture failed")

@@ -26,10 +26,10 @@ The design is vLLM's (``CUDAGraphWrapper``, ``cudagraph_capture_sizes``) and SGL
   engine's metrics report it (``cuda_graph_step_share``).
 - Host synchronisation: none between the static inputs and the logits on the CUDA kernels
   (Triton paged decode attention, Triton MoE; ``tests/test_cuda_graphs.py`` checks it under
-  ``TRITON_INTERPRET=1``). The decode context check (`check_decode_context`, a sync) runs on
-  the step's real rows before the copy, outside the graph. Expert row statistics (tile
-  density) are taken from each MoE layer's ``topk_ids``, copied inside the graph into static
-  buffers and counted after the replay (`SparseMoeBlock.topk_sink`).
+  ``TRITON_INTERPRET=1``). The decode context check runs on `ModelRunner.prepare`'s host
+  lists, before any tensor is built. Expert row statistics (tile density) are taken from
+  each MoE layer's ``topk_ids``, copied inside the graph into static buffers and counted on
+  the device after the replay (`SparseMoeBlock.topk_sink`, `ExpertGemmStats.record_device`).
 
 Graphs only ever run on CUDA and never under ``enforce_eager`` (`graph_backend_for`). The
 backend is injectable: on CPU the tests use `RecordingGraphBackend`, which re-runs the captured
@@ -51,7 +51,6 @@ from typing import Protocol
 import torch
 
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.kernels.paged_attention import check_decode_context
 from batchgen.models.layers.attention import AttentionMetadata, DecodeBucket
 from batchgen.models.layers.moe import SparseMoeBlock
 
@@ -111,7 +110,8 @@ def graph_backend_for(device: torch.device, enforce_eager: bool) -> GraphBackend
 @contextmanager
 def _topk_sinks(model: torch.nn.Module, sinks: dict[int, Callable[[torch.Tensor], None]]):
     """Route each MoE block's ``topk_ids`` to ``sinks[layer]`` instead of its ``stats`` hook
-    (which syncs with the host) while the block runs inside a graph."""
+    (which would count the padding rows, at every replay) while the block runs inside a
+    graph."""
     blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers)]
     blocks = [(i, b) for i, b in blocks if isinstance(b, SparseMoeBlock)]
     saved = [(b, b.stats, b.topk_sink) for _, b in blocks]
@@ -220,17 +220,20 @@ class CUDAGraphRunner:
         return forward
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture every size, largest first. Logs the time and the device memory
-        the graphs took: the drop in free memory (`torch.cuda.mem_get_info`, vLLM's measure,
-        the pool's reserved segments included) and the growth of allocated tensors."""
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Warm up and capture ``sizes`` (default every size), largest first. Logs the time
+        and the device memory the graphs took: the drop in free memory
+        (`torch.cuda.mem_get_info`, vLLM's measure, the pool's reserved segments included) and
+        the growth of allocated tensors. (`batchgen.engine.memory_profile` captures the two
+        largest alone on a temporary runner, before the KV cache is sized, to estimate it.)"""
+        sizes = self.sizes if sizes is None else sorted(sizes)
         dev = self.runner.device
         cuda = dev.type == "cuda"
         if cuda:
             torch.cuda.synchronize(dev)
             free0, alloc0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_allocated(dev)
         t0 = time.perf_counter()
-        for size in reversed(self.sizes):
+        for size in reversed(sizes):
             forward = self._forward(size)
             forward()  # warm-up (Triton compiles here): writes only the dummy block
             if cuda:
@@ -244,7 +247,7 @@ class CUDAGraphRunner:
         logger.info(
             "captured %d decode graphs (batch sizes %d..%d) in %.1f s: %.0f MiB of device memory "
             "(%.0f MiB in live tensors)",
-            len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - t0, free_mib,
+            len(sizes), sizes[0], sizes[-1], time.perf_counter() - t0, free_mib,
             alloc_mib,
         )  # fmt: skip
 
@@ -265,8 +268,8 @@ class CUDAGraphRunner:
         logits ``[B, V]`` float32 (rows of the graph's output, valid until the next replay of
         any size: the pool is shared), and no prompt rows.
         Raises:
-            ValueError: a block table entry or context outside the cache
-            (`check_decode_context`).
+            ValueError: a block table that does not cover its context or holds a block outside
+            the cache (`ModelRunner.prepare`, `check_decode_context_lists`).
         """
         if not self._replay:
             raise RuntimeError("CUDAGraphRunner.capture() must run before execute()")
@@ -280,9 +283,7 @@ class CUDAGraphRunner:
         if width > self.width:
             self._eager(f"a block table wider than max_model_len's {self.width} blocks")
             return None
-        size = self.padded_size(n)
-        check_decode_context(bucket.block_tables, bucket.kv_lens, meta.block_size,
-                             self.num_cache_blocks)  # fmt: skip
+        size = self.padded_size(n)  # `prepare` checked the rows' contexts on its host lists
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()
         self.positions[:n].copy_(meta.positions)
@@ -311,15 +312,14 @@ class CUDAGraphRunner:
 
     def _record_expert_rows(self, num_rows: int) -> None:
         """Rows per expert of the real rows (padding excluded), one record per MoE layer, as
-        the eager paths record them (one host sync for all layers)."""
+        the eager paths record them (on the device: `ExpertGemmStats.record_device`)."""
         if not self.moe_layers:
             return
         ids = torch.stack([self.topk_ids[i][:num_rows] for i in self.moe_layers])  # [L, n, A]
         counts = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long,
                              device=ids.device)  # fmt: skip
         counts.scatter_add_(1, ids.flatten(1), torch.ones_like(ids.flatten(1)))  # [L, E]
-        for row in counts.tolist():
-            self.expert_stats.record(row)
+        self.expert_stats.record_device(counts)
 
 
 def build_graph_runner(engine, backend: GraphBackend | None) -> CUDAGraphRunner | None:

@@ -30,12 +30,11 @@ With ``local_prefill`` a step's prefill rows are marked ``local_rows`` for the M
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.metrics import EngineMetrics, StageTimer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sublayer
@@ -133,7 +132,7 @@ class StageExecutor:
             cfg.num_experts_per_tok,
         )
         self.layer_is_moe = cfg.layer_is_moe
-        self._sync = runner.device.type == "cuda"
+        self.timer = StageTimer(metrics, runner.device)
         # Decode-only steps by graph replay (`batchgen.engine.cuda_graphs`), set by the engine.
         self.graph_runner = None
 
@@ -155,10 +154,10 @@ class StageExecutor:
             groups.append(current)
         return groups
 
-    def _clock(self) -> float:
-        if self._sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def flush_stage_times(self) -> None:
+        """Count the stage times recorded on the device (`StageTimer.flush`): the engine
+        calls it after sampling."""
+        self.timer.flush()
 
     @torch.inference_mode()
     def execute(
@@ -170,10 +169,10 @@ class StageExecutor:
         chunk). ``local_prefill``: see the module docstring. A step the ``graph_runner`` takes
         (decode-only, one micro-batch: `CUDAGraphRunner.can_run`) replays a CUDA graph."""
         if self.graph_runner is not None and not local_prefill:
-            t0 = self._clock()
+            t0 = self.timer.start()
             out = self.graph_runner.execute(scheduled)
             if out is not None:
-                self.metrics.stage_seconds["cuda_graph"] += self._clock() - t0
+                self.timer.stop("cuda_graph", t0)
                 self.metrics.cuda_graph_steps += 1
                 return out
         groups = []
@@ -197,22 +196,22 @@ class StageExecutor:
                     first = offset + e.prompt_logits.start - e.seq.num_computed_tokens
                     prompt_rows.append((e, group.hidden[first : first + len(e.prompt_logits)]))
                 offset += e.num_new_tokens
-        t0 = self._clock()
+        t0 = self.timer.start()
         logits = self.model.compute_logits(torch.cat(rows))  # [B, V]
-        self.metrics.stage_seconds["lm_head"] += self._clock() - t0
+        self.timer.stop("lm_head", t0)
         return sampling, logits, prompt_rows
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
         """A step without tokens: every MoE layer's FFN stage on zero rows, so that this rank
         issues the same collectives as the ranks that have tokens (expert parallelism)."""
-        t0 = self._clock()
+        t0 = self.timer.start()
         empty = torch.empty(0, self.model.config.hidden_size, device=self.runner.device)
         empty = empty.to(self.model.embed_tokens.weight.dtype)
         for layer in range(self.model.num_layers):
             if self.layer_is_moe[layer]:
                 self.model.ffn_stage(layer, empty)
-        self.metrics.stage_seconds["moe"] += self._clock() - t0
+        self.timer.stop("moe", t0)
 
     @staticmethod
     def _prefill_rows(peers: list[CoroutineGroup]) -> torch.Tensor:
@@ -228,20 +227,20 @@ class StageExecutor:
         """Advance every group through every layer (see the module docstring for the order)."""
         num_layers = self.model.num_layers
         kv = self.runner.kv_caches
-        stage_seconds = self.metrics.stage_seconds
+        timer = self.timer
         for g in groups:
             g.hidden = self.model.embed(g.input_ids)
         active = list(groups)
         while active:
             group = self._next(active)
             layer = group.layer
-            t0 = self._clock()
+            t0 = timer.start()
             if group.sublayer is Sublayer.ATTN:
                 group.hidden = self.model.attention_stage(
                     layer, group.hidden, group.meta, kv[layer]
                 )
                 group.sublayer = Sublayer.FFN
-                stage_seconds["attention"] += self._clock() - t0
+                timer.stop("attention", t0)
                 continue
             peers = [g for g in active if g.cursor == group.cursor]
             rows = None
@@ -254,7 +253,7 @@ class StageExecutor:
                 merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]), *extra)
                 for g, h in zip(peers, merged.split([g.num_tokens for g in peers]), strict=True):
                     g.hidden = h
-            stage_seconds["moe" if self.layer_is_moe[layer] else "dense_ffn"] += self._clock() - t0
+            timer.stop("moe" if self.layer_is_moe[layer] else "dense_ffn", t0)
             for g in peers:
                 g.layer, g.sublayer = layer + 1, Sublayer.ATTN
             active = [g for g in active if g.layer < num_layers]

@@ -30,7 +30,7 @@ def num_kv_blocks(
 ) -> int:
     """KV cache blocks for an engine: ``num_gpu_blocks_override`` if set, else the budget
     (``kv_cache_memory_gb``; on CUDA with ``model`` given, what a profiling step of ``model``
-    leaves under ``gpu_memory_utilization``
+    leaves under ``gpu_memory_utilization`` less the CUDA graphs' estimated memory
     (`batchgen.engine.memory_profile.profiled_kv_budget_bytes`), without it the free memory
     under ``gpu_memory_utilization`` less `activation_reserve_bytes`; on CPU
     `DEFAULT_CPU_KV_CACHE_GB`) over the bytes of one block (`kv_cache_bytes_per_token` x

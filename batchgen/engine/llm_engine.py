@@ -347,6 +347,10 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self._add_prompt_logprobs(prompt_rows, failed)
         if sampling:
             finished = self._sample_isolated(sampling, logits, failed)
+        # Read what the step left on the device for the metrics, now that sampling has
+        # waited for the stream (no sync inside the step for them).
+        self.executor.flush_stage_times()
+        m.expert.flush()
         self.scheduler.remove_finished()
         elapsed = time.perf_counter() - t0
         if decode_only:
@@ -373,6 +377,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
         layer's dispatch and combine with zero rows (`StageExecutor.execute_dummy`)."""
         t0 = time.perf_counter()
         self.executor.execute_dummy()
+        self.executor.flush_stage_times()  # the step's end: its collectives have run
         self.num_dummy_steps += 1
         self.metrics.busy_seconds += time.perf_counter() - t0
 

@@ -5,6 +5,7 @@ scheduler can build (``profile_run``), reads the allocator's peak, and gives the
 is left under ``gpu_memory_utilization``:
 
     kv_budget = total * gpu_memory_utilization - (total - free) - peak_activation
+                - cuda_graph_memory
 
 where ``total - free`` (after the profile's tensors are freed and the allocator's cache
 emptied) is what the device already holds (weights, the CUDA context, other processes) and
@@ -17,7 +18,9 @@ every micro-batch's rows at once, so the whole step is profiled, not one micro-b
 them, then ``compute_logits`` over ``max_num_seqs`` rows (a decode step's logits, ``[B, V]``
 float32). The sampler's working copies of those logits (softmax, sort for top-p, a gather:
 about three more ``[B, V]`` float32 tensors) are not run here and are added as
-`sampler_reserve_bytes`.
+`sampler_reserve_bytes`. ``cuda_graph_memory`` is vLLM's estimate from capturing the two
+largest decode graphs before the KV cache exists (`estimate_cuda_graph_bytes`); the graphs
+themselves are captured after the KV cache is allocated (`batchgen.engine.cuda_graphs`).
 
 On CPU the KV cache is sized from ``kv_cache_memory_gb`` and nothing here runs. The device's
 counters are behind `DeviceMemory`, so the arithmetic and the dummy step are tested on CPU
@@ -39,6 +42,7 @@ from batchgen.models.model_config import ModelConfig
 logger = logging.getLogger("batchgen.engine.llm_engine")  # the engine's start-up log lines
 
 SAMPLER_COPIES = 3  # float32 [B, V] tensors the sampler makes beside the logits
+_DEFAULT = object()  # `profiled_kv_budget_bytes`'s graph backend: `graph_backend_for`'s
 
 
 @dataclass
@@ -144,6 +148,77 @@ def profile_step_peak_bytes(
     return peak
 
 
+GRAPH_SAMPLES = 2  # graphs captured to estimate the memory of all of them (vLLM's two)
+MIN_GRAPH_BYTES = 1 << 20  # floor of the per-graph increment (vLLM's 1 MiB)
+
+
+@torch.inference_mode()
+def estimate_cuda_graph_bytes(
+    model: torch.nn.Module,
+    c: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    memory,
+    backend,
+) -> tuple[int, str]:
+    """Device memory the decode CUDA graphs will take, estimated before the KV cache is sized.
+
+    vLLM's method (``GPUModelRunner.profile_cudagraph_memory``, on by default since v0.21.0,
+    ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``; before it, vLLM captured after allocating
+    the KV cache and left the graphs to the headroom under ``gpu_memory_utilization``):
+    capture the first `GRAPH_SAMPLES` graphs in capture order (the largest batch sizes) on a
+    temporary runner with a one-block KV cache, measure the drop in free device memory over
+    each (``memory.free_total()``, after the allocator's cache is emptied), and take
+    ``first + max(second, 1 MiB) x (N - 1)`` for N capture sizes. The first graph's share
+    holds the pool's activations (every later, smaller graph reuses them) and the static
+    buffers; each further graph adds its own nodes. An over-estimate where later graphs reuse
+    more of the pool than the second did (vLLM issue #45178): on the safe side.
+
+    Args:
+        model, c, cfg, device, dtype: as `profile_step_peak_bytes`; memory: `DeviceMemory`
+            or a stand-in; backend: the `GraphBackend` (None: no graphs, ``enforce_eager``).
+    Returns:
+        ``(bytes, how)``: the estimate and a phrase for the start-up log (why 0, or which
+        sizes were captured).
+    """
+    from batchgen.engine.cuda_graphs import CUDAGraphRunner
+    from batchgen.engine.model_runner import ModelRunner
+
+    if backend is None:
+        return 0, "no CUDA graphs (enforce_eager or not CUDA)"
+    free_before = memory.free_total()[0]
+    runner = ModelRunner(model, 1, c.block_size, device, dtype, reserve_dummy_block=True)
+    max_len = c.max_model_len or cfg.max_position_embeddings
+    try:
+        graphs = CUDAGraphRunner(
+            runner, c.resolved_capture_sizes, c.max_num_batched_tokens, max_len, backend
+        )
+    except ValueError as exc:  # no graphs will be built either (`build_graph_runner`)
+        return 0, f"no CUDA graphs ({exc})"
+    n = len(graphs.sizes)
+    sampled = list(reversed(graphs.sizes))[:GRAPH_SAMPLES]
+    samples = []
+    try:
+        for size in sampled:
+            graphs.capture([size])
+            free = memory.free_total()[0]
+            samples.append(max(0, free_before - free))
+            free_before = free
+    except Exception as exc:  # the engine's own capture will fail too, and run eager
+        logger.warning("CUDA graph memory estimate: capture failed (%s); counted as 0", exc)
+        return 0, "capture failed"
+    finally:
+        del graphs, runner
+    per_graph = max(samples[1], MIN_GRAPH_BYTES) if len(samples) > 1 else 0
+    estimate = samples[0] + per_graph * (n - 1)
+    how = (
+        f"{n} sizes, from capturing {', '.join(map(str, sampled))}: "
+        f"{samples[0] / (1 << 20):.0f} MiB + {per_graph / (1 << 20):.0f} MiB x {n - 1}"
+    )
+    return estimate, how
+
+
 def profiled_kv_budget_bytes(
     model: torch.nn.Module,
     c: EngineConfig,
@@ -151,25 +226,36 @@ def profiled_kv_budget_bytes(
     device: torch.device,
     dtype: torch.dtype,
     memory=None,
+    graph_backend=_DEFAULT,
 ) -> int:
     """The KV cache budget in bytes under ``gpu_memory_utilization`` (module docstring's
-    formula), after one profiling step; may be zero or negative (the caller names the remedy).
-    ``memory``: default `DeviceMemory` of ``device``."""
+    formula, less the CUDA graphs' estimated memory, `estimate_cuda_graph_bytes`), after one
+    profiling step; may be zero or negative (the caller names the remedy).
+
+    Args:
+        memory: default `DeviceMemory` of ``device``.
+        graph_backend: the `GraphBackend` to estimate the graphs with; default
+            `batchgen.engine.cuda_graphs.graph_backend_for` (None under ``enforce_eager``: no
+            graphs, nothing counted).
+    """
+    from batchgen.engine import cuda_graphs
+
     memory = memory or DeviceMemory(device)
+    if graph_backend is _DEFAULT:
+        graph_backend = cuda_graphs.graph_backend_for(device, c.enforce_eager)
     peak = profile_step_peak_bytes(model, c, cfg, device, dtype, memory)
     free, total = memory.free_total()
     reserve = sampler_reserve_bytes(c, cfg)
-    budget = int(total * c.gpu_memory_utilization) - (total - free) - peak - reserve
+    graph_bytes, how = estimate_cuda_graph_bytes(model, c, cfg, device, dtype, memory,
+                                                 graph_backend)  # fmt: skip
+    used = total - free
+    budget = int(total * c.gpu_memory_utilization) - used - peak - reserve - graph_bytes
     logger.info(
         "memory profile: %.2f GiB total, %.2f GiB in use after loading, step peak %.2f GiB "
-        "(%d tokens), sampler reserve %.2f GiB -> KV cache %.2f GiB at "
-        "gpu_memory_utilization %.2f",
-        total / (1 << 30),
-        (total - free) / (1 << 30),
-        peak / (1 << 30),
-        c.step_token_budget,
-        reserve / (1 << 30),
-        budget / (1 << 30),
+        "(%d tokens), sampler reserve %.2f GiB, CUDA graphs %.2f GiB (%s) -> KV cache "
+        "%.2f GiB at gpu_memory_utilization %.2f",
+        total / (1 << 30), used / (1 << 30), peak / (1 << 30), c.step_token_budget,
+        reserve / (1 << 30), graph_bytes / (1 << 30), how, budget / (1 << 30),
         c.gpu_memory_utilization,
-    )
+    )  # fmt: skip
     return budget

@@ -7,6 +7,7 @@ launched tile rows that carry a token.
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 import time
@@ -25,13 +26,21 @@ STAGES = (
 
 @dataclass
 class ExpertGemmStats:
-    """Counts over expert GEMMs (one per non-empty expert per MoE call)."""
+    """Counts over expert GEMMs (one per non-empty expert per MoE call).
+
+    Host paths record a Python list of rows per expert (`record`); the CUDA paths record the
+    counts as a device tensor (`record_device`), accumulated on the device and read once, by
+    `flush` (the engine calls it after each step's sampling, when the stream is already idle),
+    so that no MoE layer syncs with the host for its statistics.
+    """
 
     tile_size: int = 64
     num_gemms: int = 0
     rows: int = 0
     tile_rows: int = 0
     num_moe_calls: int = 0
+    # [3] int64 on the device: (num_gemms, rows, tile_rows) recorded since the last `flush`
+    _pending: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def record(self, counts: list[int]) -> None:
         """Record one MoE call's rows per expert (a list of E ints)."""
@@ -43,6 +52,31 @@ class ExpertGemmStats:
                 self.rows += m
                 self.tile_rows += -(-m // t) * t
 
+    def record_device(self, counts: torch.Tensor) -> None:
+        """Record MoE calls from rows per expert on the device, without a host sync:
+        ``counts [E]`` (one call) or ``[L, E]`` (L calls), any integer dtype. The totals reach
+        ``num_gemms``, ``rows`` and ``tile_rows`` at the next `flush`."""
+        t = self.tile_size
+        counts = counts.to(torch.int64)
+        self.num_moe_calls += 1 if counts.dim() == 1 else counts.shape[0]
+        totals = torch.stack(
+            ((counts > 0).sum(), counts.sum(), ((counts + t - 1) // t * t).sum())
+        )  # [3]
+        # out of place: the sum may be an inference tensor, and a later call may run outside
+        # inference mode
+        self._pending = totals if self._pending is None else self._pending + totals
+
+    def flush(self) -> None:
+        """Add the device-side records to the host counts (one device-to-host read; a no-op
+        when nothing is pending)."""
+        if self._pending is None:
+            return
+        num_gemms, rows, tile_rows = self._pending.tolist()
+        self._pending = None
+        self.num_gemms += num_gemms
+        self.rows += rows
+        self.tile_rows += tile_rows
+
     @property
     def mean_rows_per_gemm(self) -> float:
         return self.rows / self.num_gemms if self.num_gemms else 0.0
@@ -52,12 +86,67 @@ class ExpertGemmStats:
         return self.rows / self.tile_rows if self.tile_rows else None
 
 
+class StageTimer:
+    """Seconds per stage into ``metrics.stage_seconds`` without a host sync on CUDA.
+
+    On CPU a stage's time is ``time.perf_counter()`` around it. On CUDA the clock is a pair of
+    timing events recorded on the current stream around the stage's launches; `flush` (after
+    the step's sampling, when the stream has drained) adds ``start.elapsed_time(end)``: the
+    stream's time from the stage's first launch to its last kernel's end (idle gaps while
+    the host launches included). Before, the executor called ``torch.cuda.synchronize()``
+    at every clock read: two host syncs per layer per step.
+
+    Args:
+        metrics: receives the seconds (`EngineMetrics`; read at each stop or flush, so a
+            `EngineMetrics.reset` is seen).
+        device: CPU or CUDA.
+        event_factory: makes a timing event (``record()``, ``synchronize()``,
+            ``elapsed_time(end)`` in ms); default ``torch.cuda.Event(enable_timing=True)`` on
+            CUDA. Tests inject one on CPU.
+    """
+
+    def __init__(self, metrics, device: torch.device, event_factory=None) -> None:
+        self.metrics = metrics
+        if event_factory is None and device.type == "cuda":
+            event_factory = functools.partial(torch.cuda.Event, enable_timing=True)
+        self.event_factory = event_factory
+        self.pending: list[tuple[str, object, object]] = []
+
+    def start(self):
+        """A stage starts now: returns the token to pass to `stop`."""
+        if self.event_factory is None:
+            return time.perf_counter()
+        event = self.event_factory()
+        event.record()
+        return event
+
+    def stop(self, stage: str, start) -> None:
+        """The stage begun at ``start`` ends now (its seconds counted now on CPU, at `flush`
+        on CUDA)."""
+        if self.event_factory is None:
+            self.metrics.stage_seconds[stage] += time.perf_counter() - start
+            return
+        end = self.event_factory()
+        end.record()
+        self.pending.append((stage, start, end))
+
+    def flush(self) -> None:
+        """Count the stages timed by events (waits for the last one: call it when the step's
+        work has been waited for anyway)."""
+        if not self.pending:
+            return
+        self.pending[-1][2].synchronize()
+        for stage, start, end in self.pending:
+            self.metrics.stage_seconds[stage] += start.elapsed_time(end) / 1000.0
+        self.pending.clear()
+
+
 @dataclass
 class EngineMetrics:
     """Cumulative metrics of one engine. `snapshot` returns plain numbers.
 
-    Stage times are wall-clock seconds measured around each stage call (on CUDA the executor
-    synchronises before reading the clock, so the figures are honest, at a small cost).
+    Stage times are wall-clock seconds measured around each stage call (on CUDA by timing
+    events read after the step's sampling, `StageTimer`: no host sync inside the step).
     """
 
     tile_size: int = 64
@@ -103,6 +192,7 @@ class EngineMetrics:
 
     def snapshot(self, device: torch.device) -> dict:
         """Throughput (tokens/s over busy time), expert GEMM stats, stage time shares."""
+        self.expert.flush()
         busy = self.busy_seconds or 1e-12
         processed = self.prefill_tokens + self.decode_tokens
         return {

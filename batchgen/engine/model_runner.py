@@ -11,6 +11,7 @@ import math
 import torch
 
 from batchgen.engine.host_allocator import advise_huge_pages
+from batchgen.engine.host_staging import HostStaging
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.models.decoder import CausalLM, kv_cache_token_shapes
 from batchgen.models.layers.attention import (
@@ -63,6 +64,9 @@ class ModelRunner:
         reserve_dummy_block: allocate one KV block past ``num_blocks`` that no sequence owns,
             ``dummy_block``: a CUDA graph's padding rows write their K/V there
             (`batchgen.engine.cuda_graphs`). None without it.
+        staging: turns the step's host lists into device tensors (default `HostStaging` of
+            ``device``: pinned buffers and asynchronous copies on CUDA, plain
+            ``torch.tensor`` on CPU).
 
     Attributes:
         decode_backend: GQA's decode attention backend (`decode_attention_backend`), chosen
@@ -78,8 +82,10 @@ class ModelRunner:
         dtype: torch.dtype,
         batch_invariant: bool = False,
         reserve_dummy_block: bool = False,
+        staging: HostStaging | None = None,
     ) -> None:
         self.model = model
+        self.staging = staging or HostStaging(device)
         self.dummy_block = num_blocks if reserve_dummy_block else None
         self.batch_invariant = batch_invariant
         self.device = device
@@ -111,8 +117,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer's cache tensors (a shared prompt's
         partly filled last block, see `KVCacheManager.share_prefix`)."""
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        src = self.staging.to_device("copy_src", [c[0] for c in copies])
+        dst = self.staging.to_device("copy_dst", [c[1] for c in copies])
         for layer in self.kv_caches:
             for cache in layer:
                 blocks = as_blocks(cache, self.block_size)
@@ -130,7 +136,15 @@ class ModelRunner:
 
         Returns ``input_ids [T]``, the metadata, the scheduled entries in flat order, and
         ``sample_indices [B]`` (flat index of the last token of each entry that samples,
-        in flat order).
+        in flat order). Every tensor is built from host lists through ``staging`` (one
+        asynchronous copy per field on CUDA). The decode rows' context lengths and block ids
+        are checked here, on the host lists, before any tensor is built
+        (`check_decode_context_lists`): the kernels skip their own check
+        (``DecodeBucket.checked_num_blocks``), so the step does not sync with the host for it.
+
+        Raises:
+            ValueError: a decode row's block table that does not cover its context or holds a
+                block id outside the cache (naming ``block_tables``).
         """
         bs = self.block_size
         decodes = sorted(
@@ -143,7 +157,8 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         sample_indices: list[int] = []
-        spans: list[PrefillSpan] = []
+        span_slots: list[int] = []  # every prefill span's kv_slots, concatenated
+        span_args: list[tuple[int, int, int]] = []
         for entry in ordered:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
@@ -159,25 +174,28 @@ class ModelRunner:
                     if start == 0
                     else self._slots(seq.block_table, 0, end)
                 )
-                spans.append(
-                    PrefillSpan(
-                        token_start,
-                        entry.num_new_tokens,
-                        end,
-                        torch.tensor(kv_slots, device=self.device),
-                    )
-                )
-        dev = self.device
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            block_size=bs,
-            prefills=spans,
-            decode_backend=self.decode_backend,
-        )
+                span_slots.extend(kv_slots)
+                span_args.append((token_start, entry.num_new_tokens, end))
         kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         num_blocks = [-(-n // bs) for n in kv_lens]
+        tables = [s.seq.block_table[:n] for s, n in zip(decodes, num_blocks)]
+        num_cache_blocks = self.kv_caches[0][0].shape[0] // bs
+        check_decode_context_lists(tables, num_blocks, num_cache_blocks)
+        stage = self.staging
+        meta = AttentionMetadata(
+            positions=stage.to_device("positions", positions),
+            slot_mapping=stage.to_device("slot_mapping", slot_mapping),
+            num_decode_tokens=len(decodes),
+            block_size=bs,
+            decode_backend=self.decode_backend,
+        )
+        if span_args:
+            all_slots = stage.to_device("kv_slots", span_slots)  # [sum kv_len], one copy
+            offset = 0
+            for token_start, num_tokens, kv_len in span_args:
+                kv_slots = all_slots[offset : offset + kv_len]
+                meta.prefills.append(PrefillSpan(token_start, num_tokens, kv_len, kv_slots))
+                offset += kv_len
         if self.decode_in_place:  # the kernel reads each context in place: one bucket
             plan = [(0, len(decodes))] if decodes else []
         elif self.batch_invariant:
@@ -186,17 +204,38 @@ class ModelRunner:
             plan = plan_decode_buckets(num_blocks, max_bucket_blocks=self.max_bucket_blocks)
         for start, end in plan:
             width = num_blocks[end - 1]
-            tables = [
-                s.seq.block_table[:n] + [0] * (width - n)
-                for s, n in zip(decodes[start:end], num_blocks[start:end])
-            ]
-            meta.decode_buckets.append(
-                DecodeBucket(
-                    start,
-                    end,
-                    torch.tensor(tables, dtype=torch.long, device=dev),  # [b, width]
-                    torch.tensor(kv_lens[start:end], dtype=torch.long, device=dev),
-                )
+            bucket = DecodeBucket(
+                start,
+                end,
+                stage.rows_to_device("block_tables", tables[start:end], width),  # [b, width]
+                stage.to_device("kv_lens", kv_lens[start:end]),  # [b]
             )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, meta, ordered, torch.tensor(sample_indices, dtype=torch.long, device=dev)
+            bucket.checked_num_blocks = num_cache_blocks
+            meta.decode_buckets.append(bucket)
+        ids = stage.to_device("input_ids", input_ids)
+        return ids, meta, ordered, stage.to_device("sample_indices", sample_indices)
+
+
+def check_decode_context_lists(
+    tables: list[list[int]], num_blocks: list[int], num_cache_blocks: int
+) -> None:
+    """`batchgen.kernels.paged_attention.check_decode_context` on the host lists a step is
+    built from, so that the device never syncs for it: each decode row's block table
+    ``tables[i]`` (its first ``num_blocks[i]`` entries, ``ceil(kv_len / block_size)``) must
+    have ``num_blocks[i]`` entries, all in ``[0, num_cache_blocks)``. Context lengths are
+    ``num_computed_tokens + 1 >= 1`` and the bucket width is the widest row's blocks by
+    construction, so the kernels' other checks hold.
+
+    Raises:
+        ValueError: naming ``block_tables``, the row, and what is wrong.
+    """
+    for i, (table, n) in enumerate(zip(tables, num_blocks, strict=True)):
+        if len(table) != n:
+            raise ValueError(
+                f"block_tables: decode row {i} needs {n} blocks for its context, "
+                f"its block table has {len(table)}"
+            )
+        if table and (min(table) < 0 or max(table) >= num_cache_blocks):
+            raise ValueError(
+                f"block_tables: decode row {i} holds a block id outside [0, {num_cache_blocks})"
+            )

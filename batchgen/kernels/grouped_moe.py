@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.models.layers.moe_sort import route_rows, sum_slots
+from batchgen.models.layers.moe_sort import sum_slots
 
 # ``_grouped_mm``'s CUTLASS kernel refuses 1024 groups or more (``GroupMM.cu``).
 GROUPED_MM_MAX_GROUPS = 1023
@@ -98,9 +98,9 @@ def fused_experts_grouped_mm(
         x: ``[T, H]`` bf16 (fp16 / fp32 also run); w13: ``[E, 2I, H]`` (gate rows, then up rows);
         w2: ``[E, H, I]``, both of x's dtype; topk_weights: ``[T, A]`` float32; topk_ids:
         ``[T, A]`` int64 in ``[0, E)``; act: the gate activation; stats: optional recorder with
-        ``record(counts)`` (a host sync; without it ``offs`` is computed on the device and the
-        function syncs nowhere on CUDA's fast path: capturable in a CUDA graph); out_dtype: the
-        result's dtype (default x's).
+        ``record_device(counts)`` (`ExpertGemmStats`: the counts stay on the device); ``offs``
+        is computed on the device, so the function syncs nowhere on CUDA's fast path
+        (capturable in a CUDA graph); out_dtype: the result's dtype (default x's).
     Returns:
         ``[T, H]``: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``, weighted and
         summed over the slots in float32 in slot order (`sum_slots`), cast once: the arguments,
@@ -117,20 +117,18 @@ def fused_experts_grouped_mm(
     if reason is not None:
         raise ValueError(f"grouped-GEMM experts cannot run: {reason}")
     num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [R]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
+    if stats is not None:  # on the device, read by the engine after sampling: no host sync
+        stats.record_device(counts)
     if num_tokens == 0:
-        route_rows(topk_ids, num_experts, stats)  # records an empty call, as before
         return x.new_zeros(0, x.shape[1], dtype=out_dtype or x.dtype)
-    # offs[e] = rows of experts 0..e: the end of expert e's rows in the sorted order.
-    if stats is None:  # counted on the device: no host sync (capturable in a CUDA graph)
-        flat = topk_ids.reshape(-1)  # [R]
-        order = torch.argsort(flat, stable=True)  # [R], `sort_by_expert`'s order
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
-        offs = counts.cumsum(0, dtype=torch.int32)  # [E]
-        token_idx = order // top_k  # [R]
-    else:  # the statistics need the counts on the host anyway
-        order, counts, token_idx = route_rows(topk_ids, num_experts, stats)
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
+    # offs[e] = rows of experts 0..e: the end of expert e's rows in the sorted order, counted
+    # on the device (no host sync: capturable in a CUDA graph).
+    order = torch.argsort(flat, stable=True)  # [R], `sort_by_expert`'s order
+    offs = counts.cumsum(0, dtype=torch.int32)  # [E]
+    token_idx = order // top_k  # [R]
     x_sorted = x.index_select(0, token_idx)  # [R, H]
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)  # [R, 2I]
     gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
 from batchgen.kernels.profiling import kernel_scope
+from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
@@ -116,10 +116,7 @@ def default_isa() -> str:
     Raises:
         ValueError: a value not in `ISAS`, naming the variable and the allowed values.
     """
-    value = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
-    if value not in ISAS:
-        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: allowed values are {sorted(ISAS)}")
-    return value
+    return env_choice(ISA_ENV, sorted(ISAS))
 
 
 def _log_once(dtype: torch.dtype, head_size: int, group: int, block_size: int, isa: str) -> None:

@@ -35,6 +35,25 @@ def env_flag(name: str, default: bool = True) -> bool:
     raise ValueError(f"{name}={raw!r}: expected {allowed}")
 
 
+def env_choice(name: str, choices, default: str = "auto") -> str:
+    """A switch with named values: ``$name`` lower-cased with surrounding spaces dropped,
+    ``default`` when unset or empty.
+
+    Args:
+        name: the environment variable.
+        choices: the allowed values (lower case); the error lists them in this order.
+        default: the value when the variable is unset or empty (need not be in ``choices``).
+
+    Raises:
+        ValueError: any other value, naming the variable and the allowed values.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {tuple(choices)}")
+    return value
+
+
 def check_kernel_switches() -> None:
     """Read every kernel and path switch once, so that a bad value fails at engine start:
     ``BATCHGEN_CPU_KERNELS``, ``BATCHGEN_CPU_AMX``, ``BATCHGEN_PACKED_LINEAR``,

@@ -125,7 +125,8 @@ def fused_experts_triton(
         rows); w2: ``[E, H, I]``, both of x's dtype and device; topk_weights: ``[T, A]``
         float32; topk_ids: ``[T, A]`` int in ``[0, E)``; act: the gate activation (SiLU runs
         in a Triton kernel, any other in torch); stats: optional recorder with
-        ``record(counts)`` (costs a host sync for the Python list); out_dtype: the result's
+        ``record_device(counts)`` (`ExpertGemmStats`: the rows per expert stay on the
+        device, no host sync); out_dtype: the result's
         dtype (default x's); config: tile sizes ``BLOCK_M/N/K`` (default `default_config`).
     Returns:
         ``[T, H]``: ``sum_a topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t])``, weighted and
@@ -156,8 +157,10 @@ def fused_experts_triton(
             f"must both be [T={x.shape[0]}, A]"
         )
     num_tokens, top_k = topk_ids.shape
-    if stats is not None:
-        stats.record(torch.bincount(topk_ids.reshape(-1), minlength=num_experts).tolist())
+    if stats is not None:  # counted on the device, read by the engine after sampling
+        flat = topk_ids.reshape(-1).to(torch.int64)  # [R]
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        stats.record_device(counts.scatter_add_(0, flat, torch.ones_like(flat)))  # [E]
     if num_tokens == 0:
         return x.new_zeros(0, hidden, dtype=out_dtype or x.dtype)
     num_rows, inter = num_tokens * top_k, two_inter // 2

@@ -29,13 +29,13 @@ place) or ``torch`` (each bucket's latents gathered, then two batched GEMMs). ``
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Literal
 
 import torch
 
 from batchgen.kernels.paged_attention import decode_kernel_available
+from batchgen.kernels.switches import env_choice
 from batchgen.kernels.triton_support import triton_unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,7 @@ def attention_backend_override() -> str:
 
     Raises:
         ValueError: a value outside `ATTENTION_BACKEND_CHOICES`, naming the variable."""
-    value = os.environ.get(ATTENTION_BACKEND_ENV, "").strip().lower() or "auto"
-    if value not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(
-            f"{ATTENTION_BACKEND_ENV}={os.environ[ATTENTION_BACKEND_ENV]!r}: expected one of "
-            f"{ATTENTION_BACKEND_CHOICES}"
-        )
-    return value
+    return env_choice(ATTENTION_BACKEND_ENV, ATTENTION_BACKEND_CHOICES)
 
 
 def decode_attention_backend(device: torch.device, dtype: torch.dtype) -> DecodeBackend:

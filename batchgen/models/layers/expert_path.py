@@ -25,13 +25,13 @@ correctness contract: it keeps ``cpu_kernel`` / ``per_expert`` whatever the vari
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Literal
 
 import torch
 
 from batchgen.kernels.grouped_moe import grouped_mm_fast_on, grouped_mm_unsupported_reason
+from batchgen.kernels.switches import env_choice
 from batchgen.kernels.triton_support import triton_unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,7 @@ def moe_path_override() -> str:
 
     Raises:
         ValueError: a value outside `MOE_PATH_CHOICES`, naming the variable."""
-    value = os.environ.get(MOE_PATH_ENV, "").strip().lower() or "auto"
-    if value not in MOE_PATH_CHOICES:
-        raise ValueError(
-            f"{MOE_PATH_ENV}={os.environ[MOE_PATH_ENV]!r}: expected one of {MOE_PATH_CHOICES}"
-        )
-    return value
+    return env_choice(MOE_PATH_ENV, MOE_PATH_CHOICES)
 
 
 def expert_path(
