@@ -350,3 +350,17 @@ def test_a_first_use_build_says_so_and_a_cached_one_is_silent(monkeypatch, tmp_p
     with caplog.at_level(logging.INFO, logger="batchgen.kernels.cpu_build"):
         assert cpu_build._build(src / "probe.cpp", cpu_build.cxx_command()) == first
     assert not caplog.records
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", cpu_build.KERNEL_NAMES)
+def test_every_kernel_source_builds_and_loads_where_a_compiler_exists(name):
+    """A kernel that stops compiling must fail here, not turn into skips: `load_library` falls
+    back to torch on a failed build (a WARNING), and the kernel tests then skip their cases
+    ("kernel not built"), so a broken csrc/ file once passed the suite with 30 skips."""
+    try:
+        library = cpu_build._build(cpu_build.CSRC / f"{name}.cpp", cpu_build.cxx_command())
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"csrc/{name}.cpp does not compile:\n{exc.stderr}")
+    ctypes.CDLL(str(library))  # raises OSError on an unresolved symbol
+    assert sorted(p.stem for p in cpu_build.CSRC.glob("*.cpp")) == sorted(cpu_build.KERNEL_NAMES)

@@ -254,12 +254,15 @@ def test_bf16_greedy_tokens_agree_with_transformers_in_bf16(checkpoint_dir, name
 @needs_bf16
 @pytest.mark.parametrize("isa", ["avx512_bf16", "amx"])
 def test_bf16_kernel_gives_the_same_bits_with_a_misaligned_slot_buffer(isa):
-    """The down GEMM writes its weighted rows into the per-slot buffer with non-temporal
-    stores where a row is 64-byte aligned, else with ordinary stores: a buffer 4 bytes off
-    (every row misaligned) gives the same bits as the aligned workspace."""
+    """In a call whose per-slot buffer is streamed (over 4 MiB: 8,200 tokens x top-2 x H 64
+    float32), the down GEMM writes its weighted rows with non-temporal stores where a row is
+    64-byte aligned, else with ordinary stores: a buffer 4 bytes off (every row misaligned)
+    gives the same bits as the aligned workspace."""
     if isa == "amx" and fm.kernel_isa(torch.bfloat16) != "amx_bf16":
         pytest.skip("the AMX bf16 micro-kernel needs amx_bf16 and the OS's tile permission")
-    x, w13, w2, weights, ids = _case(40, 4, 2, 64, 32, seed=9)
+    n = 8200
+    assert n * 2 * 64 * 4 > 4 << 20
+    x, w13, w2, weights, ids = _case(n, 4, 2, 64, 32, seed=9)
     want = _kernel(x, w13, w2, weights, ids, isa)
     order, counts = sort_by_expert(ids, 4)
     starts = torch.zeros(5, dtype=torch.int64)
@@ -267,13 +270,30 @@ def test_bf16_kernel_gives_the_same_bits_with_a_misaligned_slot_buffer(isa):
     w13p, w2p = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
     weights = weights.float().contiguous()
     order = order.contiguous()
-    y_slots = torch.empty(40 * 2 * 64 + 16)
+    y_slots = torch.empty(n * 2 * 64 + 16)
     assert y_slots.data_ptr() % 64 == 0
-    out = torch.empty(40, 64)
+    out = torch.empty(n, 64)
     rc = fm._library().batchgen_fused_moe_silu_bf16(
         x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), weights.data_ptr(), order.data_ptr(),
-        starts.data_ptr(), y_slots.data_ptr() + 4, out.data_ptr(), 40, 64, 32, 2, 4, 1,
+        starts.data_ptr(), y_slots.data_ptr() + 4, out.data_ptr(), n, 64, 32, 2, 4, 1,
         fm.ISAS[torch.bfloat16][isa],
     )
     assert rc == 0
     assert torch.equal(out, want)
+
+
+@needs_bf16
+@pytest.mark.parametrize("isa", ["avx512_bf16", "amx"])
+def test_bf16_kernel_same_bits_whether_the_slot_buffer_is_streamed_or_cached(isa):
+    """The down GEMM writes the per-slot buffer (T x top-k x H float32) with non-temporal
+    stores only when it is larger than 4 MiB (``kStreamMinBytes`` in csrc/fused_moe_common.h),
+    with ordinary stores below: 1,100 tokens top-2 at H 512 (4.3 MiB, streamed) give each
+    token the same bits as the token alone (8 KiB, cached)."""
+    if isa == "amx" and fm.kernel_isa(torch.bfloat16) != "amx_bf16":
+        pytest.skip("the AMX bf16 micro-kernel needs amx_bf16 and the OS's tile permission")
+    x, w13, w2, weights, ids = _case(1100, 4, 2, 512, 32, seed=10)
+    assert 1100 * 2 * 512 * 4 > 4 << 20
+    batch = _kernel(x, w13, w2, weights, ids, isa)
+    for t in (0, 15, 550, 1099):
+        alone = _kernel(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], isa)
+        assert torch.equal(alone[0], batch[t]), t

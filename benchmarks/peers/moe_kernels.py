@@ -11,7 +11,10 @@ bfloat16. vLLM: ``cpu_fused_moe`` on weights packed by ``cpu_prepack_moe_weight`
 subclass runs where ``torch.cpu._is_amx_tile_supported()``); BatchGen: ``sort_by_expert`` + `fused_moe_silu` on `pack_expert_weights`
 (what `SparseMoeBlock` runs). Each size: ``--rounds`` rounds alternating which kernel goes
 first, each a loop of calls; prints the medians in ms per call, their ratio and the largest
-difference of the outputs.
+difference of the outputs. ``--clock process`` times with the process's CPU time
+(`time.process_time`, all threads together) instead of wall time: on a machine shared with
+other jobs it is far less noisy, and with more than one thread it charges OpenMP's spin-waits
+to the kernel that makes them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--clock", default="wall", choices=["wall", "process"])
     args = p.parse_args()
     import vllm._custom_ops as ops
 
@@ -48,7 +52,11 @@ def main() -> None:
     w2 = (torch.randn(e, h, i) * 0.02).to(dtype)
     v13, v2 = ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa)
     b13, b2 = pack_expert_weights(w13), pack_expert_weights(w2)
-    print(f"E {e} top-{a} H {h} I {i}, {args.dtype} (vLLM isa {isa}), {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(
+        f"E {e} top-{a} H {h} I {i}, {args.dtype} (vLLM isa {isa}), {threads} threads, "
+        f"{args.clock} clock"
+    )
     for t in (int(x) for x in args.tokens.split(",")):
         x = torch.randn(t, h).to(dtype)
         weights, ids = torch.topk(torch.randn(t, e).softmax(-1), a, dim=-1)
@@ -68,12 +76,13 @@ def main() -> None:
         times: dict[str, list[float]] = {"vllm": [], "batchgen": []}
         calls = max(3, 2000 // t)
         pair = [("vllm", vllm_call), ("batchgen", batchgen_call)]
+        clock = time.perf_counter if args.clock == "wall" else time.process_time
         for r in range(args.rounds):
             for name, fn in pair if r % 2 == 0 else pair[::-1]:
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(calls):
                     fn()
-                times[name].append((time.perf_counter() - t0) / calls * 1e3)
+                times[name].append((clock() - t0) / calls * 1e3)
         mv, mb = statistics.median(times["vllm"]), statistics.median(times["batchgen"])
         print(
             f"T={t:5d} ({t * a / e:6.1f} rows/expert): vLLM {mv:7.3f} ms, BatchGen {mb:7.3f} ms, "

@@ -51,8 +51,10 @@
 // The bf16 activation is silu_mul_to_bf16_pairs (fused_moe_bf16.h: libmvec's 16-lane expf);
 // AMX computes it in the gate/up GEMM's epilogue (AmxBf16::gemm_silu), the vdpbf16ps kernel
 // in a pass over float32 rows: the same function of the same float32 sums. Both bf16 kernels
-// write the down GEMM's weighted rows into y_slots with non-temporal stores (the buffer is
-// read only by the slot-sum pass and is far larger than the caches at large calls).
+// write the down GEMM's weighted rows into y_slots with non-temporal stores when the buffer
+// is larger than kStreamMinBytes (it is read only by the slot-sum pass and is far larger than
+// the caches at large calls), with regular stores below (the slot sum then reads it back
+// from the caches, not from memory).
 //
 // Experts are spread over OpenMP threads (dynamic: experts differ in rows); the library joins
 // torch's OpenMP runtime like paged_decode_attention.cpp.
@@ -76,6 +78,9 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
   if (hidden % kPanel != 0 || (2 * inter) % kPanel != 0 || top_k <= 0) return 1;
   const int64_t h = hidden, i2 = 2 * inter;
   num_threads = std::max<int64_t>(1, num_threads);
+  // Non-temporal stores into y_slots only when it outgrows the caches (the bf16 kernels'
+  // StoreRows says why); a choice per call, so every row's value is the same either way.
+  const bool stream_y = num_tokens * top_k * h * int64_t{sizeof(float)} > kStreamMinBytes;
 #pragma omp parallel num_threads(num_threads)
   {
     // Per-thread scratch kept across calls (OpenMP reuses its threads): no fresh pages per call.
@@ -124,7 +129,7 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         if constexpr (K::kFusedSilu) {  // [m, I] bf16 straight from the GEMM's tiles
           K::gemm_silu(a_buf.data(), m, h, w13, inter, act.data());
         } else {
-          K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr);  // [m, 2I]: gate, up
+          K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr, false);  // [m, 2I]
           for (int64_t r = 0; r < m; ++r) {
             const float* g = g_buf.data() + r * i2;
             In* o = act.data() + K::row_offset(r, inter);
@@ -145,7 +150,7 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         }
         if constexpr (K::kZeroPadRows)
           std::fill(act.data() + m * inter, act.data() + m_pad * inter, In{0});
-        K::gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data());  // weighted [m, H]
+        K::gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data(), stream_y);  // [m, H]
       }
     }
     // Each token's slots, summed in slot order.

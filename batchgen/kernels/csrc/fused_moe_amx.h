@@ -50,12 +50,21 @@ struct AmxBf16 {
   // of A (32 KiB) overflowed the 48 KiB L1, and both came from L2 at every k step.
   static constexpr int64_t kKc = 256;
 
+  // Software prefetch distance along a weight panel (bytes). The weights are streamed once
+  // per expert chunk (each tile of B is read once when m <= 32), so a call of few rows per
+  // expert waits on the cache level that holds them (the bench layer's 50 MB: L3, about
+  // 29 GB/s on one core here). `block` asks for the lines of the tile kPrefetchBytes ahead of
+  // the one it loads, in each of its two panel streams: measured (one thread, process time,
+  // bench layer, random top-8 routing, machine loaded by other jobs, same-run A/B) 1,024: 16
+  // tokens 1.88 -> 1.79 ms, 70: 2.44 -> 2.30; 2,048 bytes: 1.75 and 2.16 (3,072 no better).
+  static constexpr int64_t kPrefetchBytes = 2048;
+
   // MT x NT tiles of C (rows 16 MT of a; panels b0, b1) over k in [k0, k1): the tiles start at
   // zero (first) or at cbuf's partial sums, and end in cbuf [4][16][16].
   template <int MT, int NT>
   BATCHGEN_AMX_MOE_TARGET static void block(const uint16_t* a, int64_t k_size, const uint16_t* b0,
                                             const uint16_t* b1, int64_t k0, int64_t k1, bool first,
-                                            float* cbuf) {
+                                            float* cbuf, bool prefetch) {
     const uint16_t* a1 = a + 16 * k_size;
     const int64_t stride = k_size * 2;  // bytes per activation row
     if (first) {
@@ -72,6 +81,14 @@ struct AmxBf16 {
     // Each load is placed right before the first product that reads it: tiles are not
     // renamed, so a load waits for the last product that reads the register's old value.
     for (int64_t k = k0; k < k1; k += 32) {
+      if (prefetch) {  // the 16 lines of each panel's tile kPrefetchBytes ahead
+        const char* p0 = reinterpret_cast<const char*>(b0 + k * kPanel) + kPrefetchBytes;
+        const char* p1 = reinterpret_cast<const char*>(b1 + k * kPanel) + kPrefetchBytes;
+        for (int l = 0; l < 1024; l += 64) {
+          _mm_prefetch(p0 + l, _MM_HINT_T0);
+          if constexpr (NT == 2) _mm_prefetch(p1 + l, _MM_HINT_T0);
+        }
+      }
       _tile_loadd(4, a + k, stride);
       _tile_loadd(6, b0 + k * kPanel, 64);  // k pairs k / 2 .. k / 2 + 15
       _tile_dpbf16ps(0, 4, 6);
@@ -111,10 +128,11 @@ struct AmxBf16 {
           const int mt = m - i > 16 ? 2 : 1;
           const uint16_t* ai = a + i * k_size;
           float* cbuf = cacc + (i / 32) * 1024;
-          if (mt == 2 && nt == 2) block<2, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
-          else if (mt == 2) block<2, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
-          else if (nt == 2) block<1, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
-          else block<1, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf);
+          const bool pf = i == 0;  // later row blocks find this k block of B in L1
+          if (mt == 2 && nt == 2) block<2, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf, pf);
+          else if (mt == 2) block<2, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf, pf);
+          else if (nt == 2) block<1, 2>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf, pf);
+          else block<1, 1>(ai, k_size, b0, b1, k0, k1, k0 == 0, cbuf, pf);
           if (k1 == k_size) epilogue(i, mt, nt, q, cbuf);
         }
       }
@@ -122,16 +140,21 @@ struct AmxBf16 {
   }
 
   // c_rows[row][cols of pair q] = scale[row] * C. With a scale (the down GEMM, whose rows are
-  // y_slots rows that only the slot-sum pass reads, after every expert is done) the rows are
-  // written with non-temporal stores where 64-byte aligned: no read for ownership of lines of
-  // a buffer far larger than the caches (T x top-k x H floats, 33.5 MB at 2,048 tokens of the
-  // bench layer), and no eviction of the weights and activations the GEMMs reuse. Measured
+  // y_slots rows that only the slot-sum pass reads, after every expert is done) and `stream`
+  // (the driver's choice: a large call) the rows are written with non-temporal stores where
+  // 64-byte aligned: no read for ownership of lines of a buffer far larger than the caches
+  // (T x top-k x H floats, 33.5 MB at 2,048 tokens of the bench layer), and no eviction of
+  // the weights and activations the GEMMs reuse. Measured
   // (single thread, process time, bench layer, machine loaded): 2,048 tokens 30.8 -> 22.2 ms,
   // 512 tokens 9.0 -> 8.2, 16 tokens 2.19 -> 2.03. gemm fences them before it returns.
+  // A small call's y_slots fits the caches, and streaming it to memory only makes the slot
+  // sum read it back from DRAM (measured as above, regular stores: 128 tokens 3.00 -> 2.79 ms,
+  // 256: 4.82 -> 4.49; 512: 5.55 -> 7.38, hence the driver's kStreamMinBytes).
   struct StoreRows {
     int64_t m;
     float* const* c_rows;
     const float* scale;
+    bool stream;
     BATCHGEN_AMX_MOE_TARGET void operator()(int64_t i, int mt, int nt, int64_t q,
                                           const float* cbuf) const {
       for (int tm = 0; tm < mt; ++tm)
@@ -145,7 +168,7 @@ struct AmxBf16 {
             continue;
           }
           const __m512 s = _mm512_set1_ps(scale[row]);
-          const bool aligned = (reinterpret_cast<uintptr_t>(c) & 63) == 0;
+          const bool aligned = stream && (reinterpret_cast<uintptr_t>(c) & 63) == 0;
           for (int tn = 0; tn < nt; ++tn) {
             const __m512 v = _mm512_mul_ps(_mm512_load_ps(t + tn * 256), s);
             if (aligned) _mm512_stream_ps(c + tn * kPanel, v);
@@ -170,16 +193,17 @@ struct AmxBf16 {
   };
 
   // a: rows [round_up(m, 16)][K] bf16 (rows past m zero), m <= kRowChunk; packed
-  // [N / 16][K / 2][16][2]; c_rows[r][0 : N] = scale[r] * (a[r] . W^T) (scale null: 1).
+  // [N / 16][K / 2][16][2]; c_rows[r][0 : N] = scale[r] * (a[r] . W^T) (scale null: 1),
+  // with non-temporal stores when scale and stream (StoreRows).
   BATCHGEN_AMX_MOE_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                            const uint16_t* packed, int64_t n, float* const* c_rows,
-                                           const float* scale) {
+                                           const float* scale, bool stream) {
     amx_tile_config();
     const int64_t num_panels = n / kPanel, panel = k_size * kPanel;
-    StoreRows store{m, c_rows, scale};
+    StoreRows store{m, c_rows, scale, stream && scale != nullptr};
     for_each_block(a, m, k_size, packed, (num_panels + 1) / 2, 2 * panel, panel,
                    num_panels % 2 ? 1 : 2, store);
-    if (scale != nullptr) _mm_sfence();  // the non-temporal stores, before other threads read
+    if (store.stream) _mm_sfence();  // the non-temporal stores, before other threads read
     _tile_release();
   }
 

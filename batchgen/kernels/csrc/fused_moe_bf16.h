@@ -58,7 +58,7 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
   template <int MR, int NP>
   BATCHGEN_BF16_TARGET static void micro(const uint16_t* a, const uint16_t* panel,
                                          int64_t k_size, float* const* c_rows, int64_t col,
-                                         const float* scale) {
+                                         const float* scale, bool stream) {
     __m512 c[NP][MR];
     for (int q = 0; q < NP; ++q)
       for (int r = 0; r < MR; ++r) c[q][r] = _mm512_setzero_ps();
@@ -73,15 +73,16 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
         for (int q = 0; q < NP; ++q) c[q][r] = _mm512_dpbf16_ps(c[q][r], ar, b[q]);
       }
     }
-    // With a scale (the down GEMM into y_slots rows): non-temporal stores where aligned, as
-    // in the AMX kernel (AmxBf16::StoreRows says why); gemm fences them.
+    // With a scale and `stream` (the down GEMM into y_slots rows of a large call):
+    // non-temporal stores where aligned, as in the AMX kernel (AmxBf16::StoreRows says why);
+    // gemm fences them.
     for (int r = 0; r < MR; ++r) {
       float* c_row = c_rows[r] + col;
-      const bool stream = scale != nullptr && (reinterpret_cast<uintptr_t>(c_row) & 63) == 0;
+      const bool aligned = stream && (reinterpret_cast<uintptr_t>(c_row) & 63) == 0;
       for (int q = 0; q < NP; ++q) {
         __m512 v = c[q][r];
         if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_set1_ps(scale[r]));
-        if (stream) _mm512_stream_ps(c_row + q * kPanel, v);
+        if (aligned) _mm512_stream_ps(c_row + q * kPanel, v);
         else _mm512_storeu_ps(c_row + q * kPanel, v);
       }
     }
@@ -90,31 +91,36 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
   struct Tail {
     template <int R>
     BATCHGEN_BF16_TARGET static void run(const uint16_t* a, const uint16_t* panel, int64_t k,
-                                         float* const* c, int64_t col, const float* s) {
-      micro<R, NP>(a, panel, k, c, col, s);
+                                         float* const* c, int64_t col, const float* s,
+                                         bool stream) {
+      micro<R, NP>(a, panel, k, c, col, s, stream);
     }
   };
   template <int NP>
   BATCHGEN_BF16_TARGET static void panels(const uint16_t* a, int64_t m, int64_t k_size,
                                           const uint16_t* panel, float* const* c_rows,
-                                          int64_t col, const float* scale) {
+                                          int64_t col, const float* scale, bool stream) {
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
-      micro<kMR, NP>(a + i * k_size, panel, k_size, c_rows + i, col, scale ? scale + i : nullptr);
+      micro<kMR, NP>(a + i * k_size, panel, k_size, c_rows + i, col, scale ? scale + i : nullptr,
+                     stream);
     if (i < m)
       dispatch_rows<Tail<NP>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i, col,
-                                   scale ? scale + i : nullptr);
+                                   scale ? scale + i : nullptr, stream);
   }
+  // stream: non-temporal stores of scaled rows (the fused MoE's y_slots of a large call);
+  // the dense packed_linear.cpp passes no scale and keeps the default.
   BATCHGEN_BF16_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                         const uint16_t* packed, int64_t n, float* const* c_rows,
-                                        const float* scale) {
+                                        const float* scale, bool stream = false) {
+    stream = stream && scale != nullptr;
     const int64_t num_panels = n / kPanel;
     int64_t p = 0;
     for (; p + 2 <= num_panels; p += 2)
-      panels<2>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale);
+      panels<2>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
     if (p < num_panels)
-      panels<1>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale);
-    if (scale != nullptr) _mm_sfence();
+      panels<1>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
+    if (stream) _mm_sfence();
   }
 };
 #endif

@@ -49,6 +49,13 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per packed panel
 
+// y_slots (T x top-k x H float32) above this size is written with non-temporal stores by the
+// bf16 kernels: a buffer that outgrows a core's L2 (2 MiB here) and more would evict the
+// weights and activations the GEMMs reuse, while a smaller one is read back from the caches
+// by the slot sum. 4 MiB: 256 tokens of the bench layer (top-8, H 512) still use regular
+// stores (measured faster at 128 and 256 tokens, slower at 512: fused_moe_amx.h).
+constexpr int64_t kStreamMinBytes = int64_t{4} << 20;
+
 // A std::vector allocator aligned to cache lines. The bf16 kernels' scratch (the gathered
 // rows, the activation) is read by AMX tile loads, 64 bytes per row: from a buffer malloc
 // aligned to 16 bytes (a 128 KiB vector is mmap'ed at a page + 16) every row of every tile

@@ -48,7 +48,7 @@ struct Avx2F32 : MicroPanelLayout<6, 1> {
   // C = A [m, K] @ W^T, A in micro-panels, W packed [N / 16][K][16]; row r of C at c_rows[r],
   // scaled by scale[r] when scale is not null.
   static void gemm(const float* a, int64_t m, int64_t k_size, const float* packed, int64_t n,
-                   float* const* c_rows, const float* scale) {
+                   float* const* c_rows, const float* scale, bool /*stream: bf16 kernels only*/) {
     for (int64_t p = 0; p < n / kPanel; ++p) {
       const float* panel = packed + p * k_size * kPanel;
       const int64_t col = p * kPanel;
@@ -112,7 +112,7 @@ struct Avx512F32 : MicroPanelLayout<12, 1> {
                                    scale ? scale + i : nullptr);
   }
   static void gemm(const float* a, int64_t m, int64_t k_size, const float* packed, int64_t n,
-                   float* const* c_rows, const float* scale) {
+                   float* const* c_rows, const float* scale, bool /*stream: bf16 kernels only*/) {
     const int64_t num_panels = n / kPanel;
     int64_t p = 0;
     for (; p + 2 <= num_panels; p += 2)
