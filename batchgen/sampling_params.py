@@ -91,6 +91,11 @@ class SamplingParams:
             *or* the output: positive logits are divided by it, negative ones multiplied. 1
             disables it; > 1 discourages repetition.
         skip_special_tokens: drop special tokens from the detokenized text.
+        detokenize: turn the generated ids into text (vLLM's ``detokenize``). False leaves
+            ``CompletionOutput.text`` empty and saves the incremental decode of every token
+            (token-id workloads: RL rollouts, benchmarks); stop strings then cannot be
+            matched, so ``stop`` must be empty (ValueError otherwise, as in vLLM).
+            Log-probability entries still carry their token's text.
         structured_outputs: constrain every sample to a JSON schema, a JSON object, a regex, a
             choice or a grammar (`StructuredOutputsParams`, or a dict of its fields); each
             sample of ``n`` follows the grammar on its own. The spec is checked by the grammar
@@ -143,6 +148,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
@@ -184,11 +190,17 @@ class SamplingParams:
             )
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        flags = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 # ValueError for every invalid field, wrong types included (as vLLM does).
                 value = getattr(self, name)
                 raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings need detokenize=True (no text is made without it), got "
+                f"stop={self.stop!r} with detokenize=False"
+            )
         if self.logprobs is not None:
             if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(

@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from batchgen.engine.detokenizer import IncrementalDetokenizer
+from batchgen.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from batchgen.models.tokenizer_factory import (
     BOS_ID,
     BYTE_TOKEN_OFFSET,
@@ -143,6 +143,47 @@ def test_cost_per_step_is_window_not_length(tok) -> None:
     # as in the CJK lines), independent of the 1000+ tokens of output.
     assert max(counting.window_lens) <= 16
     assert sum(counting.window_lens) / len(counting.window_lens) < 3
+
+
+def test_fast_decode_only_where_it_equals_decode(tok, tmp_path) -> None:
+    # The fast tokenizer without clean-up: the Rust decode itself, equal to tok.decode.
+    backend_decode = fast_decode(tok)
+    assert backend_decode is not None
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(6))]
+        for skip in (True, False):
+            assert backend_decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )
+    # Anything else keeps going through its own decode: a wrapper, a tokenizer that cleans
+    # up tokenization spaces, a subclass with its own decode.
+    assert fast_decode(CountingTokenizer(tok)) is None
+    write_tokenizer(tmp_path)
+    cleaning = AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)
+    assert fast_decode(cleaning) is None
+
+    class OwnDecode(type(tok)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "x"
+
+    own = AutoTokenizer.from_pretrained(tmp_path)
+    own.__class__ = OwnDecode
+    assert fast_decode(own) is None
+    detok = IncrementalDetokenizer(own, [])
+    detok.add_tokens(encode(tok, "Hello"))
+    assert detok.finalize() == "x"
+
+
+def test_detokenize_false_keeps_ids_and_decodes_nothing(tok) -> None:
+    ids = encode(tok, "Hello world 🦀")
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, [], detokenize=False)
+    assert feed(detok, ids, 1) == [""] * len(ids)
+    assert detok.finalize() == "" and detok.output_token_ids == ids
+    assert counting.window_lens == []
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        IncrementalDetokenizer(tok, [], stop=["x"], detokenize=False)
 
 
 # ---- stop strings -------------------------------------------------------------------------

@@ -132,6 +132,29 @@ def test_logprobs_include_sampled_token_and_sum(llm):
     )
 
 
+def test_cumulative_logprob_beside_requests_without_logprobs(llm):
+    # Steps whose rows ask for no logprobs skip the sampled logprobs; a request that asks
+    # gets its full sum whatever it runs beside.
+    sp = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = [SamplingParams(**sp, logprobs=0), SamplingParams(**{**sp, "max_tokens": 2})]
+    with_lp, without = llm.generate(["Mixed logprobs", "other"], params, use_tqdm=False)
+    o = with_lp.outputs[0]
+    total = sum(lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs))
+    assert len(o.logprobs) == 6 and o.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert without.outputs[0].cumulative_logprob is None
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm):
+    prompts = ["Detokenize", "def f(x):", "a b c"]
+    sp = dict(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[3])
+    with_text = llm.generate(prompts, SamplingParams(**sp), use_tqdm=False)
+    ids_only = llm.generate(prompts, SamplingParams(**sp, detokenize=False), use_tqdm=False)
+    for a, b in zip(with_text, ids_only, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+        assert a.outputs[0].text and b.outputs[0].text == ""
+
+
 def test_max_model_len_ends_with_length(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("y" * 250)[:250]

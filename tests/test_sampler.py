@@ -249,6 +249,29 @@ def test_top_k_larger_than_vocab_and_top_k_off_in_one_row():
     assert set(out[1:]) == set(range(6))
 
 
+def test_without_sampled_logprobs_the_same_tokens_and_no_logsumexp(monkeypatch):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40)
+    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(3)]
+    hot = SamplingParams(temperature=0.8, top_k=5)
+    rows += [make_row(hot, generator=torch.Generator().manual_seed(5)) for _ in range(3)]
+    full = Sampler()(logits, rows)
+    calls = []
+    real = torch.Tensor.logsumexp
+    monkeypatch.setattr(torch.Tensor, "logsumexp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for row in rows[3:]:  # replay the same draws
+        row.generator.manual_seed(5)
+    lean = Sampler()(logits, rows, sampled_logprobs=False)
+    assert lean.sampled_token_ids == full.sampled_token_ids
+    assert lean.sampled_logprobs is None and lean.top_logprobs == [None] * 6
+    assert calls == []
+    # A row that asks for logprobs still gets its top list (the caller then asks for all).
+    rows[0] = make_row(SamplingParams(temperature=0.0, logprobs=1))
+    mixed = Sampler()(logits[:1], rows[:1], sampled_logprobs=False)
+    assert mixed.sampled_logprobs is None
+    assert mixed.top_logprobs[0][0][0] == full.sampled_token_ids[0]
+
+
 def test_tiny_top_p_behaves_greedily():
     torch.manual_seed(2)
     logits = torch.randn(64, 100)

@@ -19,6 +19,7 @@ def test_defaults_match_vllm():
     assert p.stop == [] and p.stop_token_ids == []
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert p.detokenize
     assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy and not p.has_penalties
 
 
@@ -127,6 +128,7 @@ BAD_VALUES = [
     ("ignore_eos", 1, "ignore_eos must be a bool"),
     ("include_stop_str_in_output", "yes", "include_stop_str_in_output must be a bool"),
     ("skip_special_tokens", None, "skip_special_tokens must be a bool"),
+    ("detokenize", 0, "detokenize must be a bool"),
     ("logprobs", -1, "logprobs must be an integer in [0, 20] or None"),
     ("logprobs", 21, "logprobs must be an integer in [0, 20] or None"),
     ("logprobs", 2.0, "logprobs must be an integer in [0, 20] or None"),
@@ -157,3 +159,9 @@ def test_min_tokens_above_max_tokens():
 def test_importing_sampling_params_does_not_import_torch():
     code = "import sys, batchgen.sampling_params; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stop_strings_need_detokenize():
+    assert SamplingParams(detokenize=False, stop_token_ids=[7]).stop_token_ids == [7]
+    with pytest.raises(ValueError, match=r"stop strings need detokenize=True.*'###'"):
+        SamplingParams(detokenize=False, stop="###")

@@ -198,6 +198,7 @@ class CUDAGraphRunner:
             slot_mapping=self.slot_mapping[:size],
             num_decode_tokens=size,
             block_size=self.runner.block_size,
+            decode_backend=self.runner.decode_backend,
         )
         bucket = DecodeBucket(0, size, self.block_tables[:size], self.kv_lens[:size])
         bucket.checked_num_blocks = self.num_cache_blocks  # `execute` checks the real rows

@@ -106,6 +106,7 @@ class EngineRequests:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
+                detokenize=params.detokenize,
             )
             if params.logprobs is not None:
                 seq.logprobs = []

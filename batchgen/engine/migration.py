@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from batchgen.engine.sequence import Request, SequenceCoroutine
 
 # Detokenizer attributes that are not state (the receiving engine sets its own).
-_DETOKENIZER_SETUP = ("tokenizer", "prompt_token_ids")
+_DETOKENIZER_SETUP = ("tokenizer", "_backend_decode", "prompt_token_ids")
 
 
 @dataclass

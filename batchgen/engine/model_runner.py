@@ -67,6 +67,10 @@ class ModelRunner:
         staging: turns the step's host lists into device tensors (default `HostStaging` of
             ``device``: pinned buffers and asynchronous copies on CUDA, plain
             ``torch.tensor`` on CPU).
+
+    Attributes:
+        decode_backend: GQA's decode attention backend (`decode_attention_backend`), chosen
+            here once and carried by every step's `AttentionMetadata`; None for MLA.
     """
 
     def __init__(
@@ -97,8 +101,10 @@ class ModelRunner:
         # kernel, `decode_attention_backend`; MLA: the Triton kernel, `mla_decode_backend`)
         # take all decode rows in one bucket. Otherwise (the torch paths) buckets bound each
         # gather.
+        # GQA's decode backend, chosen once here (None for MLA); the step metadata carries it.
+        self.decode_backend = decode_attention_backend(device, dtype) if cfg.mla is None else None
         if cfg.mla is None:
-            in_place = decode_attention_backend(device, dtype) != "torch"
+            in_place = self.decode_backend != "torch"
         else:  # MLA's absorbed einsums around the kernel take a bucket's rows as one GEMM,
             # so the batch-invariant mode keeps one bucket per row
             in_place = mla_decode_backend(device, dtype) == "triton" and not batch_invariant
@@ -181,6 +187,7 @@ class ModelRunner:
             slot_mapping=stage.to_device("slot_mapping", slot_mapping),
             num_decode_tokens=len(decodes),
             block_size=bs,
+            decode_backend=self.decode_backend,
         )
         if span_args:
             all_slots = stage.to_device("kv_slots", span_slots)  # [sum kv_len], one copy

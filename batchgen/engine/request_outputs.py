@@ -46,7 +46,11 @@ class RequestOutputs:
         # ~2 us per seeded row: lets a retry draw what the batched call would have drawn.
         rewind = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
         try:
-            out = self.sampler(logits, [self._sampling_row(s) for s in seqs], bitmask)
+            rows = [self._sampling_row(s) for s in seqs]
+            # The sampled tokens' log-probabilities only feed `cumulative_logprob`, reported
+            # only to requests that ask for logprobs: without one, skip the logsumexp.
+            want_lp = any(s.params.logprobs is not None for s in seqs)
+            out = self.sampler(logits, rows, bitmask, sampled_logprobs=want_lp)
             picks: list[tuple[SamplerOutput, int] | None] = [(out, i) for i in range(len(seqs))]
         except Exception:
             logger.exception("sampling %d sequences failed; retrying request by request", len(seqs))
@@ -195,7 +199,8 @@ class RequestOutputs:
         if metrics.first_token_time is None:
             metrics.first_token_time = metrics.last_token_time
         self.stats.num_generated_tokens += 1
-        seq.cumulative_logprob += out.sampled_logprobs[row]
+        if out.sampled_logprobs is not None:
+            seq.cumulative_logprob += out.sampled_logprobs[row]
         top = out.top_logprobs[row]
         if seq.logprobs is not None and top is not None:
             seq.logprobs.append(

@@ -77,7 +77,8 @@ class SamplerOutput:
     Attributes:
         sampled_token_ids: ``[B]`` the chosen token of each row.
         sampled_logprobs: ``[B]`` natural-log probability of that token under the raw model
-            distribution (``log_softmax`` of the unprocessed logits), floored at -9999.
+            distribution (``log_softmax`` of the unprocessed logits), floored at -9999; None
+            when the caller asked for none (``sampled_logprobs=False``: no row wants them).
         top_logprobs: per row, None when ``params.logprobs`` is None, else a list of
             ``(token_id, logprob, rank)`` sorted by rank (1 = most likely): the top
             ``params.logprobs`` tokens, then the sampled token with its true rank if it is not
@@ -85,7 +86,7 @@ class SamplerOutput:
     """
 
     sampled_token_ids: list[int]
-    sampled_logprobs: list[float]
+    sampled_logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float, int]] | None]
 
 
@@ -308,6 +309,7 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         token_bitmask: torch.Tensor | None = None,
+        sampled_logprobs: bool = True,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -317,6 +319,10 @@ class Sampler:
             token_bitmask: ``[B, ceil(V / 32)]`` int32, the tokens each row's structured-output
                 grammar allows (`apply_token_bitmask`; all ones for an unconstrained row), or
                 None. A constrained row only ever samples an allowed token.
+            sampled_logprobs: compute every row's sampled-token log-probability. False (the
+                engine's choice when no row asked for ``logprobs``) skips the ``logsumexp``
+                over the whole vocabulary: ``SamplerOutput.sampled_logprobs`` is then None;
+                rows that ask for ``logprobs`` get their ``top_logprobs`` either way.
 
         Returns:
             The sampled ids, their raw-model log-probabilities and the requested top-N lists.
@@ -361,7 +367,12 @@ class Sampler:
                 fallback = apply_token_bitmask(raw.clone(), token_bitmask)
             sampled = torch.where(dead, fallback.argmax(dim=-1), sampled)
 
-        return self._make_output(raw, sampled, rows)
+        if not sampled_logprobs and all(row.params.logprobs is None for row in rows):
+            return SamplerOutput(sampled.tolist(), None, [None] * len(rows))
+        out = self._make_output(raw, sampled, rows)
+        if not sampled_logprobs:
+            out.sampled_logprobs = None
+        return out
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:

@@ -67,9 +67,9 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def fused_moe_silu(
         code = isas["avx512_bf16"]  # BATCHGEN_CPU_AMX=0
     # The ctypes call is no torch op: name it, so torch.profiler (`batchgen bench --profile`)
     # shows its time instead of losing it.
-    with _workspace_lock, record_function("batchgen::fused_moe_silu"):
+    with _workspace_lock, kernel_scope("batchgen::fused_moe_silu"):
         y_slots = _workspace(num_tokens * top_k * hidden)
         rc = fn(
             x.data_ptr(),

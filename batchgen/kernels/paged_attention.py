@@ -38,9 +38,9 @@ import ctypes
 import logging
 
 import torch
-from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -194,29 +194,25 @@ def paged_decode_attention(
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
-    c_args = (
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        kv_lens.data_ptr(),
-        out.data_ptr(),
-        b,
-        hq,
-        hkv,
-        d,
-        block_size,
-        block_tables.shape[1],
-        scale,
-        sliding_window or 0,
-        torch.get_num_threads(),
-        *extra,
-    )
-    if torch.autograd._profiler_enabled():  # the scope costs ~6 us a call even when not profiled
-        with record_function("batchgen::paged_decode_attention"):  # named for torch.profiler
-            rc = fn(*c_args)
-    else:
-        rc = fn(*c_args)
+    with kernel_scope("batchgen::paged_decode_attention"):  # named for torch.profiler
+        rc = fn(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            kv_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            hq,
+            hkv,
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            sliding_window or 0,
+            torch.get_num_threads(),
+            *extra,
+        )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 

@@ -24,9 +24,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -204,7 +204,7 @@ def paged_prefill_attention(
         path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else "forced generic"
         logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
     q = q.contiguous()
-    with record_function("batchgen::prefill_attention"):  # named for torch.profiler
+    with kernel_scope("batchgen::prefill_attention"):  # named for torch.profiler
         rc = fn(
             q.data_ptr(),
             k_cache.data_ptr(),

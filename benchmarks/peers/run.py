@@ -11,7 +11,8 @@ tree-search one ``generate`` per level through the same `TreeSearch.run` in both
 Every request is greedy with ``ignore_eos`` and exactly its output length, so both engines do
 the same work. vLLM runs first, in its own venv as a subprocess (`vllm_worker.py`: offline
 ``LLM.generate``, token ids in and out, prefix caching on), then BatchGen in this process with
-its defaults (``LLM(path, dtype, kv_cache_memory_gb, max_model_len)``). Each engine gets the
+its defaults (``LLM(path, dtype, kv_cache_memory_gb, max_model_len)``; ``detokenize=False``,
+token ids out as vLLM's). Each engine gets the
 same KV budget and an untimed warm-up; engine start-up is not timed. Prints both useful
 tokens/s, their ratio (BatchGen over vLLM), how many sequences and tokens agree, and the
 prefix-cache hit rates; ``--json`` prints the whole record instead, ``--out FILE`` writes it.
@@ -148,7 +149,10 @@ def run_batchgen(workload, path: str, args) -> dict:
 
     def generate(requests) -> list[list[int]]:
         params = [
-            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            # token ids in and out, as vLLM's worker runs (``detokenize=False``)
+            SamplingParams(
+                temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False
+            )
             for r in requests
         ]
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]

@@ -145,6 +145,9 @@ class AttentionMetadata:
         prefills: the prefill chunks that follow the decode tokens.
         rope_cache: the rotary cos/sin at ``positions``, computed by the first layer and
             reused by the others (`RotaryEmbedding.forward`'s ``cache``).
+        decode_backend: the decode attention backend for this cache, chosen once when the
+            model runner starts (`ModelRunner.decode_backend`); None: every layer asks
+            `decode_attention_backend` (an environment read and checks per call).
     """
 
     positions: torch.Tensor
@@ -156,6 +159,7 @@ class AttentionMetadata:
     rope_cache: dict = field(default_factory=dict, repr=False)
     # The prefill spans packed for the CPU prefill kernel, built by the first layer of the step.
     prefill_plan: object = field(default=None, repr=False)
+    decode_backend: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -212,7 +216,7 @@ def paged_attention(
     out = torch.empty_like(q)
     backend = "torch"
     if meta.decode_buckets and q.dtype == k_cache.dtype:
-        backend = decode_attention_backend(q.device, k_cache.dtype)
+        backend = meta.decode_backend or decode_attention_backend(q.device, k_cache.dtype)
     kernel = {"cpu_kernel": paged_decode_attention, "triton": triton_paged_decode_attention}
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
