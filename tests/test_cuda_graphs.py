@@ -17,12 +17,21 @@ from batchgen.engine import cuda_graphs
 from batchgen.engine.cuda_graphs import RecordingGraphBackend
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.prompt_logprobs import prompt_logit_positions
-from batchgen.models.layers.attention_backend import decode_attention_backend
+from batchgen.models.layers.attention_backend import decode_attention_backend, mla_decode_backend
 from batchgen.models.layers.expert_path import expert_path
+from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.layers.moe_sort import sort_by_expert
 from sync_guard import HostSync, no_host_sync_from_batchgen
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def _needs_triton() -> None:
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1")
 
 
 def _recording(monkeypatch) -> list[RecordingGraphBackend]:
@@ -159,11 +168,21 @@ def _decode_step(engine: LLMEngine, prompts: list[list[int]]):
     return sched
 
 
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
 def test_padded_step_is_bit_identical_and_the_dummy_block_absorbs_padding(
-    checkpoint_dir, monkeypatch
+    checkpoint_dir, monkeypatch, name
 ):
+    """Padding rows change no real row's logits or cache entry, and write their K/V (MLA: their
+    latent and rope key) to the dummy block's first slot only. DeepSeek-V3 on the Triton MLA
+    decode kernel (``TRITON_INTERPRET=1`` on CPU), the only MLA path that captures, equals the
+    eager step to float32 rounding, not bit for bit: its absorbed einsums (``W_UK``, ``W_UV``)
+    are batched GEMMs over the heads with the rows as M, and CPU ``bmm`` rounds M = 3 and M = 8
+    differently (about 1e-6; a NaN read from the dummy block would still fail)."""
+    if name.startswith("deepseek"):
+        _needs_triton()
+        monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
     _recording(monkeypatch)
-    engine = _engine(checkpoint_dir("mixtral"), cudagraph_capture_sizes=[8])
+    engine = _engine(checkpoint_dir(name), cudagraph_capture_sizes=[8])
     graphs = engine.executor.graph_runner
     sched = _decode_step(engine, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
                                                 16, 17], [42]])  # fmt: skip
@@ -180,11 +199,14 @@ def test_padded_step_is_bit_identical_and_the_dummy_block_absorbs_padding(
     sampling, logits, prompt_rows = graphs.execute(sched.scheduled)  # padded to 8
     assert [e.seq for e in sampling] == [e.seq for e in sampling_eager] and prompt_rows == []
     assert logits.shape == logits_eager.shape == (3, engine.model_config.vocab_size)
-    assert torch.equal(logits, logits_eager)  # bit for bit
+    mla = engine.model_config.mla is not None
+    exact = dict(rtol=1e-5, atol=1e-5) if mla else dict(rtol=0, atol=0)  # docstring: MLA bmm
+    torch.testing.assert_close(logits, logits_eager, **exact)  # GQA: bit for bit
     real = slice(0, dummy * bs)
     for layer, eager_layer in zip(caches, after_eager, strict=True):
         for c, e in zip(layer, eager_layer, strict=True):
-            assert torch.equal(c[real], e[real])  # the real sequences' caches as the eager step
+            # the real sequences' caches as the eager step
+            torch.testing.assert_close(c[real], e[real], **exact)
             assert not c[dummy * bs].isnan().any()  # the padding rows' K/V landed in slot 0
             assert c[dummy * bs + 1 :].isnan().all()  # and nowhere else
 
@@ -202,30 +224,36 @@ def test_steps_the_runner_declines_run_eager(checkpoint_dir, monkeypatch):
     assert graphs.num_graph_steps == 1
 
 
-@pytest.mark.parametrize("moe_path, dtype", [("triton", "float32"), ("grouped_mm", "bfloat16")])
+@pytest.mark.parametrize(
+    "name, moe_path, dtype",
+    [
+        ("mixtral", "triton", "float32"),
+        ("mixtral", "grouped_mm", "bfloat16"),
+        ("deepseek_v3", "triton", "float32"),  # MLA's Triton decode, sigmoid group routing
+    ],
+)
 def test_decode_forward_on_the_cuda_kernels_never_syncs_with_the_host(
-    checkpoint_dir, monkeypatch, moe_path, dtype
+    checkpoint_dir, monkeypatch, name, moe_path, dtype
 ):
     """The captured region (embed .. logits) on the CUDA paths: Triton paged decode attention
-    and the Triton MoE or the grouped GEMMs (bf16; on CPU torch's ``_grouped_mm`` fallback
-    copies ``offs`` to the host inside torch, which CUDA's CUTLASS kernel does not: only
-    BatchGen's own calls are checked)."""
-    pytest.importorskip("triton")
-    import os
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("neither CUDA nor TRITON_INTERPRET=1")
+    (GQA) or the Triton MLA decode kernel on the latent cache (DeepSeek-V3), and the Triton MoE
+    or the grouped GEMMs (bf16; on CPU torch's ``_grouped_mm`` fallback copies ``offs`` to the
+    host inside torch, which CUDA's CUTLASS kernel does not: only BatchGen's own calls are
+    checked)."""
+    _needs_triton()
     monkeypatch.setenv("BATCHGEN_MOE_PATH", moe_path)
     monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
     _recording(monkeypatch)
-    path = checkpoint_dir("mixtral")
+    path = checkpoint_dir(name)
     engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype,
                                     cudagraph_capture_sizes=[4]))  # fmt: skip
     torch_dtype = getattr(torch, dtype)
     graphs = engine.executor.graph_runner
-    assert engine.runner.decode_in_place
+    assert engine.runner.decode_in_place and graphs is not None
     assert decode_attention_backend(torch.device("cpu"), torch_dtype) == "triton"
-    block = engine.runner.model.layers[0].mlp
+    if engine.model_config.mla is not None:
+        assert mla_decode_backend(torch.device("cpu"), torch_dtype) == "triton"
+    block = next(m.mlp for m in engine.runner.model.layers if isinstance(m.mlp, SparseMoeBlock))
     x = torch.zeros(2, block.w13_weight.shape[2], dtype=torch_dtype)
     assert expert_path(x.device, x.dtype, batch_invariant=False, cpu_kernel=block.uses_kernel(x),
                        hidden_size=x.shape[1], intermediate_size=block.w2_weight.shape[2],
@@ -296,10 +324,11 @@ def test_no_runner_without_in_place_decode_or_with_a_failed_capture(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs: needs CUDA")
-def test_cuda_graphs_on_cuda_are_token_identical_to_enforce_eager(checkpoint_dir):
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])  # GQA; MLA on its Triton kernel
+def test_cuda_graphs_on_cuda_are_token_identical_to_enforce_eager(checkpoint_dir, name):
     """The device run (`benchmarks/gpu_check.sh`, graphs stage): real `torch.cuda.graph`
     capture and replay in float32, against the same engine with ``enforce_eager``."""
-    path = checkpoint_dir("mixtral")
+    path = checkpoint_dir(name)
     kwargs = dict(
         model=str(path), device="cuda", dtype="float32", cudagraph_capture_sizes=[1, 2, 4]
     )
@@ -309,3 +338,25 @@ def test_cuda_graphs_on_cuda_are_token_identical_to_enforce_eager(checkpoint_dir
     eager = _run(LLMEngine(EngineConfig(enforce_eager=True, **kwargs)), WAVES)
     assert _run(graphs_engine, WAVES) == eager
     assert graphs.num_graph_steps >= 5
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_mla_graph_replay_is_token_identical_to_eager(checkpoint_dir, monkeypatch, name):
+    """MLA decode steps (DeepSeek-V2/V3) replay like GQA ones when the decode attention is the
+    Triton MLA kernel reading the paged latent cache in place (``TRITON_INTERPRET=1`` on CPU):
+    padding rows write their latents and rope keys to the dummy block, and the tokens equal
+    the eager engine's over waves of varying batch sizes (1..5 rows, sizes 1, 2, 4 captured)."""
+    _needs_triton()
+    monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
+    path = checkpoint_dir(name)
+    eager = _run(_engine(path), WAVES)
+    made = _recording(monkeypatch)
+    engine = _engine(path, cudagraph_capture_sizes=[1, 2, 4])
+    assert engine.runner.decode_in_place and engine.model_config.mla is not None
+    graphs = engine.executor.graph_runner
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert len(made[0].captured) == 3
+    got = _run(engine, WAVES)
+    assert got == eager
+    assert graphs.num_graph_steps >= 5 and graphs.num_eager_steps >= 3
+    assert made[0].num_replays == graphs.num_graph_steps

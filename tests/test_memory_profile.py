@@ -217,3 +217,43 @@ def test_cuda_graph_estimate_is_zero_where_no_graph_would_be_built(mixtral, monk
     got = estimate_cuda_graph_bytes(model, c, cfg, torch.device("cpu"), torch.float32, memory,
                                     Failing())  # fmt: skip
     assert got == (0, "capture failed")
+
+
+def test_cuda_graph_estimate_counts_mla_engines_on_the_triton_decode(checkpoint_dir, monkeypatch):
+    """DeepSeek-V3 (MLA) captures where its decode attention is the Triton kernel on the paged
+    latent cache (``TRITON_INTERPRET=1`` on CPU), so the estimate counts its graphs; on the
+    torch MLA path or under ``batch_invariant`` (one bucket per row) no graph is built and
+    nothing is counted."""
+    import os
+
+    from batchgen.engine.memory_profile import estimate_cuda_graph_bytes
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("neither CUDA nor TRITON_INTERPRET=1")
+    path = checkpoint_dir("deepseek_v3")
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    assert cfg.mla is not None
+    model = load_model(path, cfg, torch.device("cpu"), torch.float32, None)
+    MiB, cpu = 1 << 20, torch.device("cpu")
+    c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8)
+    assert c.resolved_capture_sizes == [1, 2, 4, 8]
+    monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[200 * MiB, 4 * MiB])
+    backend = _costly_backend(memory)
+    estimate, how = estimate_cuda_graph_bytes(model, c, cfg, cpu, torch.float32, memory, backend)
+    assert estimate == 200 * MiB + 4 * MiB * 3
+    assert len(backend.captured) == 2 and "8, 4" in how
+    with torch.inference_mode():  # the captured MLA decode forwards run
+        for fn in backend.captured:
+            fn()
+    invariant = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, batch_invariant=True)
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[200 * MiB, 4 * MiB])
+    got = estimate_cuda_graph_bytes(model, invariant, cfg, cpu, torch.float32, memory,
+                                    _costly_backend(memory))  # fmt: skip
+    assert got[0] == 0 and "in place" in got[1]
+    monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "torch")
+    memory = GraphMemory(free=60 * GiB, total=80 * GiB, costs=[200 * MiB, 4 * MiB])
+    got = estimate_cuda_graph_bytes(model, c, cfg, cpu, torch.float32, memory,
+                                    _costly_backend(memory))  # fmt: skip
+    assert got[0] == 0 and "in place" in got[1]

@@ -14,7 +14,8 @@ The design is vLLM's (``CUDAGraphWrapper``, ``cudagraph_capture_sizes``) and SGL
   ``[N, W]`` and ``kv_lens`` ``[N]`` (N the largest size, W = ``ceil(max_model_len /
   block_size)``). A step of n rows is padded to the next size s: the real rows are copied in,
   rows n..s are padding.
-- Padding rows are harmless: token 0 at position 0, K/V written to the reserved dummy block
+- Padding rows are harmless: token 0 at position 0, K/V (MLA: the latent and rope key) written
+  to the reserved dummy block
   (`ModelRunner.dummy_block`, one extra KV block that no sequence owns), block table rows of
   that block, ``kv_len`` 1 (the softmax always has a key), and only the real rows' logits
   reach the sampler (``sample_indices``).
@@ -25,8 +26,9 @@ The design is vLLM's (``CUDAGraphWrapper``, ``cudagraph_capture_sizes``) and SGL
   captured). `CUDAGraphRunner.num_graph_steps` / ``num_eager_steps`` count the share; the
   engine's metrics report it (``cuda_graph_step_share``).
 - Host synchronisation: none between the static inputs and the logits on the CUDA kernels
-  (Triton paged decode attention, Triton MoE; ``tests/test_cuda_graphs.py`` checks it under
-  ``TRITON_INTERPRET=1``). The decode context check runs on `ModelRunner.prepare`'s host
+  (Triton paged decode attention, or for MLA models (DeepSeek-V2/V3) the Triton MLA decode
+  kernel on the paged latent cache; Triton MoE; ``tests/test_cuda_graphs.py`` checks both
+  under ``TRITON_INTERPRET=1``). The decode context check runs on `ModelRunner.prepare`'s host
   lists, before any tensor is built. Expert row statistics (tile density) are taken from
   each MoE layer's ``topk_ids``, copied inside the graph into static buffers and counted on
   the device after the replay (`SparseMoeBlock.topk_sink`, `ExpertGemmStats.record_device`).
@@ -130,7 +132,8 @@ class CUDAGraphRunner:
     Args:
         runner: the engine's `ModelRunner`; it must reserve a dummy KV block
             (``reserve_dummy_block=True``) and decode in place (one decode bucket per step:
-            the CPU kernel or the Triton kernel, not the torch gather path, not MLA).
+            the CPU kernel or the Triton kernel; for MLA the Triton MLA kernel outside
+            ``batch_invariant``; not a torch gather path).
         capture_sizes: batch sizes to capture (`EngineConfig.resolved_capture_sizes`).
         max_num_batched_tokens: sizes above it are dropped (two micro-batches under coalesce).
         max_model_len: bounds the static block table width.
@@ -155,7 +158,8 @@ class CUDAGraphRunner:
         if not runner.decode_in_place:
             raise ValueError(
                 "CUDA graphs need decode attention that reads the cache in place (one bucket "
-                "per step): not MLA, not BATCHGEN_ATTENTION_BACKEND=torch"
+                "per step): not the torch paths (BATCHGEN_ATTENTION_BACKEND=torch, MLA off CUDA "
+                "without BATCHGEN_ATTENTION_BACKEND=triton, MLA under batch_invariant)"
             )
         self.sizes = sorted({n for n in capture_sizes if 1 <= n <= max_num_batched_tokens})
         if not self.sizes:
@@ -325,8 +329,9 @@ class CUDAGraphRunner:
 def build_graph_runner(engine, backend: GraphBackend | None) -> CUDAGraphRunner | None:
     """The `CUDAGraphRunner` of an `LLMEngine` whose runner, executor and metrics are built,
     captured, or None (logged): no ``backend`` (CPU, or ``enforce_eager``: `graph_backend_for`),
-    expert parallelism, a decode attention path that is not in place (MLA,
-    ``BATCHGEN_ATTENTION_BACKEND=torch``), or a capture that raised (logged as a WARNING with
+    expert parallelism, a decode attention path that is not in place (a torch path:
+    ``BATCHGEN_ATTENTION_BACKEND=torch``, MLA without the Triton kernel or under
+    ``batch_invariant``), or a capture that raised (logged as a WARNING with
     its traceback: the engine then runs eager; capture has never run on a GPU, docs/gpu.md)."""
     if backend is None:
         return None
@@ -335,7 +340,7 @@ def build_graph_runner(engine, backend: GraphBackend | None) -> CUDAGraphRunner 
     if engine.expert_parallel is not None:
         reason = "expert parallelism (its dispatch / combine collectives are not captured)"
     elif not runner.decode_in_place:
-        reason = "decode attention does not read the cache in place (MLA, or the torch path)"
+        reason = "decode attention does not read the cache in place (a torch path)"
     if reason is not None:
         logger.info("CUDA graphs off: %s; every step runs eager", reason)
         return None

@@ -188,7 +188,9 @@ def estimate_cuda_graph_bytes(
     if backend is None:
         return 0, "no CUDA graphs (enforce_eager or not CUDA)"
     free_before = memory.free_total()[0]
-    runner = ModelRunner(model, 1, c.block_size, device, dtype, reserve_dummy_block=True)
+    # As the engine's runner: batch_invariant keeps MLA's decode in buckets (no graphs).
+    runner = ModelRunner(model, 1, c.block_size, device, dtype, c.batch_invariant,
+                         reserve_dummy_block=True)  # fmt: skip
     max_len = c.max_model_len or cfg.max_position_embeddings
     try:
         graphs = CUDAGraphRunner(
