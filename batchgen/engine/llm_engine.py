@@ -190,7 +190,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             config.step_token_budget,
             config.max_running_seqs,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.staging)
         self.structured = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids
         )

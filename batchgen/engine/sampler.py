@@ -17,6 +17,14 @@ The semantics follow vLLM v1 (`vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/p
    exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which is an exact draw from ``probs``
    (the Gumbel-max trick in multiplicative form).
 
+The per-row parameter tensors (temperature, top-k, top-p, min-p, the three penalties, the
+penalised and random row indices, the penalties' token counts) go to the device through
+the engine's `HostStaging` when one is given (pinned buffers and asynchronous copies on CUDA,
+so that the host queues the whole sampler without waiting for the forward pass; plain
+``torch.tensor`` on CPU). Still built with ``torch.tensor``: the sparse index lists of
+``logit_bias``, ``bad_words`` and ``min_tokens`` (rare rows), and the logprob rows' index
+(the ``tolist`` that ends the step follows it at once).
+
 A seeded row draws its ``q`` from its own generator, one ``[V]`` draw per step, and every other
 step is row-wise, so its tokens depend only on its own logits and generator, never on its batch
 mates. Greedy rows draw nothing.
@@ -32,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.host_staging import HostStaging
 from batchgen.engine.logits_processors import apply_bad_words, apply_logit_bias
 from batchgen.engine.sampling_ops import (  # noqa: F401 (re-exported: the sampler's public ops)
     apply_min_p,
@@ -102,8 +111,35 @@ class SamplerOutput:
 class Sampler:
     """The engine's one sampler: ``Sampler()(logits, rows) -> SamplerOutput``.
 
-    Stateless; all per-request state (token histories, generators) comes in ``rows``.
+    Holds no request state: all of it (token histories, generators) comes in ``rows``.
+
+    Args:
+        staging: the `HostStaging` (normally the model runner's) that sends the per-row
+            parameter tensors to the device; used for logits on its device, else (None, or
+            logits elsewhere) they are built with ``torch.tensor``.
     """
+
+    def __init__(self, staging: HostStaging | None = None) -> None:
+        self.staging = staging
+
+    def _staging_for(self, device: torch.device) -> HostStaging | None:
+        """The staging if it serves ``device``, else None."""
+        s = self.staging
+        if s is not None and s.device.type == device.type and (
+            s.device.index is None or s.device.index == device.index
+        ):
+            return s
+        return None
+
+    def _to_device(
+        self, field: str, values: list, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``values`` as a ``[len(values)]`` tensor of ``dtype`` on ``device``, staged where
+        the staging serves ``device`` (``field`` prefixed ``sampler_`` in its slots)."""
+        s = self._staging_for(device)
+        if s is not None:
+            return s.to_device(f"sampler_{field}", values, dtype)
+        return torch.tensor(values, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -175,24 +211,31 @@ class Sampler:
             out.sampled_logprobs = None
         return out
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
         """Penalties for rows ``idx`` only; the other rows are left untouched."""
         vocab_size, device = logits.shape[1], logits.device
         params = [rows[b].params for b in idx]
-        sub = logits[idx]  # [P, V]
+        f32, stage = torch.float32, self._staging_for(device)
+        idx_t = self._to_device("penalty_rows", idx, torch.long, device)  # [P]
+        sub = logits.index_select(0, idx_t)  # [P, V]
+        prompts = [rows[b].prompt_token_ids for b in idx]
+        outputs = [rows[b].output_token_ids for b in idx]
         apply_penalties(
             sub,
-            token_counts([rows[b].prompt_token_ids for b in idx], vocab_size, device) > 0,
-            token_counts([rows[b].output_token_ids for b in idx], vocab_size, device),
-            torch.tensor([p.repetition_penalty for p in params], device=device),
-            torch.tensor([p.frequency_penalty for p in params], device=device),
-            torch.tensor([p.presence_penalty for p in params], device=device),
+            token_counts(prompts, vocab_size, device, stage, "sampler_prompt") > 0,
+            token_counts(outputs, vocab_size, device, stage, "sampler_output"),
+            self._to_device("repetition_penalty", [p.repetition_penalty for p in params], f32,
+                            device),  # fmt: skip
+            self._to_device("frequency_penalty", [p.frequency_penalty for p in params], f32,
+                            device),  # fmt: skip
+            self._to_device("presence_penalty", [p.presence_penalty for p in params], f32,
+                            device),  # fmt: skip
         )
-        logits[idx] = sub
+        logits.index_copy_(0, idx_t, sub)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
+    ) -> torch.Tensor:
         """Greedy rows: argmax of ``logits``; random rows: temperature, top-k/p, min-p, draw.
 
         ``logits`` is ``[B, V]`` float32 after penalties; it is not modified. Returns ``[B]``.
@@ -203,30 +246,35 @@ class Sampler:
         if not random_idx:
             return sampled
         params = [rows[b].params for b in random_idx]
+        f32, stage = torch.float32, self._to_device
         if sampled is None:
             r_logits = logits.clone()  # [R, V], R = B
         else:
-            r_logits = logits[random_idx]  # [R, V] (a copy)
+            random_rows = stage("random_rows", random_idx, torch.long, device)  # [R]
+            r_logits = logits.index_select(0, random_rows)  # [R, V] (a copy)
 
         if any(p.temperature != 1.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], device=device)
+            temperature = stage("temperature", [p.temperature for p in params], f32, device)
             r_logits.div_(temperature.unsqueeze(1))
         top_k = None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            top_k = stage("top_k", [p.top_k for p in params], torch.int64, device)
         top_p = None
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-        apply_top_k_top_p(r_logits, top_k, top_p)
+            top_p = stage("top_p", [p.top_p for p in params], f32, device)
+        # bounds known on the host: no read of the tensors (a sync on CUDA)
+        vocab = logits.shape[1]
+        max_top_k = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+        apply_top_k_top_p(r_logits, top_k, top_p, max_top_k, any_top_p=top_p is not None)
         if any(p.min_p > 0.0 for p in params):
-            apply_min_p(r_logits, torch.tensor([p.min_p for p in params], device=device))
+            apply_min_p(r_logits, stage("min_p", [p.min_p for p in params], f32, device))
 
         r_sampled = random_sample(
             r_logits.softmax(dim=-1), [rows[b].generator for b in random_idx]
         )  # [R]
         if sampled is None:
             return r_sampled
-        return sampled.index_copy_(0, torch.tensor(random_idx, device=device), r_sampled)
+        return sampled.index_copy_(0, random_rows, r_sampled)
 
     @staticmethod
     def _make_output(
@@ -241,6 +289,7 @@ class Sampler:
 
         want = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
         if want:
+            # not staged: the ``tolist`` below waits for the stream right after anyway
             idx = torch.tensor(want, device=raw.device)
             sub = raw[idx]  # [L, V]
             # Rank 1 = most likely; ties with the sampled token rank it as high as they can.

@@ -38,21 +38,37 @@ def _splitmix64(x: int) -> int:
 
 
 def token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+    token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+    staging=None,
+    field: str = "token_counts",
 ) -> torch.Tensor:
     """How often each token occurs in each row: ``[B, V]`` int64 (B = ``len(token_ids)``).
 
     Example: ``token_counts([[2, 2, 0], []], 4, "cpu")`` is ``[[1, 0, 2, 0], [0, 0, 0, 0]]``.
     Costs O(total tokens) Python work, so the sampler only builds it for rows with penalties.
+    ``staging`` (a `batchgen.engine.host_staging.HostStaging` for ``device``, or None) sends
+    the flat ids and row lengths (fields ``field + "_ids"`` / ``"_lengths"``); the row index
+    is expanded on the device with a host-known ``output_size`` (no sync).
     """
+    device = torch.device(device)
     counts = torch.zeros((len(token_ids), vocab_size), dtype=torch.int64, device=device)
     lengths = [len(ids) for ids in token_ids]
-    if sum(lengths) == 0:
+    total = sum(lengths)
+    if total == 0:
         return counts
-    row_idx = torch.repeat_interleave(torch.arange(len(token_ids)), torch.tensor(lengths))
-    flat_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
-    ones = torch.ones(flat_ids.numel(), dtype=torch.int64, device=device)
-    counts.index_put_((row_idx.to(device), flat_ids.to(device)), ones, accumulate=True)
+    flat = list(itertools.chain.from_iterable(token_ids))
+    if staging is not None:
+        flat_ids = staging.to_device(f"{field}_ids", flat)  # [total]
+        lengths_t = staging.to_device(f"{field}_lengths", lengths)  # [B]
+    else:
+        flat_ids = torch.tensor(flat, dtype=torch.int64, device=device)
+        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=device)
+    rows = torch.arange(len(token_ids), device=device)
+    row_idx = torch.repeat_interleave(rows, lengths_t, output_size=total)  # [total]
+    ones = torch.ones(total, dtype=torch.int64, device=device)
+    counts.index_put_((row_idx, flat_ids), ones, accumulate=True)
     return counts
 
 
@@ -136,7 +152,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+    any_top_p: bool | None = None,
 ) -> torch.Tensor:
     """Mask (set to -inf) the tokens outside each row's top-k and top-p sets, in place.
 
@@ -148,6 +168,10 @@ def apply_top_k_top_p(
             most likely tokens whose cumulative probability reaches ``top_p``, i.e. it drops a
             token when the tokens ranked above it already hold ``>= top_p``. The most likely
             token is always kept; ``top_p = 1`` disables it.
+        max_top_k: the largest ``k`` in ``(0, V)`` among the rows (0: none), when the caller
+            knows it on the host; None reads it from ``top_k`` (a host sync on CUDA).
+        any_top_p: whether some row has ``top_p < 1``, when the caller knows it on the host;
+            None reads it from ``top_p`` (a host sync on CUDA).
 
     Example: probs ``[0.5, 0.3, 0.15, 0.05]``, ``top_p = 0.7`` keeps the first two (0.8 >= 0.7);
     ``top_k = 3`` drops the last.
@@ -158,16 +182,20 @@ def apply_top_k_top_p(
     enabled = None
     if top_k is not None:
         enabled = (top_k > 0) & (top_k < vocab_size)  # [B]
-        if bool(enabled.any()):
+        if max_top_k is None:
+            max_top_k = int(top_k[enabled].max()) if bool(enabled.any()) else 0
+        if max_top_k > 0:
             k = torch.where(enabled, top_k, vocab_size)  # [B], V = keep everything
-    if top_p is not None and not bool((top_p < 1).any()):
+    if top_p is not None and any_top_p is None:
+        any_top_p = bool((top_p < 1).any())
+    if top_p is not None and not any_top_p:
         top_p = None
     if k is None and top_p is None:
         return logits
 
     if top_p is None:
         # Top-k alone: the k-th largest value per row from a partial top-k, no full sort.
-        max_k = int(top_k[enabled].max())
+        max_k = max_top_k
         top_values = logits.topk(max_k, dim=-1).values  # [B, max_k]
         kth = top_values.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))  # [B, 1]
         kth = kth.masked_fill((k >= vocab_size).unsqueeze(1), neg_inf)
