@@ -169,3 +169,22 @@ def test_engine_with_staged_sampler_is_token_identical(checkpoint_dir):
         return out
 
     assert run(True) == run(False)
+
+
+def test_top_k_top_p_with_host_bounds_equals_the_device_read():
+    """The sampler passes ``max_top_k`` / ``any_top_p`` from the rows' parameters; the masks
+    equal those found by reading the tensors (the None default)."""
+    from batchgen.engine.sampling_ops import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, V, generator=g)
+    top_k = torch.tensor([0, 7, 3, V])  # 0 and V: off
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5])
+    for k, p, max_k, any_p in ((top_k, None, 7, None), (top_k, top_p, 7, True),
+                               (None, top_p, None, True), (torch.tensor([0, V, 0, 0]), None, 0,
+                                                           None)):  # fmt: skip
+        want = apply_top_k_top_p(logits.clone(), k, p)
+        got = apply_top_k_top_p(logits.clone(), k, p, max_k, any_p)
+        assert torch.equal(got, want)
+    assert torch.isinf(apply_top_k_top_p(logits.clone(), top_k, None, 7)).sum(-1).tolist() == [
+        0, V - 7, V - 3, 0]  # fmt: skip
