@@ -109,13 +109,13 @@ def fused_add_rms_norm(
         ``(normed, s)``: ``rms_norm(s, weight, eps)`` bit for bit, and the new residual ``s``,
         both new ``[..., H]`` tensors.
     Raises:
-        ValueError: x and residual differ in shape or dtype.
+        ValueError: x and residual differ in shape, dtype or device.
         RuntimeError: the kernel rejected the shapes.
     Call only where `rms_norm_available(x, weight)` is True."""
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    if x.shape != residual.shape or x.dtype != residual.dtype or residual.device != x.device:
         raise ValueError(
-            f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
-            f"x {tuple(x.shape)} {x.dtype}"
+            f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} on "
+            f"{residual.device} must match x {tuple(x.shape)} {x.dtype} on {x.device}"
         )
     h = x.shape[-1]
     if x.numel() == 0:

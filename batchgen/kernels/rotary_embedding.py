@@ -43,8 +43,15 @@ def _functions() -> dict[torch.dtype, object]:
 
 
 def _heads_ok(x: torch.Tensor, d: int) -> bool:
-    """``x [T, H, D]`` with adjacent heads of contiguous values (any row stride)."""
-    return x.dim() == 3 and x.shape[2] == d and x.stride(2) == 1 and x.stride(1) == d
+    """``x [T, H, D]`` with adjacent heads of contiguous values, rows that do not overlap (any
+    row stride from ``H * D``: the kernel writes rows in place from several threads)."""
+    return (
+        x.dim() == 3
+        and x.shape[2] == d
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1] * d)
+    )
 
 
 def rotary_embedding_available(

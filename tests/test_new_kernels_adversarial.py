@@ -1,0 +1,161 @@
+"""Nasty inputs for the prefill attention kernel, the fused small ops (routing, sort, RoPE,
+fused add + RMSNorm) through their public functions: each case either gets correct results or
+a clear error naming the argument, never a raw read past a tensor (the kernels take pointers).
+
+Found by this file (each failed before its fix): a sliding window above 2^31 - 1 wrapped in the
+AMX prefill path's int32 position compare (every key masked, garbage output); a `PrefillPlan`
+with int32 or strided spans/slots, or hand-built slots out of range, was read as int64 rows past
+its memory; float ``kv_slots`` were truncated (-0.5 -> slot 0); ``sliding_window=True`` ran as 1;
+`moe_sort` read int32 ids as int64 (twice the memory); `topk_softmax` and `fused_add_rms_norm`
+dereferenced a meta tensor's null pointer; `rotary_embedding_available` accepted rows that
+overlap (stride 0), which the in-place kernel writes from several threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from batchgen.kernels import cpu_build
+from batchgen.kernels.moe_routing import moe_sort, moe_sort_available, topk_softmax
+from batchgen.kernels.prefill_attention import (
+    build_prefill_plan,
+    paged_prefill_attention,
+)
+from batchgen.kernels.rms_norm import fused_add_rms_norm
+from batchgen.kernels.rotary_embedding import rotary_embedding_available
+from batchgen.models.layers.attention import PrefillSpan
+from tests.test_prefill_attention import U_BF16, make_case, reference, run_kernel
+
+pytestmark = pytest.mark.skipif(
+    not shutil.which(cpu_build.cxx_command()[0]), reason="no C++ compiler to build the kernels"
+)
+
+
+@pytest.mark.parametrize("isa", ["auto", "generic"])
+@pytest.mark.parametrize("window", [2**31, 10**12, 2**31 - 1, 1])
+def test_prefill_huge_or_unit_sliding_window_is_exact(window, isa):
+    # a window at least as long as every context is no window at all
+    q, kc, vc, spans = make_case([(33, 64), (1, 0), (17, 5)], 4, 2, 64, torch.bfloat16, seed=3)
+    scale = 64**-0.5
+    ours = run_kernel(q, kc, vc, spans, scale, window, isa=isa).double()
+    exact, abs_out = reference(q, kc, vc, spans, scale, window)
+    bound = U_BF16 * (exact.abs() + abs_out) + 1e-4 * (1 + exact.abs())
+    assert ((ours - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("d, hq, hkv", [(96, 6, 2), (80, 12, 2), (7, 3, 1), (544, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_odd_heads_one_thread_and_two_give_the_same_bits(d, hq, hkv, dtype):
+    # GQA groups 3 and 6, head sizes off the AMX path's multiple of 32 (and above its 512),
+    # contexts of exactly two key blocks; checked against float64 and across thread counts
+    q, kc, vc, spans = make_case([(33, 31), (32, 64), (1, 0)], hq, hkv, d, dtype, seed=d)
+    scale = d**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_kernel(q, kc, vc, spans, scale, None)
+        torch.set_num_threads(2)
+        two = run_kernel(q, kc, vc, spans, scale, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    exact, abs_out = reference(q, kc, vc, spans, scale, None)
+    u = U_BF16 if dtype == torch.bfloat16 else 2e-5
+    bound = u * (exact.abs() + abs_out) + 1e-4 * (1 + exact.abs())
+    assert ((one.double() - exact).abs() <= bound).all()
+
+
+def _plan_case():
+    q, kc, vc, spans = make_case([(5, 3), (2, 0)], 4, 2, 64, torch.float32)
+    return q, kc, vc, build_prefill_plan(spans, q.shape[0], kc.shape[0])
+
+
+@pytest.mark.parametrize(
+    "field, bad, match",
+    [
+        ("spans", lambda p: p.spans.int(), "spans"),
+        ("spans", lambda p: p.spans.t().contiguous().t(), "spans"),
+        ("spans", lambda p: p.spans[:, :3], "spans"),
+        ("slots", lambda p: p.slots.int(), "slots"),
+        ("slots", lambda p: p.slots + 10**9, "slots must be in"),
+        ("slots", lambda p: p.slots[:3], "slots"),
+        ("spans", lambda p: p.spans + torch.tensor([[3, 0, 0, 0]]), "tokens"),
+        ("spans", lambda p: p.spans * torch.tensor([[1, 1, 1, 5]]), "slots"),
+        ("spans", lambda p: p.spans.to("meta"), "spans"),
+    ],
+)
+def test_prefill_plan_that_the_kernel_would_read_past_is_refused(field, bad, match):
+    q, kc, vc, plan = _plan_case()
+    with pytest.raises(ValueError, match=match):
+        plan = dataclasses.replace(plan, **{field: bad(plan)})
+        paged_prefill_attention(q, kc, vc, plan, 0.1, None, torch.empty_like(q))
+
+
+@pytest.mark.parametrize(
+    "slots, match",
+    [
+        (torch.arange(8).float() - 0.5, "integer"),
+        (torch.arange(8, device="meta"), "CPU"),
+        (list(range(8)), "tensor"),
+    ],
+)
+def test_prefill_span_slots_of_the_wrong_kind_are_named(slots, match):
+    with pytest.raises(ValueError, match=f"prefills\\[0\\].*kv_slots.*{match}"):
+        build_prefill_plan([PrefillSpan(0, 5, 8, slots)], 5, 100)
+
+
+def test_prefill_sliding_window_bool_is_refused():
+    q, kc, vc, plan = _plan_case()
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_prefill_attention(q, kc, vc, plan, 0.1, True, torch.empty_like(q))
+
+
+def test_prefill_empty_plans_and_zero_query_heads_write_nothing():
+    q, kc, vc, plan = _plan_case()
+    out = torch.full_like(q, 7.0)
+    paged_prefill_attention(q, kc, vc, build_prefill_plan([], 7, kc.shape[0]), 0.1, None, out)
+    assert (out == 7.0).all()
+    empty = q[:0]
+    paged_prefill_attention(empty, kc, vc, build_prefill_plan([], 0, kc.shape[0]), 0.1, None, empty)
+    paged_prefill_attention(q[:, :0], kc, vc, plan, 0.1, None, out[:, :0])
+
+
+def test_moe_sort_refuses_ids_it_would_misread():
+    ids = torch.zeros(500, 2, dtype=torch.int32)  # read as int64: 8000 bytes of a 4000 byte buffer
+    assert not moe_sort_available(ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_sort(ids, 4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_sort(torch.zeros(3, 2, dtype=torch.int64, device="meta"), 4)
+
+
+@pytest.mark.parametrize(
+    "logits", [torch.randn(3, 4, device="meta"), torch.randn(3, 4).half(), torch.randn(4)]
+)
+def test_topk_softmax_refuses_logits_it_cannot_read(logits):
+    with pytest.raises(ValueError, match="router_logits"):
+        topk_softmax(logits, 2, True)
+
+
+@pytest.mark.parametrize("top_k", [True, 2.0])
+def test_topk_softmax_top_k_must_be_an_int(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        topk_softmax(torch.randn(3, 4), top_k, True)
+
+
+def test_fused_add_rms_norm_residual_off_the_cpu_is_named():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, x.to("meta"), torch.ones(8), 1e-6)
+
+
+def test_rotary_kernel_is_not_offered_rows_that_overlap():
+    q, k = torch.randn(1, 4, 8).expand(3, 4, 8), torch.randn(3, 2, 8)
+    cos, sin = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    assert not rotary_embedding_available(q, k, cos, sin)
+    assert not rotary_embedding_available(k, q, cos, sin)
+    assert rotary_embedding_available(q.contiguous(), k, cos, sin)
