@@ -204,3 +204,37 @@ def test_engine_chunked_prefill_and_prefix_cache_hits_through_the_kernel_match_s
             assert not calls
     assert calls, "the prefill kernel never ran"
     assert tokens["kernel"] == tokens["sdpa"]
+
+
+def test_expert_stats_of_replayed_steps_survive_reset_metrics(checkpoint_dir, monkeypatch):
+    # The graph runner recorded replayed steps' rows per expert into the ExpertGemmStats it
+    # was built with; reset_metrics replaces metrics.expert, so after a reset the replayed
+    # decode steps' GEMMs went to the old object and get_metrics lost them (CUDA graphs: the
+    # CPU stand-in backend replays here). Eager and replayed engines must count the same.
+    from batchgen.config import EngineConfig
+    from batchgen.engine import cuda_graphs
+    from batchgen.engine.cuda_graphs import RecordingGraphBackend
+    from batchgen.engine.llm_engine import LLMEngine
+    from tests.test_host_staging import _greedy
+
+    path = str(checkpoint_dir("mixtral"))
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40] * 19]
+    counts = {}
+    for graphs in (False, True):
+        if graphs:
+            monkeypatch.setattr(
+                cuda_graphs, "graph_backend_for", lambda device, eager: RecordingGraphBackend()
+            )
+        config = EngineConfig(
+            model=path, device="cpu", dtype="float32", cudagraph_capture_sizes=[1, 2, 4]
+        )
+        engine = LLMEngine(config)
+        assert (engine.executor.graph_runner is not None) == graphs
+        _greedy(engine, prompts, 4)
+        engine.reset_metrics()
+        _greedy(engine, prompts, 6)
+        m = engine.get_metrics()
+        counts[graphs] = (m["num_expert_gemms"], m["mean_rows_per_expert_gemm"])
+        if graphs:
+            assert engine.executor.graph_runner.num_graph_steps >= 5
+    assert counts[True] == counts[False]
