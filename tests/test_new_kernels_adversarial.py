@@ -238,3 +238,17 @@ def test_expert_stats_of_replayed_steps_survive_reset_metrics(checkpoint_dir, mo
         if graphs:
             assert engine.executor.graph_runner.num_graph_steps >= 5
     assert counts[True] == counts[False]
+
+
+@pytest.mark.parametrize("cpu_kernels", ["0", "rms_norm,moe_routing"])
+def test_forcing_the_prefill_kernel_while_cpu_kernels_turn_it_off_fails_at_start(
+    checkpoint_dir, monkeypatch, cpu_kernels
+):
+    # Before: the engine started, the first prefill raised inside the model forward and the
+    # request failed ("the model forward failed on 1 sequences").
+    from batchgen import LLM
+
+    monkeypatch.setenv("BATCHGEN_PREFILL_ATTENTION", "kernel")
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", cpu_kernels)
+    with pytest.raises(ValueError, match="BATCHGEN_PREFILL_ATTENTION=kernel.*BATCHGEN_CPU_KERNELS"):
+        LLM(str(checkpoint_dir("llama")), device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
