@@ -28,6 +28,8 @@ from batchgen.kernels.prefill_attention import (
 from batchgen.kernels.rms_norm import fused_add_rms_norm
 from batchgen.kernels.rotary_embedding import rotary_embedding_available
 from batchgen.models.layers.attention import PrefillSpan
+from batchgen.models.make_model import make_model
+from tests.conftest import TINY
 from tests.test_prefill_attention import U_BF16, make_case, reference, run_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -161,11 +163,22 @@ def test_rotary_kernel_is_not_offered_rows_that_overlap():
     assert rotary_embedding_available(q.contiguous(), k, cos, sin)
 
 
+# GQA group 3 and a sliding window of 8 through the engine. In float32 only: in bf16 the 65-token
+# prompt's first token is a near tie (float32 logits 3.5472 against 3.5422) that bf16 rounding
+# flips: SDPA in bf16 (and transformers in bf16, eager and sdpa) pick 480, the kernel in bf16 picks
+# float32's 30, so bf16 token equality with SDPA is not a property to test on this checkpoint.
+MISTRAL_G3_D64 = dict(
+    TINY, hidden_size=128, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+    sliding_window=8,
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "name, dtype", [("llama_d64", "bfloat16"), ("mistral_sliding", "float32")]
+    "name, dtype",
+    [("llama_d64", "bfloat16"), ("mistral_sliding", "float32"), ("mistral_g3_d64", "float32")],
 )
 def test_engine_chunked_prefill_and_prefix_cache_hits_through_the_kernel_match_sdpa(
-    checkpoint_dir, monkeypatch, name, dtype
+    checkpoint_dir, tmp_path, monkeypatch, name, dtype
 ):
     # Prompts of a shared 48-token prefix (3 blocks of 16 exactly) and tails of 0, 1 and 17:
     # chunks of 16 tokens (every later chunk reads its cached context through the plan's
@@ -181,6 +194,10 @@ def test_engine_chunked_prefill_and_prefix_cache_hits_through_the_kernel_match_s
         "paged_prefill_attention",
         lambda *a, **k: (calls.append(a[3].spans.shape[0]), real(*a, **k))[1],
     )
+    if name == "mistral_g3_d64":
+        path = make_model("mistral", tmp_path / name, seed=1234, **MISTRAL_G3_D64)
+    else:
+        path = checkpoint_dir(name)
     prefix = [(7 * i) % 500 + 3 for i in range(48)]
     first = [{"prompt_token_ids": prefix + [11, 12, 13]}]
     second = [{"prompt_token_ids": prefix + tail} for tail in ([], [9], list(range(20, 37)))]
@@ -189,7 +206,7 @@ def test_engine_chunked_prefill_and_prefix_cache_hits_through_the_kernel_match_s
     for mode in ("sdpa", "kernel"):
         monkeypatch.setenv("BATCHGEN_PREFILL_ATTENTION", mode)
         llm = LLM(
-            str(checkpoint_dir(name)), device="cpu", dtype=dtype, kv_cache_memory_gb=0.05,
+            str(path), device="cpu", dtype=dtype, kv_cache_memory_gb=0.05,
             max_model_len=256, block_size=16, max_num_batched_tokens=16,
             enable_prefix_caching=True,
         )  # fmt: skip
