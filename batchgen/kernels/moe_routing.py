@@ -20,6 +20,7 @@ Shape legend: T = num_tokens, E = num_experts, A = num_experts_per_tok (top-k).
 from __future__ import annotations
 
 import ctypes
+import numbers
 
 import torch
 from torch.profiler import record_function
@@ -109,7 +110,10 @@ def topk_softmax(
             f"{router_logits.dtype} {tuple(router_logits.shape)} on {router_logits.device}"
         )
     num_tokens, num_experts = router_logits.shape
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool):
+        raise ValueError(f"top_k must be an int, got {top_k!r}")
+    top_k = int(top_k)  # numpy and other integral types as a Python int for ctypes
+    if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
