@@ -25,7 +25,7 @@ from batchgen.kernels.prefill_attention import (
     build_prefill_plan,
     paged_prefill_attention,
 )
-from batchgen.kernels.rms_norm import fused_add_rms_norm
+from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from batchgen.kernels.rotary_embedding import rotary_embedding_available
 from batchgen.models.layers.attention import PrefillSpan
 from batchgen.models.make_model import make_model
@@ -153,6 +153,19 @@ def test_fused_add_rms_norm_residual_off_the_cpu_is_named():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="residual"):
         fused_add_rms_norm(x, x.to("meta"), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [torch.ones(3), torch.ones(4096, dtype=torch.bfloat16), torch.ones(1, 4096), torch.ones(4097)],
+)
+def test_rms_norm_kernels_refuse_a_weight_they_would_misread(weight):
+    # a [3] weight was read as 4096 floats (NaN rows), a bf16 weight as float32 bits
+    x = torch.randn(4, 4096)
+    with pytest.raises(ValueError, match="rms_norm: weight"):
+        rms_norm(x, weight, 1e-6)
+    with pytest.raises(ValueError, match="fused_add_rms_norm: weight"):
+        fused_add_rms_norm(x, x.clone(), weight, 1e-6)
 
 
 def test_rotary_kernel_is_not_offered_rows_that_overlap():
