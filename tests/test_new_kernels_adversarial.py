@@ -26,7 +26,7 @@ from batchgen.kernels.prefill_attention import (
     paged_prefill_attention,
 )
 from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from batchgen.kernels.rotary_embedding import rotary_embedding_available
+from batchgen.kernels.rotary_embedding import rotary_embedding_, rotary_embedding_available
 from batchgen.models.layers.attention import PrefillSpan
 from batchgen.models.make_model import make_model
 from tests.conftest import TINY
@@ -282,3 +282,20 @@ def test_forcing_the_prefill_kernel_while_cpu_kernels_turn_it_off_fails_at_start
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", cpu_kernels)
     with pytest.raises(ValueError, match="BATCHGEN_PREFILL_ATTENTION=kernel.*BATCHGEN_CPU_KERNELS"):
         LLM(str(checkpoint_dir("llama")), device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+
+
+@pytest.mark.parametrize("bad", ["cos_one_row", "sin_bf16", "k_rows", "q_meta"])
+def test_rotary_kernel_called_directly_refuses_what_it_would_misread(bad):
+    # a [1, 1, D] cos for T tokens was read T rows deep (rotary_embedding_ trusted its caller)
+    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    cos, sin = torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    if bad == "cos_one_row":
+        cos = cos[:1]
+    elif bad == "sin_bf16":
+        sin = sin.bfloat16()
+    elif bad == "k_rows":
+        k = k[:3]
+    else:
+        q = q.to("meta")
+    with pytest.raises(ValueError, match="rotary_embedding_"):
+        rotary_embedding_(q, k, cos, sin)

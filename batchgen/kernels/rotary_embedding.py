@@ -54,19 +54,13 @@ def _heads_ok(x: torch.Tensor, d: int) -> bool:
     )
 
 
-def rotary_embedding_available(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> bool:
-    """True when `rotary_embedding_` serves ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and
-    ``cos, sin [T, 1, D]``: all on CPU, one dtype (float32 or bfloat16), heads adjacent and
-    contiguous within a row (views of a fused qkv projection qualify), cos/sin contiguous,
-    no gradient needed, the kernel built and enabled."""
+def _layout_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The shapes, strides, dtypes and devices the kernel reads as raw memory."""
     d = q.shape[-1] if q.dim() == 3 else -1
-    tensors = (q, k, cos, sin)
     return (
         d > 0
         and d % 2 == 0
-        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in tensors)
+        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in (q, k, cos, sin))
         and q.dtype in (torch.float32, torch.bfloat16)
         and _heads_ok(q, d)
         and _heads_ok(k, d)
@@ -74,7 +68,19 @@ def rotary_embedding_available(
         and cos.shape == sin.shape == (q.shape[0], 1, d)
         and cos.is_contiguous()
         and sin.is_contiguous()
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+
+
+def rotary_embedding_available(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """True when `rotary_embedding_` serves ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and
+    ``cos, sin [T, 1, D]``: all on CPU, one dtype (float32 or bfloat16), heads adjacent and
+    contiguous within a row (views of a fused qkv projection qualify), cos/sin contiguous,
+    no gradient needed, the kernel built and enabled."""
+    return (
+        _layout_ok(q, k, cos, sin)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
         and kernels_enabled("rotary_embedding")
         and q.dtype in _functions()
     )
@@ -93,8 +99,17 @@ def rotary_embedding_(
     Returns:
         ``(q, k)``, the same tensors.
     Raises:
+        ValueError: a layout the kernel cannot read (as `rotary_embedding_available` lists;
+            a cos of one row for T tokens was read past its end).
         RuntimeError: the kernel rejected the shapes.
     Call only where `rotary_embedding_available` is True."""
+    if not _layout_ok(q, k, cos, sin):
+        raise ValueError(
+            f"rotary_embedding_: q {tuple(q.shape)}, k {tuple(k.shape)}, cos "
+            f"{tuple(cos.shape)}, sin {tuple(sin.shape)} ({q.dtype}, {cos.dtype}): the kernel "
+            "reads q [T, Hq, D] and k [T, Hkv, D] with contiguous heads and cos, sin "
+            "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU"
+        )
     t, hq, d = q.shape
     if t == 0:
         return q, k
