@@ -8,7 +8,15 @@ with int32 or strided spans/slots, or hand-built slots out of range, was read as
 its memory; float ``kv_slots`` were truncated (-0.5 -> slot 0); ``sliding_window=True`` ran as 1;
 `moe_sort` read int32 ids as int64 (twice the memory); `topk_softmax` and `fused_add_rms_norm`
 dereferenced a meta tensor's null pointer; `rotary_embedding_available` accepted rows that
-overlap (stride 0), which the in-place kernel writes from several threads.
+overlap (stride 0), which the in-place kernel writes from several threads; `rms_norm` /
+`fused_add_rms_norm` called directly read a short weight past its end and a bf16 weight as
+float32, `rotary_embedding_` a one-row cos T rows deep; `EngineMetrics.reset` replaced the
+`ExpertGemmStats` the CUDA graph runner records into (replayed steps' GEMMs lost after
+`reset_metrics`); ``BATCHGEN_PREFILL_ATTENTION=kernel`` with the kernel off in
+``BATCHGEN_CPU_KERNELS`` failed at the first prefill, not at start. Passing from the start (kept
+as regression tests): odd head sizes and GQA groups 3/6 (one thread = two threads, bit for bit),
+empty plans and zero heads, NaN in unwritten cache slots, chunked prefill and prefix-cache hits
+through the engine.
 """
 
 from __future__ import annotations
@@ -299,3 +307,16 @@ def test_rotary_kernel_called_directly_refuses_what_it_would_misread(bad):
         q = q.to("meta")
     with pytest.raises(ValueError, match="rotary_embedding_"):
         rotary_embedding_(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("isa", ["auto", "generic"])
+def test_prefill_ignores_nan_in_cache_slots_past_the_context(isa):
+    # a cache from torch.empty may hold NaN bits where nothing was written yet; the AMX path
+    # loads keys and values 32 at a time, so rows past a span's last key must never enter
+    # a product (0 x NaN = NaN)
+    q, kc, vc, spans = make_case([(5, 12), (33, 0), (1, 30)], 8, 2, 64, torch.bfloat16)
+    used = torch.cat([s.kv_slots for s in spans])
+    kn, vn = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    kn[used], vn[used] = kc[used], vc[used]
+    clean = run_kernel(q, kc, vc, spans, 0.125, None, isa)
+    assert torch.equal(run_kernel(q, kn, vn, spans, 0.125, None, isa), clean)
