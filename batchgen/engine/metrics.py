@@ -171,7 +171,11 @@ class EngineMetrics:
         self.expert.tile_size = self.tile_size
 
     def reset(self) -> None:
+        """Zero every count. ``expert`` is reset in place, not replaced: the MoE layers and the
+        CUDA graph runner hold it and record into it (a replaced one lost their records)."""
         fresh = EngineMetrics(tile_size=self.tile_size)
+        self.expert.__dict__.update(fresh.expert.__dict__)
+        fresh.expert = self.expert
         self.__dict__.update(fresh.__dict__)
 
     @staticmethod

@@ -20,6 +20,7 @@ Shape legend: T = num_tokens, E = num_experts, A = num_experts_per_tok (top-k).
 from __future__ import annotations
 
 import ctypes
+import numbers
 
 import torch
 from torch.profiler import record_function
@@ -95,9 +96,23 @@ def topk_softmax(
     Returns:
         ``topk_weights [T, A]`` float32 and ``topk_ids [T, A]`` int64, in descending weight.
     Raises:
-        ValueError: ``top_k`` outside ``[1, E]``.
-    Call only where `topk_softmax_available` is True."""
+        ValueError: ``router_logits`` not a 2-D float32 or bfloat16 CPU tensor, or ``top_k``
+            not an int in ``[1, E]``.
+    Call only where `topk_softmax_available` is True (these checks keep the kernel from reading
+    memory it does not own if not)."""
+    if (
+        router_logits.dim() != 2
+        or router_logits.device.type != "cpu"
+        or router_logits.dtype not in (torch.float32, torch.bfloat16)
+    ):
+        raise ValueError(
+            "router_logits must be a 2-D float32 or bfloat16 CPU tensor, got "
+            f"{router_logits.dtype} {tuple(router_logits.shape)} on {router_logits.device}"
+        )
     num_tokens, num_experts = router_logits.shape
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool):
+        raise ValueError(f"top_k must be an int, got {top_k!r}")
+    top_k = int(top_k)  # numpy and other integral types as a Python int for ctypes
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
@@ -140,8 +155,13 @@ def moe_sort(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
         ``order [T*A]`` int64 (exactly ``torch.argsort(topk_ids.reshape(-1), stable=True)``)
         and ``counts [E]`` int64 (``torch.bincount(..., minlength=E)``).
     Raises:
-        ValueError: an id outside ``[0, num_experts)``, or ``num_experts`` < 1.
+        ValueError: ``topk_ids`` not an int64 CPU tensor, an id outside ``[0, num_experts)``,
+            or ``num_experts`` < 1.
     Call only where `moe_sort_available` is True."""
+    if topk_ids.dtype != torch.int64 or topk_ids.device.type != "cpu":
+        raise ValueError(
+            f"topk_ids must be an int64 CPU tensor, got {topk_ids.dtype} on {topk_ids.device}"
+        )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     flat = topk_ids.reshape(-1).contiguous()

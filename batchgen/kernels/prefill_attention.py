@@ -112,9 +112,10 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int)
     return True
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillPlan:
-    """The prefill spans of one step as the kernel reads them, built once per step.
+    """The prefill spans of one step as the kernel reads them, built once per step and checked
+    at construction (the kernel reads them as raw memory; frozen so a checked plan stays so).
 
     Attributes:
         spans: ``[S, 4]`` int64 rows ``(token_start, num_tokens, kv_len, slot_offset)``.
@@ -122,12 +123,48 @@ class PrefillPlan:
             ``slot_offset``.
         num_slots: the cache rows every slot was checked against.
         num_tokens: the flat batch's tokens every span was checked to lie in.
+    Raises:
+        ValueError: naming the field, for spans or slots that are not contiguous int64 CPU
+            tensors of those shapes, a span whose tokens leave ``[0, num_tokens)``, with
+            ``num_tokens`` outside ``[1, kv_len]`` or slots past ``slots``, or a slot outside
+            ``[0, num_slots)``.
     """
 
     spans: torch.Tensor
     slots: torch.Tensor
     num_slots: int
     num_tokens: int
+
+    def __post_init__(self) -> None:
+        for name, x, dim in (("spans", self.spans, 2), ("slots", self.slots, 1)):
+            if (
+                not isinstance(x, torch.Tensor)
+                or x.dtype != torch.int64
+                or x.device.type != "cpu"
+                or x.dim() != dim
+                or not x.is_contiguous()
+            ):
+                raise ValueError(
+                    f"PrefillPlan.{name} must be a contiguous {dim}-D int64 CPU tensor, got "
+                    f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))} on "
+                    f"{getattr(x, 'device', '-')}"
+                )
+        if self.spans.shape[1] != 4:
+            raise ValueError(f"PrefillPlan.spans must be [S, 4], got {tuple(self.spans.shape)}")
+        if self.slots.numel() and (
+            int(self.slots.min()) < 0 or int(self.slots.max()) >= self.num_slots
+        ):
+            raise ValueError(f"prefills' kv_slots must be in [0, {self.num_slots})")
+        total = self.slots.numel()
+        for i, (start, n, kv_len, offset) in enumerate(self.spans.tolist()):
+            if n < 1 or n > kv_len:
+                raise ValueError(f"prefills[{i}]: num_tokens {n} not in [1, kv_len]")
+            if start < 0 or start + n > self.num_tokens:
+                raise ValueError(f"prefills[{i}]: tokens leave the batch of {self.num_tokens}")
+            if offset < 0 or offset + kv_len > total:
+                raise ValueError(
+                    f"prefills[{i}]: slots {offset} + kv_len {kv_len} past the plan's {total} slots"
+                )
 
 
 def build_prefill_plan(prefills: list, num_tokens: int, num_slots: int) -> PrefillPlan:
@@ -136,25 +173,30 @@ def build_prefill_plan(prefills: list, num_tokens: int, num_slots: int) -> Prefi
 
     Raises:
         ValueError: a span whose tokens leave ``[0, num_tokens)``, with ``num_tokens`` outside
-            ``[1, kv_len]``, ``kv_slots`` not ``kv_len`` long, or a slot outside
-            ``[0, num_slots)``.
+            ``[1, kv_len]``, ``kv_slots`` not an integer CPU tensor ``kv_len`` long, or a slot
+            outside ``[0, num_slots)`` (see `PrefillPlan`).
     """
     rows, slots, offset = [], [], 0
     for i, sp in enumerate(prefills):
-        if sp.num_tokens < 1 or sp.num_tokens > sp.kv_len:
-            raise ValueError(f"prefills[{i}]: num_tokens {sp.num_tokens} not in [1, kv_len]")
-        if sp.token_start < 0 or sp.token_start + sp.num_tokens > num_tokens:
-            raise ValueError(f"prefills[{i}]: tokens leave the batch of {num_tokens}")
-        if sp.kv_slots.shape != (sp.kv_len,):
+        kv_slots = sp.kv_slots
+        if not isinstance(kv_slots, torch.Tensor):
+            raise ValueError(f"prefills[{i}]: kv_slots must be a tensor, got {type(kv_slots)}")
+        if kv_slots.dtype.is_floating_point or kv_slots.dtype.is_complex or (
+            kv_slots.dtype == torch.bool
+        ):
             raise ValueError(
-                f"prefills[{i}]: kv_slots shape {tuple(sp.kv_slots.shape)} != ({sp.kv_len},)"
+                f"prefills[{i}]: kv_slots must be an integer tensor, got {kv_slots.dtype}"
+            )
+        if kv_slots.device.type == "meta":
+            raise ValueError(f"prefills[{i}]: kv_slots must be on the CPU or a GPU, not meta")
+        if kv_slots.shape != (sp.kv_len,):
+            raise ValueError(
+                f"prefills[{i}]: kv_slots shape {tuple(kv_slots.shape)} != ({sp.kv_len},)"
             )
         rows.append((sp.token_start, sp.num_tokens, sp.kv_len, offset))
-        slots.append(sp.kv_slots)
+        slots.append(kv_slots)
         offset += sp.kv_len
     flat = torch.cat(slots).to("cpu", torch.int64) if slots else torch.zeros(0, dtype=torch.int64)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_slots):
-        raise ValueError(f"prefills' kv_slots must be in [0, {num_slots})")
     spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
     return PrefillPlan(spans, flat.contiguous(), num_slots, num_tokens)
 
@@ -221,6 +263,8 @@ def paged_prefill_attention(
             torch.get_num_threads(),
             *extra,
         )
+    if rc == 3:
+        raise ValueError("prefill attention: a span's kv_len is above 2^31 - 1 positions")
     if rc != 0:
         raise RuntimeError(f"prefill attention rejected Hq={hq}, Hkv={hkv}, D={d}")
 
@@ -246,7 +290,11 @@ def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
         raise ValueError(f"plan built for {plan.num_slots} slots, the cache has {k_cache.shape[0]}")
     if plan.num_tokens != q.shape[0]:
         raise ValueError(f"plan built for {plan.num_tokens} tokens, q has {q.shape[0]}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int)
+        or isinstance(sliding_window, bool)
+        or sliding_window < 1
+    ):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
     if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
         raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")

@@ -66,6 +66,23 @@ def rms_norm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, fn: str) -> None:
+    """The checks of `rms_norm_available` the kernel's raw reads depend on (a shorter or
+    other-dtype weight was read past its end or as other bits), for callers that skip it."""
+    if (
+        weight.shape != x.shape[-1:]
+        or weight.dtype != x.dtype
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"{fn}: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} must be "
+            f"[H] of x's dtype (float32 or bfloat16) on the CPU, x is {tuple(x.shape)} "
+            f"{x.dtype} on {x.device}"
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * T(x32 / sqrt(mean(x32^2) + eps))`` over the last dimension, T = x's dtype.
 
@@ -76,8 +93,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ``[..., H]`` in x's dtype, a new tensor (empty, as from the eager ops, when x has no
         rows or H = 0).
     Raises:
+        ValueError: weight not ``[H]`` of x's dtype, or a tensor off the CPU.
         RuntimeError: the kernel rejected the shapes.
     Call only where `rms_norm_available` is True."""
+    _check_weight(x, weight, "rms_norm")
     h = x.shape[-1]
     if x.numel() == 0:  # reshape(-1, 0) cannot infer the rows
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -109,14 +128,16 @@ def fused_add_rms_norm(
         ``(normed, s)``: ``rms_norm(s, weight, eps)`` bit for bit, and the new residual ``s``,
         both new ``[..., H]`` tensors.
     Raises:
-        ValueError: x and residual differ in shape or dtype.
+        ValueError: x and residual differ in shape, dtype or device; weight not ``[H]`` of
+            x's dtype, or a tensor off the CPU.
         RuntimeError: the kernel rejected the shapes.
     Call only where `rms_norm_available(x, weight)` is True."""
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    if x.shape != residual.shape or x.dtype != residual.dtype or residual.device != x.device:
         raise ValueError(
-            f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match "
-            f"x {tuple(x.shape)} {x.dtype}"
+            f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} on "
+            f"{residual.device} must match x {tuple(x.shape)} {x.dtype} on {x.device}"
         )
+    _check_weight(x, weight, "fused_add_rms_norm")
     h = x.shape[-1]
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), residual + x

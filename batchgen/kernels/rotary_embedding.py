@@ -43,8 +43,32 @@ def _functions() -> dict[torch.dtype, object]:
 
 
 def _heads_ok(x: torch.Tensor, d: int) -> bool:
-    """``x [T, H, D]`` with adjacent heads of contiguous values (any row stride)."""
-    return x.dim() == 3 and x.shape[2] == d and x.stride(2) == 1 and x.stride(1) == d
+    """``x [T, H, D]`` with adjacent heads of contiguous values, rows that do not overlap (any
+    row stride from ``H * D``: the kernel writes rows in place from several threads)."""
+    return (
+        x.dim() == 3
+        and x.shape[2] == d
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1] * d)
+    )
+
+
+def _layout_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The shapes, strides, dtypes and devices the kernel reads as raw memory."""
+    d = q.shape[-1] if q.dim() == 3 else -1
+    return (
+        d > 0
+        and d % 2 == 0
+        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in (q, k, cos, sin))
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and _heads_ok(q, d)
+        and _heads_ok(k, d)
+        and k.shape[0] == q.shape[0]
+        and cos.shape == sin.shape == (q.shape[0], 1, d)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
 
 
 def rotary_embedding_available(
@@ -54,20 +78,9 @@ def rotary_embedding_available(
     ``cos, sin [T, 1, D]``: all on CPU, one dtype (float32 or bfloat16), heads adjacent and
     contiguous within a row (views of a fused qkv projection qualify), cos/sin contiguous,
     no gradient needed, the kernel built and enabled."""
-    d = q.shape[-1] if q.dim() == 3 else -1
-    tensors = (q, k, cos, sin)
     return (
-        d > 0
-        and d % 2 == 0
-        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in tensors)
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and _heads_ok(q, d)
-        and _heads_ok(k, d)
-        and k.shape[0] == q.shape[0]
-        and cos.shape == sin.shape == (q.shape[0], 1, d)
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        _layout_ok(q, k, cos, sin)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
         and kernels_enabled("rotary_embedding")
         and q.dtype in _functions()
     )
@@ -86,8 +99,17 @@ def rotary_embedding_(
     Returns:
         ``(q, k)``, the same tensors.
     Raises:
+        ValueError: a layout the kernel cannot read (as `rotary_embedding_available` lists;
+            a cos of one row for T tokens was read past its end).
         RuntimeError: the kernel rejected the shapes.
     Call only where `rotary_embedding_available` is True."""
+    if not _layout_ok(q, k, cos, sin):
+        raise ValueError(
+            f"rotary_embedding_: q {tuple(q.shape)}, k {tuple(k.shape)}, cos "
+            f"{tuple(cos.shape)}, sin {tuple(sin.shape)} ({q.dtype}, {cos.dtype}): the kernel "
+            "reads q [T, Hq, D] and k [T, Hkv, D] with contiguous heads and cos, sin "
+            "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU"
+        )
     t, hq, d = q.shape
     if t == 0:
         return q, k

@@ -61,7 +61,9 @@ def check_kernel_switches() -> None:
     ``BATCHGEN_ATTENTION_BACKEND`` and ``BATCHGEN_PREFILL_ATTENTION``. Builds and loads nothing.
 
     Raises:
-        ValueError: the first bad value, naming the variable and the allowed values.
+        ValueError: the first bad value, naming the variable and the allowed values; or
+            ``BATCHGEN_PREFILL_ATTENTION=kernel`` with ``BATCHGEN_CPU_KERNELS`` turning that
+            kernel off (the first prefill failed with it, long after start).
     """
     # Imported here: these modules import torch-side code that imports this module.
     from batchgen.kernels.cpu_build import kernels_enabled
@@ -80,4 +82,9 @@ def check_kernel_switches() -> None:
     default_isa()
     moe_path_override()
     attention_backend_override()
-    prefill_attention_mode()
+    if prefill_attention_mode() == "kernel" and not kernels_enabled("prefill_attention"):
+        raise ValueError(
+            "BATCHGEN_PREFILL_ATTENTION=kernel forces the CPU prefill attention kernel, but "
+            f"BATCHGEN_CPU_KERNELS={os.environ.get('BATCHGEN_CPU_KERNELS')!r} turns it off: add "
+            "prefill_attention to the list, or set BATCHGEN_PREFILL_ATTENTION to auto or sdpa"
+        )

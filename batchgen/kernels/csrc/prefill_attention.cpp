@@ -209,8 +209,15 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
 namespace {
 
 template <class T>
-int run(const Args<T>& a, int64_t num_spans, int64_t num_threads, bool amx) {
+int run(Args<T> a, int64_t num_spans, int64_t num_threads, bool amx) {
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0) return 1;
+  // A window at least as long as every context hides nothing: run it as none, so the AMX
+  // path's int32 position compares never see a window above 2^31 - 1 (it wrapped negative).
+  int64_t max_kv_len = 0;
+  for (int64_t sp = 0; sp < num_spans; ++sp)
+    max_kv_len = std::max(max_kv_len, a.spans[4 * sp + 2]);
+  if (max_kv_len > INT32_MAX) return 3;  // positions are int32 in the AMX masks
+  if (a.window >= max_kv_len) a.window = 0;
   // AMX tasks hold two 16-token tiles (the key blocks packed once for both).
   const int64_t step = amx ? 2 * kTQ : kTQ;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (span, i0), the longest key ranges first

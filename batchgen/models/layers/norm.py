@@ -47,7 +47,7 @@ def add_and_prenorm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | Non
     the engine does)."""
     if norm is None or x.shape != residual.shape or not rms_norm_available(x, norm.weight):
         return residual + x
-    if residual.dtype != x.dtype:
+    if residual.dtype != x.dtype or residual.device != x.device:
         return residual + x
     normed, summed = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
     setattr(summed, PRENORMED_ATTR, (norm, normed))
