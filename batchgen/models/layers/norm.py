@@ -61,3 +61,28 @@ def prenormed(h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     if attached is not None and attached[0] is norm:
         return attached[1]
     return norm(h)
+
+
+def cat_prenormed(hs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(hs)`` (``[sum T_i, H]``), keeping `add_and_prenorm`'s attachment: when every
+    tensor carries rows normed by the same norm, their concatenation rides on the result. The
+    kernel norms each row on its own, so these are bit for bit the norm of the concatenation
+    (the executor's coalesced FFN input; without this the FFN stage norms the rows again)."""
+    out = torch.cat(hs)
+    attached = [getattr(h, PRENORMED_ATTR, None) for h in hs]
+    first = attached[0]
+    if first is not None and all(a is not None and a[0] is first[0] for a in attached):
+        setattr(out, PRENORMED_ATTR, (first[0], torch.cat([a[1] for a in attached])))
+    return out
+
+
+def split_prenormed(h: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """``h.split(sizes)`` (views of ``h [T, H]``, ``sum(sizes) == T``), each part carrying its
+    rows of ``h``'s attachment (`add_and_prenorm`) if ``h`` has one, so that the next stage of
+    each part (the attention after a coalesced FFN) does not norm them again."""
+    parts = h.split(sizes)
+    attached = getattr(h, PRENORMED_ATTR, None)
+    if attached is not None:
+        for part, normed in zip(parts, attached[1].split(sizes), strict=True):
+            setattr(part, PRENORMED_ATTR, (attached[0], normed))
+    return parts
