@@ -10,7 +10,9 @@ from batchgen import LLM, SamplingParams
 from batchgen.engine.executor import CoroutineGroup, ExpertBatchCoalescer, StageExecutor
 from batchgen.engine.metrics import ExpertGemmStats
 from batchgen.engine.sequence import Sublayer
+from batchgen.kernels.rms_norm import rms_norm_available
 from batchgen.models.layers.attention import AttentionMetadata
+from batchgen.models.layers.norm import RMSNorm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -154,6 +156,28 @@ def test_coalesce_adversarial_mixes_match_lockstep(mixtral, kw):
     assert got == ref
     if "num_gpu_blocks_override" in kw:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_coalesced_steps_norm_only_what_no_residual_add_fused(mixtral, monkeypatch):
+    """With the fused add + RMSNorm kernel, a coalesced FFN gets its normed rows through the
+    concatenation and the next attention through the split: the only norms computed by
+    `RMSNorm.forward` are layer 0's input norm (the embeddings carry none) and the final
+    norm. Tokens stay lockstep's."""
+    calls = []
+    real = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: (calls.append(self), real(self, x))[1])
+    kw = dict(max_num_batched_tokens=16)
+    got, llm = _run(mixtral, "coalesce", expert_coalesce_threshold=10_000, **kw)
+    model = llm.llm_engine.runner.model
+    with torch.inference_mode():
+        probe = torch.zeros(1, model.norm.weight.shape[0], dtype=model.norm.weight.dtype)
+        if not rms_norm_available(probe, model.norm.weight):
+            pytest.skip("the rms_norm kernel is not built here: nothing is fused")
+    assert llm.llm_engine.executor.coalescer.num_holds > 0  # some FFN stages were coalesced
+    computed = {id(m) for m in calls}
+    assert computed == {id(model.layers[0].input_layernorm), id(model.norm)}
+    ref, _ = _run(mixtral, "lockstep", **kw)
+    assert got == ref
 
 
 def test_single_request_runs_under_coalesce(mixtral):

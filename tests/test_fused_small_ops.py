@@ -25,7 +25,14 @@ from batchgen.kernels.moe_routing import (
 )
 from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from batchgen.kernels.rotary_embedding import rotary_embedding_available
-from batchgen.models.layers.norm import PRENORMED_ATTR, RMSNorm, add_and_prenorm, prenormed
+from batchgen.models.layers.norm import (
+    PRENORMED_ATTR,
+    RMSNorm,
+    add_and_prenorm,
+    cat_prenormed,
+    prenormed,
+    split_prenormed,
+)
 from batchgen.models.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -221,3 +228,38 @@ def test_add_and_prenorm_attaches_the_norm_that_prenormed_would_compute(dtype):
         assert torch.equal(plain, out) and getattr(plain, PRENORMED_ATTR, None) is None
         half = add_and_prenorm(x.half(), h.half(), norm.half())  # no kernel: plain add
         assert getattr(half, PRENORMED_ATTR, None) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cat_and_split_prenormed_carry_the_normed_rows_bit_for_bit(dtype):
+    """The executor's coalesced FFN: `cat_prenormed` of the groups' residuals carries the
+    concatenation of their normed rows, `split_prenormed` hands each group its rows back; both
+    are what a stage that norms the rows itself computes."""
+    torch.manual_seed(1)
+    norm, other = RMSNorm(512, 1e-6).to(dtype), RMSNorm(512, 1e-6).to(dtype)
+    with torch.inference_mode():
+        norm.weight.copy_(torch.randn(512))
+        sizes = [3, 70, 1, 16]
+        outs = [
+            add_and_prenorm(torch.randn(n, 512).to(dtype), torch.randn(n, 512).to(dtype), norm)
+            for n in sizes
+        ]
+        if getattr(outs[0], PRENORMED_ATTR, None) is None:
+            pytest.skip("the rms_norm kernel is not built here: nothing is attached")
+        merged = cat_prenormed(outs)
+        assert torch.equal(merged, torch.cat(outs))
+        carried = getattr(merged, PRENORMED_ATTR)
+        assert carried[0] is norm
+        assert prenormed(merged, norm) is carried[1]
+        assert torch.equal(carried[1], norm(torch.cat(outs)))  # the unfused stage's bits
+        parts = split_prenormed(merged, sizes)
+        for part, out in zip(parts, outs, strict=True):
+            assert torch.equal(part, out)
+            assert torch.equal(prenormed(part, norm), getattr(out, PRENORMED_ATTR)[1])
+            assert torch.equal(prenormed(part, other), other(out))  # another norm: computed
+        # Attachments of different norms, or a part without one: nothing is carried.
+        mixed = [outs[0], add_and_prenorm(outs[1], outs[1], other)]
+        assert getattr(cat_prenormed(mixed), PRENORMED_ATTR, None) is None
+        assert getattr(cat_prenormed([outs[0], outs[1] + 0]), PRENORMED_ATTR, None) is None
+        plain = split_prenormed(outs[0] + 0, [1, 2])
+        assert all(getattr(p, PRENORMED_ATTR, None) is None for p in plain)

@@ -87,3 +87,84 @@ def test_a_forced_moe_path_that_cannot_run_fails_the_engine_at_start(checkpoint_
     model = str(checkpoint_dir("mixtral"))
     with pytest.raises(ValueError, match="BATCHGEN_MOE_PATH=triton: device cpu: Triton kernels"):
         LLM(model, device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+
+
+def test_the_engine_chooses_moe_paths_and_norm_kernels_once(checkpoint_dir, monkeypatch):
+    """The engine pins every MoE block's path and every RMSNorm's kernel answer at start: the
+    steps then neither re-decide the path (`expert_path`) nor ask `rms_norm_available`, and
+    the tokens are those of unpinned per-call decisions."""
+    import batchgen.models.layers.moe as moe
+    import batchgen.models.layers.norm as norm
+    from batchgen.models.layers.moe import SparseMoeBlock
+    from batchgen.models.layers.norm import RMSNorm
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["a b c", "hello there " * 4, "x"]
+    llm = LLM(str(checkpoint_dir("mixtral")), device="cpu", dtype="float32",
+              kv_cache_memory_gb=0.05)  # fmt: skip
+    model = llm.llm_engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert blocks and norms
+    assert all(b._pinned_path is not None for b in blocks)
+    assert all(n._kernel_pin is not None for n in norms)
+    asked = []
+    real_path, real_available = moe.expert_path, norm.rms_norm_available
+    monkeypatch.setattr(moe, "expert_path", lambda *a, **k: asked.append(1) or real_path(*a, **k))
+    monkeypatch.setattr(
+        norm, "rms_norm_available", lambda *a: asked.append(2) or real_available(*a)
+    )
+    pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert asked == []
+    for m in blocks:
+        m.unpin_expert_path()
+    for m in norms:
+        m.unpin_kernel()
+    per_call = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert 1 in asked and 2 in asked
+    assert pinned == per_call
+
+
+def test_a_pin_covers_only_the_calls_it_was_made_for(monkeypatch):
+    """Pinned answers serve inference calls of the pinned dtype (and size, for the norm); a
+    call with another dtype, under autograd or in another batch-invariant mode decides per
+    call, and a switch changed after pinning reaches the layer once it is pinned again."""
+    import torch
+
+    from batchgen.kernels.rms_norm import rms_norm_available
+    from batchgen.models.layers.expert_path import MOE_PATH_ENV
+    from batchgen.models.layers.moe import SparseMoeBlock
+    from batchgen.models.layers.norm import RMSNorm
+    from batchgen.models.model_config import RouterConfig
+
+    cpu = torch.device("cpu")
+    block, rms = SparseMoeBlock(32, 16, 6, 2, RouterConfig()), RMSNorm(32)
+    x = torch.randn(5, 32)
+    monkeypatch.setenv(MOE_PATH_ENV, "reference")
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert block.pin_expert_path(cpu, torch.float32) == "reference"
+    assert rms.pin_kernel(cpu, torch.float32) is False
+    monkeypatch.setenv(MOE_PATH_ENV, "grouped_mm")
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "1")
+    with torch.no_grad():
+        assert block._path(x) == "reference"  # pinned: the later switch does not reach it
+        assert rms.kernel_serves(x) is False
+        assert block._path(x.bfloat16()) == "grouped_mm"  # another dtype: decided now
+        assert rms.kernel_serves(torch.randn(5, 32).bfloat16()) is False  # weight is float32
+        block.batch_invariant = True
+        assert block._path(x) != "reference"  # another mode: decided now
+        block.batch_invariant = False
+    assert block._path(x) == "grouped_mm"  # autograd on: decided now
+    assert rms.kernel_serves(x.requires_grad_()) is False
+    with torch.no_grad():
+        assert rms.kernel_serves(torch.randn(5, 32)) is False  # still pinned
+        assert block.pin_expert_path(cpu, torch.float32) == "grouped_mm"  # pinned again
+        assert block._path(x) == "grouped_mm"
+        assert rms.pin_kernel(cpu, torch.float32) == rms_norm_available(x.detach(), rms.weight)
+        rms.unpin_kernel()
+        monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+        assert rms.kernel_serves(x.detach()) is False  # unpinned: per call again
+    block.unpin_expert_path()
+    with pytest.raises(ValueError, match=MOE_PATH_ENV):  # a path that cannot run fails here
+        block.pin_expert_path(cpu, torch.float64)  # grouped_mm takes no float64
+    assert block._pinned_path is None

@@ -39,6 +39,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sublayer
 from batchgen.models.layers.attention import AttentionMetadata
+from batchgen.models.layers.norm import cat_prenormed, split_prenormed
 
 POLICIES = ("coalesce", "lockstep")
 
@@ -250,8 +251,12 @@ class StageExecutor:
             if len(peers) == 1:
                 group.hidden = self.model.ffn_stage(layer, group.hidden, *extra)
             else:  # coalesced: one FFN call over every waiting group's tokens
-                merged = self.model.ffn_stage(layer, torch.cat([g.hidden for g in peers]), *extra)
-                for g, h in zip(peers, merged.split([g.num_tokens for g in peers]), strict=True):
+                # The normed rows `add_and_prenorm` attached travel through the concatenation
+                # and the split, so neither this FFN nor the next attention norms them again.
+                merged = cat_prenormed([g.hidden for g in peers])
+                merged = self.model.ffn_stage(layer, merged, *extra)
+                sizes = [g.num_tokens for g in peers]
+                for g, h in zip(peers, split_prenormed(merged, sizes), strict=True):
                     g.hidden = h
             timer.stop("moe" if self.layer_is_moe[layer] else "dense_ffn", t0)
             for g in peers:

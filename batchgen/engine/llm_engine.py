@@ -57,6 +57,7 @@ from batchgen.engine.sequence import Request
 from batchgen.kernels.switches import check_kernel_switches
 from batchgen.models.batch_invariant import check_batch_invariant_support
 from batchgen.models.layers.moe import SparseMoeBlock
+from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.loader import resolve_dtype, resolve_model_path
 from batchgen.models.model_config import ModelConfig
 from batchgen.outputs import RequestMetrics, RequestOutput
@@ -163,11 +164,13 @@ class LLMEngine(EngineRequests, RequestOutputs):
             aligned_chunks=config.batch_invariant,
         )
         self.metrics = EngineMetrics(tile_size=config.tile_size)
+        # Kernel/path choices made once (a bad forced BATCHGEN_MOE_PATH fails now, not mid-step)
         for module in model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.stats = self.metrics.expert
-                # A forced BATCHGEN_MOE_PATH that cannot run here fails now, not mid-step.
-                module.expert_path_for(self.device, self.dtype)
+                module.pin_expert_path(self.device, self.dtype)
+            elif isinstance(module, RMSNorm):
+                module.pin_kernel(self.device, self.dtype)
         # Under expert parallelism: the rank's dispatcher (and streamer) on every MoE layer.
         self.rank = rank
         self.expert_parallel = (

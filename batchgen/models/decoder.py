@@ -77,9 +77,9 @@ class DecoderLayer(nn.Module):
     The attention is GQA (`Attention`) or MLA (`MLAAttention`); the FFN a dense `GatedMLP` or
     a `SparseMoeBlock`, per layer as `ModelConfig.layer_is_moe` says.
     Each stage ends with the residual add fused with the next stage's norm where the CPU
-    kernel serves (`add_and_prenorm`: the normed rows ride on the returned residual; a stage
-    that gets another tensor, e.g. the executor's concatenation of groups, norms it itself,
-    to the same bits).
+    kernel serves (`add_and_prenorm`: the normed rows ride on the returned residual, and
+    through the executor's concatenation and split of coalesced groups, `cat_prenormed` /
+    `split_prenormed`; a stage that gets another tensor norms it itself, to the same bits).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, expert_ids: list[int] | None) -> None:

@@ -191,6 +191,8 @@ class SparseMoeBlock(nn.Module):
         # dispatches, runs the held experts and combines (`ExpertParallelMoE`).
         self.expert_parallel = None
         self._packed = None  # (key, w13 packed, w2 packed) for the CPU kernel, built on first use
+        # (device, dtype, batch_invariant, path) chosen once by `pin_expert_path` (the engine)
+        self._pinned_path = None
         self.shared_experts = (
             GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
             if shared_intermediate_size
@@ -239,6 +241,15 @@ class SparseMoeBlock(nn.Module):
         return not needs_grad and fused_moe_available(x, self.w13_weight, self.w2_weight, self.act)
 
     def _path(self, x: torch.Tensor) -> ExpertPath:
+        pin = self._pinned_path
+        if (
+            pin is not None
+            and x.dtype is pin[1]
+            and self.batch_invariant == pin[2]
+            and not torch.is_grad_enabled()
+            and x.device == pin[0]
+        ):
+            return pin[3]
         w13, w2 = self.w13_weight, self.w2_weight
         return expert_path(
             x.device,
@@ -261,6 +272,26 @@ class SparseMoeBlock(nn.Module):
         with torch.no_grad():
             x = torch.empty((0, self.w13_weight.shape[2]), dtype=dtype, device=device)
             return self._path(x)
+
+    def pin_expert_path(self, device: torch.device, dtype: torch.dtype) -> ExpertPath:
+        """Choose the path once (`expert_path_for`) and keep it for every later call on
+        activations of ``dtype`` on ``device`` without autograd and in the same
+        batch-invariant mode, instead of reading the switches and kernel checks per layer per
+        call. The engine pins at start, as it chooses the decode attention backend once
+        (`ModelRunner.decode_backend`): switches changed after that do not reach this block
+        until it is pinned again or `unpin_expert_path` is called; other calls decide per call.
+
+        Raises:
+            ValueError: as `expert_path_for` (nothing is pinned then)."""
+        self._pinned_path = None
+        path = self.expert_path_for(device, dtype)
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as x.device reads
+        self._pinned_path = (device, dtype, self.batch_invariant, path)
+        return path
+
+    def unpin_expert_path(self) -> None:
+        """Decide the path per call again (`pin_expert_path` undone)."""
+        self._pinned_path = None
 
     def experts(
         self,
