@@ -48,17 +48,13 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_rows.h"  // bgrows::to_f32
+
 namespace {
 
 using bf16_t = uint16_t;
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using bgrows::to_f32;  // float32 as is, bf16 bits widened exactly (bf16_rows.h)
 inline void store(float* p, float x) { *p = x; }
 // Round to nearest even (finite inputs: the kernel never makes inf or NaN from valid input).
 inline void store(bf16_t* p, float x) {

@@ -40,6 +40,7 @@
 #include "amx_bf16.h"       // amx_usable, amx_tile_config, BATCHGEN_AMX_TARGET
 #include "attention_exp.h"  // exp_ps, BATCHGEN_ATTN_BF16_TARGET
 #include "fused_moe_common.h"
+#include "bf16_rows.h"  // bgrows::to_f32
 
 namespace {
 
@@ -49,13 +50,7 @@ constexpr int64_t kBK = 32;             // keys per block
 constexpr float kMasked = -3.0e38f;     // score of an invisible key (exp gives 0)
 constexpr float kInitMax = -1.0e30f;    // running max before any key: finite, above kMasked
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t x) {
-  const uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using bgrows::to_f32;  // float32 as is, bf16 bits widened exactly (bf16_rows.h)
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16_t* p, float x) { *p = to_bf16(x); }
 inline float round_bf16(float x) { return to_f32(to_bf16(x)); }
