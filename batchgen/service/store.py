@@ -26,6 +26,11 @@ Confidentiality: inputs and results are readable by this user only. The director
 Thread safety: each thread gets its own connection; writes are serialised by one in-process
 lock (``BEGIN IMMEDIATE``), so SQLite never answers "database is locked" to our own writers.
 Readers never block (WAL).
+
+Modules: the tables, status names, ids and row records are in `batchgen.service.store_schema`
+(re-exported here); the request-row methods (input rows, the per-step commit, the output files)
+are in `batchgen.service.store_requests`; this module holds `Store` itself: connections, blobs,
+files and batches.
 """
 
 from __future__ import annotations
@@ -33,162 +38,43 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-DB_NAME = "batchgen.sqlite3"
-BLOB_DIR = "files"
-SCHEMA_VERSION = 1
-_COPY_CHUNK = 1 << 20
-
-FILE_ID_RE = re.compile(r"^file-[0-9a-f]{32}$")
-BATCH_ID_RE = re.compile(r"^batch_[0-9a-f]{32}$")
-
-# Batch statuses (OpenAI's).
-VALIDATING = "validating"
-IN_PROGRESS = "in_progress"
-FINALIZING = "finalizing"
-COMPLETED = "completed"
-FAILED = "failed"
-CANCELLING = "cancelling"
-CANCELLED = "cancelled"
-EXPIRED = "expired"
-TERMINAL_STATUSES = frozenset({COMPLETED, FAILED, CANCELLED, EXPIRED})
-# The timestamp column set when a batch enters each status.
-_STATUS_TIME = {
-    IN_PROGRESS: "in_progress_at",
-    FINALIZING: "finalizing_at",
-    COMPLETED: "completed_at",
-    FAILED: "failed_at",
-    CANCELLING: "cancelling_at",
-    CANCELLED: "cancelled_at",
-    EXPIRED: "expired_at",
-}
-
-# Request states. ``pending`` rows still have to run; all others hold their output line.
-PENDING = "pending"
-SUCCEEDED = "succeeded"
-REQUEST_FAILED = "failed"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY,
-    filename TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS batches (
-    id TEXT PRIMARY KEY,
-    input_file_id TEXT NOT NULL,
-    endpoint TEXT NOT NULL,
-    completion_window TEXT NOT NULL,
-    metadata TEXT,
-    status TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    expires_at INTEGER,
-    in_progress_at INTEGER,
-    finalizing_at INTEGER,
-    completed_at INTEGER,
-    failed_at INTEGER,
-    expired_at INTEGER,
-    cancelling_at INTEGER,
-    cancelled_at INTEGER,
-    output_file_id TEXT,
-    error_file_id TEXT,
-    errors TEXT,
-    total INTEGER NOT NULL DEFAULT 0,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS requests (
-    batch_id TEXT NOT NULL,
-    idx INTEGER NOT NULL,          -- 0-based index among the input file's non-blank lines
-    line INTEGER NOT NULL,         -- 1-based line number in the input file
-    custom_id TEXT,
-    input TEXT,                    -- the raw input line while pending, NULL once done
-    state TEXT NOT NULL,           -- pending | succeeded | failed
-    result TEXT,                   -- the output line (JSON) once done
-    done_seq INTEGER,              -- 1, 2, ... in the order results were stored (per batch)
-    attempts INTEGER NOT NULL DEFAULT 0,  -- times the request was handed to the engine
-    finished_at REAL,
-    PRIMARY KEY (batch_id, idx)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS requests_by_done_seq ON requests (batch_id, done_seq)
-    WHERE done_seq IS NOT NULL;
-"""
-
-
-def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex}"
-
-
-def new_batch_id() -> str:
-    return f"batch_{uuid.uuid4().hex}"
-
-
-@dataclass(frozen=True)
-class InputRow:
-    """One non-blank input line of a batch, as validation stores it.
-
-    ``result`` is None for a request to run (state ``pending``, ``input`` the raw line) and
-    the error output line for a line that failed validation (state ``failed``).
-    """
-
-    idx: int
-    line: int
-    custom_id: str | None
-    input: str | None
-    result: str | None
-
-
-@dataclass(frozen=True)
-class PendingRequest:
-    """A request still to run: its batch, index, 1-based line number and raw input line."""
-
-    batch_id: str
-    idx: int
-    line: int
-    input: str
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """The outcome of one batch request, ready to commit.
-
-    Attributes:
-        batch_id / idx: which request.
-        ok: True for a success line, False for an error line.
-        result: the output line (JSON text, no newline).
-        prompt_tokens / completion_tokens: usage of a success (0 for errors).
-    """
-
-    batch_id: str
-    idx: int
-    ok: bool
-    result: str
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class StoredResult:
-    """A stored result as `Store.results_after` returns it."""
-
-    done_seq: int
-    idx: int
-    line: int
-    custom_id: str | None
-    result: str
+from batchgen.service.store_requests import RequestRows
+from batchgen.service.store_schema import (  # noqa: F401  (re-exported: `store.PENDING` etc.)
+    BATCH_ID_RE,
+    BLOB_DIR,
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    COPY_CHUNK,
+    DB_NAME,
+    EXPIRED,
+    FAILED,
+    FILE_ID_RE,
+    FINALIZING,
+    IN_PROGRESS,
+    PENDING,
+    REQUEST_FAILED,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STATUS_TIME,
+    SUCCEEDED,
+    TERMINAL_STATUSES,
+    VALIDATING,
+    FinishedRequest,
+    InputRow,
+    PendingRequest,
+    StoredResult,
+    new_batch_id,
+    new_file_id,
+)
 
 
 def _make_private(state_dir: Path, blob_dir: Path, db_path: Path) -> None:
@@ -217,12 +103,15 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-class Store:
+class Store(RequestRows):
     """SQLite + blob store under ``state_dir`` (created when missing).
 
     Raises:
         OSError: ``state_dir`` cannot be created or written.
         sqlite3.DatabaseError: the database file is corrupt or not a BatchGen store.
+
+    The request-row methods (`insert_requests`, `commit_progress`, `finish_batch`, ...) come
+    from `RequestRows`.
     """
 
     def __init__(self, state_dir: str | os.PathLike) -> None:
@@ -243,7 +132,7 @@ class Store:
                 f"version {SCHEMA_VERSION}"
             )
         with self._write() as c:
-            for statement in _SCHEMA.split(";"):
+            for statement in SCHEMA.split(";"):
                 if statement.strip():
                     c.execute(statement)
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -328,7 +217,7 @@ class Store:
         an iterable of byte chunks."""
         file_id = new_file_id()
         if hasattr(source, "read"):
-            chunks: Iterable[bytes] = iter(lambda: source.read(_COPY_CHUNK), b"")  # type: ignore[union-attr]
+            chunks: Iterable[bytes] = iter(lambda: source.read(COPY_CHUNK), b"")  # type: ignore[union-attr]
         else:
             chunks = source  # type: ignore[assignment]
         size = self._write_blob(file_id, chunks)
@@ -455,8 +344,8 @@ class Store:
             False when the batch is unknown or not in an expected status (nothing changed).
         """
         sets = {"status": status, **fields}
-        if status in _STATUS_TIME:
-            sets[_STATUS_TIME[status]] = int(time.time())
+        if status in STATUS_TIME:
+            sets[STATUS_TIME[status]] = int(time.time())
         values = [json.dumps(v) if isinstance(v, dict) else v for v in sets.values()]
         sql = "UPDATE batches SET " + ", ".join(f"{k} = ?" for k in sets) + " WHERE id = ?"
         args = [*values, batch_id]
@@ -466,226 +355,3 @@ class Store:
             args += expect
         with self._write() as conn:
             return conn.execute(sql, args).rowcount == 1
-
-    # ---- requests -----------------------------------------------------------------------
-    def reset_requests(self, batch_id: str) -> None:
-        """Forget a batch's request rows and counters (validation starts over)."""
-        with self._write() as conn:
-            conn.execute("DELETE FROM requests WHERE batch_id = ?", (batch_id,))
-            conn.execute(
-                "UPDATE batches SET total = 0, completed = 0, failed = 0, prompt_tokens = 0, "
-                "completion_tokens = 0 WHERE id = ?",
-                (batch_id,),
-            )
-
-    def insert_requests(self, batch_id: str, rows: list[InputRow]) -> None:
-        """Add validated input rows (one transaction); failed rows count as failed results."""
-        with self._write() as conn:
-            seq = self._max_done_seq(conn, batch_id)
-            values = []
-            failed = 0
-            now = time.time()
-            for r in rows:
-                if r.result is None:
-                    values.append((batch_id, r.idx, r.line, r.custom_id, r.input, PENDING))
-                    values[-1] += (None, None, None)
-                else:
-                    seq += 1
-                    failed += 1
-                    values.append(
-                        (batch_id, r.idx, r.line, r.custom_id, None, REQUEST_FAILED)
-                        + (r.result, seq, now)
-                    )
-            conn.executemany(
-                "INSERT INTO requests (batch_id, idx, line, custom_id, input, state, result, "
-                "done_seq, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                values,
-            )
-            conn.execute(
-                "UPDATE batches SET total = total + ?, failed = failed + ? WHERE id = ?",
-                (len(rows), failed, batch_id),
-            )
-
-    @staticmethod
-    def _max_done_seq(conn: sqlite3.Connection, batch_id: str) -> int:
-        row = conn.execute(
-            "SELECT MAX(done_seq) FROM requests WHERE batch_id = ? AND done_seq IS NOT NULL",
-            (batch_id,),
-        ).fetchone()
-        return row[0] or 0
-
-    def pending_requests(self, batch_id: str, after_idx: int, limit: int) -> list[PendingRequest]:
-        """Up to ``limit`` pending requests of a batch with index > ``after_idx``, by index."""
-        rows = self._conn().execute(
-            "SELECT idx, line, input FROM requests WHERE batch_id = ? AND idx > ? "
-            "AND state = ? ORDER BY idx LIMIT ?",
-            (batch_id, after_idx, PENDING, limit),
-        )
-        return [PendingRequest(batch_id, r["idx"], r["line"], r["input"]) for r in rows]
-
-    def count_pending(self, batch_id: str) -> int:
-        row = (
-            self._conn()
-            .execute(
-                "SELECT COUNT(*) FROM requests WHERE batch_id = ? AND state = ?",
-                (batch_id, PENDING),
-            )
-            .fetchone()
-        )
-        return row[0]
-
-    def commit_progress(
-        self, started: list[tuple[str, int]], finished: list[FinishedRequest]
-    ) -> None:
-        """One transaction: count an attempt for each started ``(batch_id, idx)``, store each
-        finished request's result (only if still pending: a result is never overwritten) and
-        update the batches' counters."""
-        if not started and not finished:
-            return
-        with self._write() as conn:
-            conn.executemany(
-                "UPDATE requests SET attempts = attempts + 1 WHERE batch_id = ? AND idx = ?",
-                started,
-            )
-            next_seq: dict[str, int] = {}
-            now = time.time()
-            for f in finished:
-                if f.batch_id not in next_seq:
-                    next_seq[f.batch_id] = self._max_done_seq(conn, f.batch_id)
-                seq = next_seq[f.batch_id] + 1
-                updated = conn.execute(
-                    "UPDATE requests SET state = ?, result = ?, input = NULL, done_seq = ?, "
-                    "finished_at = ? WHERE batch_id = ? AND idx = ? AND state = ?",
-                    (
-                        SUCCEEDED if f.ok else REQUEST_FAILED,
-                        f.result,
-                        seq,
-                        now,
-                        f.batch_id,
-                        f.idx,
-                        PENDING,
-                    ),
-                ).rowcount
-                if not updated:
-                    continue
-                next_seq[f.batch_id] = seq
-                conn.execute(
-                    "UPDATE batches SET completed = completed + ?, failed = failed + ?, "
-                    "prompt_tokens = prompt_tokens + ?, completion_tokens = completion_tokens + ? "
-                    "WHERE id = ?",
-                    (
-                        int(f.ok),
-                        int(not f.ok),
-                        f.prompt_tokens,
-                        f.completion_tokens,
-                        f.batch_id,
-                    ),
-                )
-
-    def fail_pending(self, batch_id: str, make_line: Any) -> int:
-        """Give every still-pending request of a batch an error result (cancel / expiry).
-
-        ``make_line(custom_id, line) -> str`` builds each error output line. Returns how many
-        requests were failed.
-        """
-        with self._write() as conn:
-            rows = conn.execute(
-                "SELECT idx, line, custom_id FROM requests WHERE batch_id = ? AND state = ? "
-                "ORDER BY idx",
-                (batch_id, PENDING),
-            ).fetchall()
-            seq = self._max_done_seq(conn, batch_id)
-            now = time.time()
-            updates = []
-            for r in rows:
-                seq += 1
-                updates.append(
-                    (REQUEST_FAILED, make_line(r["custom_id"], r["line"]), seq, now)
-                    + (batch_id, r["idx"])
-                )
-            conn.executemany(
-                "UPDATE requests SET state = ?, result = ?, input = NULL, done_seq = ?, "
-                "finished_at = ? WHERE batch_id = ? AND idx = ?",
-                updates,
-            )
-            conn.execute(
-                "UPDATE batches SET failed = failed + ? WHERE id = ?", (len(rows), batch_id)
-            )
-        return len(rows)
-
-    def results_after(self, batch_id: str, after_seq: int, limit: int) -> list[StoredResult]:
-        """Stored results with ``done_seq`` > ``after_seq``, in storing order."""
-        rows = self._conn().execute(
-            "SELECT done_seq, idx, line, custom_id, result FROM requests WHERE batch_id = ? "
-            "AND done_seq > ? ORDER BY done_seq LIMIT ?",
-            (batch_id, after_seq, limit),
-        )
-        return [
-            StoredResult(r["done_seq"], r["idx"], r["line"], r["custom_id"], r["result"])
-            for r in rows
-        ]
-
-    def _result_chunks(self, batch_id: str, state: str) -> Iterator[bytes]:
-        """Result lines of a batch in one state, by input index, as ~1 MiB chunks of JSONL."""
-        cursor = self._conn().execute(
-            "SELECT result FROM requests WHERE batch_id = ? AND state = ? ORDER BY idx",
-            (batch_id, state),
-        )
-        parts, size = [], 0
-        for (result,) in cursor:
-            data = result.encode("utf-8") + b"\n"
-            parts.append(data)
-            size += len(data)
-            if size >= _COPY_CHUNK:
-                yield b"".join(parts)
-                parts, size = [], 0
-        if parts:
-            yield b"".join(parts)
-
-    def request_attempts(self, batch_id: str) -> dict[int, int]:
-        """``{idx: attempts}`` of a batch (how often each request was handed to the engine)."""
-        rows = self._conn().execute(
-            "SELECT idx, attempts FROM requests WHERE batch_id = ?", (batch_id,)
-        )
-        return {r["idx"]: r["attempts"] for r in rows}
-
-    def finish_batch(self, batch_id: str, status: str, expect: Iterable[str]) -> bool:
-        """Write the batch's output file (successes) and error file (failures), each in input
-        order, and move the batch to its final ``status`` in the same transaction that
-        registers the files. A kind with no line gets no file (its id stays null).
-
-        Returns:
-            False when the batch was not in one of the ``expect`` statuses (nothing is
-            registered; the blobs just written are removed).
-        """
-        rows, ids = [], {}
-        now = int(time.time())
-        for kind, state in (("output", SUCCEEDED), ("error", REQUEST_FAILED)):
-            file_id = new_file_id()
-            size = self._write_blob(file_id, self._result_chunks(batch_id, state))
-            if size == 0:
-                self.blob_path(file_id).unlink()
-                continue
-            ids[f"{kind}_file_id"] = file_id
-            rows.append((file_id, f"{batch_id}_{kind}.jsonl", "batch_output", size, now))
-        expect = list(expect)
-        with self._write() as conn:
-            current = conn.execute("SELECT status FROM batches WHERE id = ?", (batch_id,))
-            row = current.fetchone()
-            ok = row is not None and row[0] in expect
-            if ok:
-                conn.executemany(
-                    "INSERT INTO files (id, filename, purpose, bytes, created_at) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    rows,
-                )
-                sets = {"status": status, _STATUS_TIME[status]: now, **ids}
-                conn.execute(
-                    "UPDATE batches SET " + ", ".join(f"{k} = ?" for k in sets) + " WHERE id = ?",
-                    (*sets.values(), batch_id),
-                )
-        if not ok:
-            for file_id in ids.values():
-                with contextlib.suppress(OSError):
-                    self.blob_path(file_id).unlink()
-        return ok
