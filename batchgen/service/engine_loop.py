@@ -27,6 +27,13 @@ Durability: the attempts of requests handed to the engine and the results of req
 finished are committed in one transaction per iteration (`Store.commit_progress`). A request
 killed in flight is still ``pending`` in the store and runs again after a restart; a finished
 one never does (its ``attempts`` stays 1).
+
+Modules: the loop's records (`OnlineRequest`, `OnlineEvent`, `LoopStats`, ...) are in
+`batchgen.service.engine_loop_records` (re-exported here); the hand-over to the input workers
+is the `LoopInputs` mixin in `batchgen.service.engine_loop_inputs`; the output side (results,
+streaming, the per-iteration commit, the stats) is the `LoopOutputs` mixin in
+`batchgen.service.engine_loop_outputs`. This module keeps `EngineLoop` itself: its API for
+other threads, the loop, the batches and admission.
 """
 
 from __future__ import annotations
@@ -37,28 +44,23 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchgen.engine.input_processor import ProcessedPrompt
-from batchgen.entrypoints.openai_protocol import (
-    REQUEST_FAILED,
-    ApiRequest,
-    BatchLineError,
-    BatchRequest,
-    dumps_line,
-    error_line,
-    error_line_from,
-    parse_batch_line,
-    rejected_error,
-    response_body,
-    success_line,
-)
 from batchgen.outputs import RequestOutput
 from batchgen.service import store as st
+from batchgen.service.engine_loop_inputs import LoopInputs
+from batchgen.service.engine_loop_outputs import LoopOutputs
+from batchgen.service.engine_loop_records import (  # noqa: F401 (re-exported)
+    BatchCursor,
+    InFlightBatchRequest,
+    LoopStats,
+    OnlineEvent,
+    OnlineRequest,
+    PreparingRequest,
+    StreamDelta,
+)
 from batchgen.service.latency import LatencyHistograms
 
 logger = logging.getLogger(__name__)
@@ -67,116 +69,9 @@ logger = logging.getLogger(__name__)
 _FETCH_SIZE = 256
 # Idle wait for a command when nothing runs (seconds); also the expiry check period.
 _IDLE_WAIT_S = 0.5
-# Window of the tokens/s gauge (seconds).
-_RATE_WINDOW_S = 10.0
-# How often the engine's own run metrics (tile density) are read (seconds).
-_ENGINE_METRICS_PERIOD_S = 1.0
 
 
-@dataclass
-class StreamDelta:
-    """New text of one streamed sample (``index``) since the previous delta."""
-
-    index: int
-    text: str
-
-
-@dataclass
-class OnlineEvent:
-    """What the engine thread reports about an online request.
-
-    ``kind`` is ``"admitted"`` (streaming requests only: the engine accepted the request),
-    ``"delta"`` (``deltas`` set; streaming requests only), ``"done"`` (``output`` and ``body``
-    set: the finished `RequestOutput` and its OpenAI response object) or ``"error"``
-    (``status``, ``message``, ``code`` and maybe ``param`` set; the request is over).
-    """
-
-    kind: str
-    deltas: list[StreamDelta] = field(default_factory=list)
-    output: RequestOutput | None = None
-    body: dict | None = None
-    sent: dict[int, int] = field(default_factory=dict)
-    status: int = 0
-    message: str = ""
-    code: str | None = None
-    param: str | None = None
-
-
-@dataclass
-class OnlineRequest:
-    """An online request. ``emit`` is called from the engine thread (must be thread-safe).
-
-    With ``stream`` set, ``delta`` events carry text as it is generated (holding back the last
-    ``len(longest stop string) - 1`` characters, which a later stop match could still cut);
-    the ``done`` event's ``sent`` maps each sample index to the number of characters already
-    sent, so the caller sends the rest of ``output.outputs[i].text``.
-    """
-
-    api: ApiRequest
-    emit: Callable[[OnlineEvent], None]
-    stream: bool = False
-    request_id: str = field(default_factory=lambda: f"req_{uuid.uuid4().hex}")
-
-
-@dataclass
-class _InFlightBatchRequest:
-    batch_id: str
-    idx: int
-    line: int
-    custom_id: str
-    api: ApiRequest
-
-
-@dataclass
-class _Preparing:
-    """A request whose input a worker thread is processing; ``future`` gives what
-    `EngineLoop._prepare` (online) or `EngineLoop._prepare_batch` returns."""
-
-    future: Future
-    online: OnlineRequest | None = None
-    cursor: _BatchCursor | None = None
-    pending: st.PendingRequest | None = None
-
-
-@dataclass
-class _BatchCursor:
-    """An in-progress batch as the engine loop sees it."""
-
-    batch_id: str
-    expires_at: int | None
-    remaining: int  # pending in the store and not yet handed to the engine
-    after_idx: int = -1
-    buffer: collections.deque = field(default_factory=collections.deque)
-    exhausted: bool = False
-    in_flight: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.exhausted and not self.buffer and self.in_flight == 0
-
-
-@dataclass
-class LoopStats:
-    """A snapshot of the loop for ``/metrics`` (read from other threads; replaced whole)."""
-
-    batch_queued: int = 0
-    batch_running: int = 0
-    online_running: int = 0
-    online_waiting: int = 0
-    active_batches: int = 0
-    active_coroutines: int = 0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    generated_tokens_per_s: float = 0.0
-    tile_density: float | None = None
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    prefix_cache_evictions_total: int = 0
-    finished: dict[tuple[str, str], int] = field(default_factory=dict)
-
-
-class EngineLoop:
+class EngineLoop(LoopInputs, LoopOutputs):
     """Runs the engine on a background thread.
 
     Args:
@@ -209,13 +104,13 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="batchgen-engine", daemon=True)
         self._stop = threading.Event()
-        self._batches: dict[str, _BatchCursor] = {}  # insertion order = admission order
+        self._batches: dict[str, BatchCursor] = {}  # insertion order = admission order
         self._rr: collections.deque[str] = collections.deque()
-        self._batch_in_flight: dict[str, _InFlightBatchRequest] = {}
+        self._batch_in_flight: dict[str, InFlightBatchRequest] = {}
         self._online: dict[str, OnlineRequest] = {}
         self._sent: dict[str, dict[int, int]] = {}  # streamed chars per sample
         self._online_waiting: collections.deque[OnlineRequest] = collections.deque()
-        self._preparing: dict[str, _Preparing] = {}  # insertion order = hand-over order
+        self._preparing: dict[str, PreparingRequest] = {}  # insertion order = hand-over order
         # One worker per kind: an online request never waits behind a long batch prompt, and
         # each kind's requests reach the engine in admission order.
         self._online_worker = ThreadPoolExecutor(1, thread_name_prefix="batchgen-input-online")
@@ -339,7 +234,7 @@ class EngineLoop:
         if batch["status"] != st.IN_PROGRESS:
             return
         remaining = self.store.count_pending(batch_id)
-        self._batches[batch_id] = _BatchCursor(batch_id, batch["expires_at"], remaining)
+        self._batches[batch_id] = BatchCursor(batch_id, batch["expires_at"], remaining)
         self._rr.append(batch_id)
         logger.info("batch %s: %d requests to run", batch_id, remaining)
 
@@ -405,7 +300,7 @@ class EngineLoop:
             idle_turns = 0
             self._admit_batch_request(cursor, pending)
 
-    def _next_pending(self, cursor: _BatchCursor) -> st.PendingRequest | None:
+    def _next_pending(self, cursor: BatchCursor) -> st.PendingRequest | None:
         if not cursor.buffer and not cursor.exhausted:
             rows = self.store.pending_requests(cursor.batch_id, cursor.after_idx, _FETCH_SIZE)
             if rows:
@@ -414,84 +309,6 @@ class EngineLoop:
             else:
                 cursor.exhausted = True
         return cursor.buffer.popleft() if cursor.buffer else None
-
-    def _admit_batch_request(self, cursor: _BatchCursor, pending: st.PendingRequest) -> None:
-        cursor.remaining = max(0, cursor.remaining - 1)
-        cursor.in_flight += 1
-        future = self._batch_worker.submit(self._prepare_batch, pending)
-        self._hand_over(
-            f"req_{uuid.uuid4().hex}", _Preparing(future, cursor=cursor, pending=pending)
-        )
-
-    def _admit_online(self, request: OnlineRequest) -> None:
-        future = self._online_worker.submit(self._prepare, request.api)
-        self._hand_over(request.request_id, _Preparing(future, online=request))
-
-    def _hand_over(self, request_id: str, prep: _Preparing) -> None:
-        self._preparing[request_id] = prep
-        prep.future.add_done_callback(lambda _: self._commands.put(("wake",)))
-
-    def _prepare(self, api: ApiRequest) -> ProcessedPrompt:
-        """On a worker thread: chat template, tokenization, length checks (ValueError)."""
-        processor = self.engine.input_processor
-        prompt = processor.apply_chat_template(api.messages) if api.is_chat else api.prompt
-        return processor.process(prompt, api.sampling_params, max_tokens_must_fit=True)
-
-    def _prepare_batch(self, pending: st.PendingRequest) -> tuple[BatchRequest, ProcessedPrompt]:
-        """On a worker thread: parse the stored line (`BatchLineError`), then `_prepare` it
-        (its exceptions carry the parsed line in ``err.batch_request``)."""
-        parsed = parse_batch_line(pending.input, pending.line)
-        try:
-            return parsed, self._prepare(parsed.request)
-        except Exception as err:
-            err.batch_request = parsed
-            raise
-
-    def _take_prepared(self) -> None:
-        """Queue in the engine every request whose input processing has finished (in hand-over
-        order), or record why it cannot run."""
-        for request_id, prep in list(self._preparing.items()):
-            if not prep.future.done():
-                continue
-            del self._preparing[request_id]
-            if prep.online is not None:
-                self._take_online(request_id, prep)
-            else:
-                self._take_batch(request_id, prep)
-
-    def _take_online(self, request_id: str, prep: _Preparing) -> None:
-        request = prep.online
-        api = request.api
-        exc = _exception(prep.future)
-        if isinstance(exc, ValueError):
-            code, param = rejected_error(api, exc)
-            self._emit_error(request, 400, str(exc), code, param)
-            return
-        if exc is not None:  # a bug in input processing: this request fails, not the loop
-            logger.error("input of online request %s failed", request_id, exc_info=exc)
-            self._emit_error(request, 500, _input_failure(exc), REQUEST_FAILED)
-            return
-        processed = prep.future.result()
-        self.engine.add_processed_request(request_id, processed, api.sampling_params)
-        self._online[request_id] = request
-        if request.stream:
-            self._sent[request_id] = {}
-            request.emit(OnlineEvent("admitted"))
-
-    def _take_batch(self, request_id: str, prep: _Preparing) -> None:
-        cursor, pending = prep.cursor, prep.pending
-        exc = _exception(prep.future)
-        if exc is not None:
-            cursor.in_flight -= 1
-            self._record_failure(pending.batch_id, pending.idx, _input_error_line(pending, exc))
-            return
-        parsed, processed = prep.future.result()
-        api = parsed.request
-        self.engine.add_processed_request(request_id, processed, api.sampling_params)
-        self._started.append((pending.batch_id, pending.idx))
-        self._batch_in_flight[request_id] = _InFlightBatchRequest(
-            pending.batch_id, pending.idx, pending.line, parsed.custom_id, api
-        )
 
     def _abort_online(self, request_id: str) -> None:
         for i, waiting in enumerate(self._online_waiting):
@@ -505,191 +322,3 @@ class EngineLoop:
         if self._online.pop(request_id, None) is not None:
             self._sent.pop(request_id, None)
             self.engine.abort_request(request_id)
-
-    # ---- outputs ------------------------------------------------------------------------
-    def _on_output(self, output: RequestOutput) -> None:
-        online = self._online.pop(output.request_id, None)
-        if online is not None:
-            self.latency.observe(output, "online")
-            self._finish_online(online, output)
-            return
-        req = self._batch_in_flight.pop(output.request_id, None)
-        if req is None:
-            return  # aborted batch request that finished in the same step
-        self.latency.observe(output, "batch")
-        cursor = self._batches.get(req.batch_id)
-        if cursor is not None:
-            cursor.in_flight -= 1
-        if output.error is not None:
-            line = error_line(
-                req.custom_id, REQUEST_FAILED, f"line {req.line}: {output.error}", line=req.line
-            )
-            self._record_failure(req.batch_id, req.idx, line)
-            return
-        body = response_body(
-            req.api, output, model=self.engine.model_name, tokenizer=self.engine.tokenizer
-        )
-        result = dumps_line(success_line(req.custom_id, output.request_id, body))
-        usage = body["usage"]
-        self._finished.append(
-            st.FinishedRequest(
-                req.batch_id,
-                req.idx,
-                True,
-                result,
-                usage["prompt_tokens"],
-                usage["completion_tokens"],
-            )
-        )
-        self._counts["batch", "succeeded"] += 1
-
-    def _record_failure(self, batch_id: str, idx: int, line: dict) -> None:
-        self._finished.append(st.FinishedRequest(batch_id, idx, False, dumps_line(line)))
-        self._counts["batch", "failed"] += 1
-
-    def _finish_online(self, request: OnlineRequest, output: RequestOutput) -> None:
-        sent = self._sent.pop(request.request_id, {})
-        if output.error is not None:
-            self._emit_error(request, 400, output.error, REQUEST_FAILED)
-            return
-        body = response_body(
-            request.api, output, model=self.engine.model_name, tokenizer=self.engine.tokenizer
-        )
-        self._counts["online", "succeeded"] += 1
-        request.emit(OnlineEvent("done", output=output, body=body, sent=sent))
-
-    def _emit_error(
-        self,
-        request: OnlineRequest,
-        status: int,
-        message: str,
-        code: str,
-        param: str | None = None,
-    ) -> None:
-        self._counts["online", "failed"] += 1
-        event = OnlineEvent("error", status=status, message=message, code=code, param=param)
-        with contextlib.suppress(Exception):  # the client may be gone
-            request.emit(event)
-
-    def _stream_deltas(self) -> None:
-        for request_id, sent in self._sent.items():
-            texts = _partial_texts(self.engine, request_id)
-            if texts is None:
-                continue  # the engine does not expose partial text: the rest comes at "done"
-            stops = self._online[request_id].api.sampling_params.stop or []
-            hold = max((len(s) for s in stops), default=1) - 1
-            deltas = []
-            for index, text in texts.items():
-                safe = len(text) - hold
-                start = sent.get(index, 0)
-                if safe > start:
-                    deltas.append(StreamDelta(index, text[start:safe]))
-                    sent[index] = safe
-            if deltas:
-                self._online[request_id].emit(OnlineEvent("delta", deltas=deltas))
-
-    def _fail_all_in_flight(self, exc: Exception) -> None:
-        reason = f"the engine failed while running this request ({type(exc).__name__})"
-        for req in list(self._batch_in_flight.values()):
-            message = f"line {req.line}: {reason}"
-            line = error_line(req.custom_id, REQUEST_FAILED, message, line=req.line)
-            self._record_failure(req.batch_id, req.idx, line)
-            cursor = self._batches.get(req.batch_id)
-            if cursor is not None:
-                cursor.in_flight -= 1
-        for request in list(self._online.values()):
-            self._emit_error(request, 500, reason, "engine_error")
-        for request_id in [*self._batch_in_flight, *self._online]:
-            with contextlib.suppress(Exception):
-                self.engine.abort_request(request_id)
-        self._batch_in_flight.clear()
-        self._online.clear()
-        self._sent.clear()
-
-    def _commit(self) -> None:
-        if not self._started and not self._finished:
-            if self._changed:
-                self._on_results(self._changed)
-                self._changed = set()
-            return
-        self.store.commit_progress(self._started, self._finished)
-        self._changed.update(f.batch_id for f in self._finished)
-        self._started, self._finished = [], []
-        self._on_results(self._changed)
-        self._changed = set()
-
-    def _update_stats(self) -> None:
-        engine = self.engine
-        stats = engine.stats
-        now = time.monotonic()
-        self._rate.append((now, stats.num_generated_tokens))
-        while len(self._rate) > 2 and now - self._rate[0][0] > _RATE_WINDOW_S:
-            self._rate.popleft()
-        (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
-        if now - self._metrics_at >= _ENGINE_METRICS_PERIOD_S:
-            self._metrics_at = now
-            self._tile_density = _tile_density(engine)
-        scheduler = getattr(engine, "scheduler", None)
-        running = getattr(scheduler, "running", None)
-        self.stats = LoopStats(
-            batch_queued=sum(c.remaining for c in self._batches.values()),
-            batch_running=len(self._batch_in_flight),
-            online_running=len(self._online),
-            online_waiting=self._commands.qsize(),
-            active_batches=len(self._batches),
-            active_coroutines=len(running) if running is not None else len(self._online),
-            kv_cache_usage=float(engine.kv_cache.usage),
-            prompt_tokens_total=stats.num_prompt_tokens,
-            generated_tokens_total=stats.num_generated_tokens,
-            generated_tokens_per_s=(n1 - n0) / (t1 - t0) if t1 > t0 else 0.0,
-            tile_density=self._tile_density,
-            prefix_cache_queries_total=getattr(stats, "prefix_cache_queries", 0),
-            prefix_cache_hits_total=getattr(stats, "prefix_cache_hits", 0),
-            prefix_cache_evictions_total=getattr(stats, "prefix_cache_evictions", 0),
-            finished=dict(self._counts),
-        )
-
-
-def _exception(future: Future) -> BaseException | None:
-    """The exception a finished worker job raised, or None. Read with ``future.exception()``
-    rather than by re-raising ``future.result()``: re-raised here, its traceback would take in
-    the engine thread's frames, whose locals hold the future, a reference cycle that kept each
-    failed request's prompt (megabytes for an oversized one) alive until a full GC."""
-    return future.exception()
-
-
-def _input_failure(exc: Exception) -> str:
-    return f"the server failed while processing this request's input ({type(exc).__name__})"
-
-
-def _input_error_line(pending: st.PendingRequest, exc: Exception) -> dict:
-    """The error line of a batch request whose input processing raised ``exc``."""
-    if isinstance(exc, BatchLineError):  # validated before; only if the protocol changed since
-        return error_line_from(exc)
-    parsed: BatchRequest | None = getattr(exc, "batch_request", None)
-    custom_id = parsed.custom_id if parsed is not None else None
-    if isinstance(exc, ValueError) and parsed is not None:  # the engine refused the prompt
-        code, param = rejected_error(parsed.request, exc)
-        message = f"line {pending.line}: {exc}"
-        return error_line(custom_id, code, message, param=param, line=pending.line)
-    logger.error("input of batch %s line %d failed", pending.batch_id, pending.line, exc_info=exc)
-    message = f"line {pending.line}: {_input_failure(exc)}"
-    return error_line(custom_id, REQUEST_FAILED, message, line=pending.line)
-
-
-def _tile_density(engine: Any) -> float | None:
-    """The engine's expert-GEMM tile density (`LLMEngine.get_metrics`; a data-parallel
-    engine's `live_metrics`, which needs no round trip to its ranks), None when unknown."""
-    get_metrics = getattr(engine, "live_metrics", None) or getattr(engine, "get_metrics", None)
-    if get_metrics is None:
-        return None
-    value = get_metrics().get("tile_density")
-    return None if value is None else float(value)
-
-
-def _partial_texts(engine: Any, request_id: str) -> dict[int, str] | None:
-    """Text generated so far by each sample of an unfinished request
-    (`LLMEngine.get_partial_texts`), or None when the engine (e.g. a test fake) lacks it: the
-    stream then carries the whole text in its last chunk."""
-    getter = getattr(engine, "get_partial_texts", None)
-    return getter(request_id) if getter is not None else None
