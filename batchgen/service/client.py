@@ -11,6 +11,10 @@ backoff for up to ``retry_timeout`` seconds, so a server restart in the middle o
 server keeps in its store, so none is lost or repeated. Requests that create something
 (uploads, new batches, cancel) are retried only when the connection could not be opened, so a
 retry never creates a second batch.
+
+Modules: `BatchJob`, `BatchResult` and `BatchGenError` are in `batchgen.service.client_jobs`;
+the grouping of input-file lines by endpoint in `batchgen.service.client_input`. Both are
+re-exported here, the import path users know.
 """
 
 from __future__ import annotations
@@ -20,161 +24,32 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from batchgen.service.client_input import (  # noqa: F401 (re-exported)
+    CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
+    SUPPORTED_URLS,
+    EndpointLines,
+    line_endpoint,
+    split_by_endpoint,
+)
+from batchgen.service.client_jobs import (  # noqa: F401 (re-exported)
+    TERMINAL_STATUSES,
+    BatchGenError,
+    BatchJob,
+    BatchResult,
+)
+
 logger = logging.getLogger(__name__)
 
-COMPLETIONS_URL = "/v1/completions"
-CHAT_COMPLETIONS_URL = "/v1/chat/completions"
-SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_COMPLETIONS_URL)
-TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 _RETRY_STATUSES = frozenset({502, 503, 504})
 _BACKOFF_START_S = 0.2
 _BACKOFF_MAX_S = 5.0
-
-
-class BatchGenError(Exception):
-    """An error answered by the server (HTTP 4xx/5xx), or the server stayed unreachable.
-
-    Attributes:
-        status_code: the HTTP status, or None when the server could not be reached.
-        code / param / type: the OpenAI error object's fields (None when absent).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int | None = None,
-        code: str | None = None,
-        param: str | None = None,
-        type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.code = code
-        self.param = param
-        self.type = type
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """One result of a batch, as stored by the server.
-
-    Attributes:
-        index: 0-based position of the request among the input's non-blank lines (for
-            `BatchGenClient.submit_batch`: the index of the prompt).
-        custom_id: the request's custom_id (None for an input line that had none).
-        line: 1-based line number in the input file.
-        result: the batch output line ``{"id", "custom_id", "response", "error"}``.
-    """
-
-    index: int
-    custom_id: str | None
-    line: int
-    result: dict[str, Any]
-
-    @property
-    def ok(self) -> bool:
-        return self.result.get("error") is None
-
-    @property
-    def body(self) -> dict[str, Any] | None:
-        """The ``text_completion`` / ``chat.completion`` object, None for an error."""
-        response = self.result.get("response")
-        if not self.ok or not response:
-            return None
-        return response.get("body")
-
-    @property
-    def error(self) -> dict[str, Any] | None:
-        """``{"code", "message", "param", "line"}`` for a failed request, else None."""
-        return self.result.get("error")
-
-    @property
-    def text(self) -> str | None:
-        """The first choice's text (completions) or message content (chat); None on error."""
-        body = self.body
-        if not body or not body.get("choices"):
-            return None
-        choice = body["choices"][0]
-        return choice["message"]["content"] if "message" in choice else choice.get("text")
-
-
-class BatchJob:
-    """A batch on the server (returned by the submit methods, or `BatchGenClient.batch`)."""
-
-    def __init__(self, client: BatchGenClient, batch: dict[str, Any]) -> None:
-        self.client = client
-        self.id: str = batch["id"]
-        self.batch = batch
-
-    def __repr__(self) -> str:
-        return f"BatchJob(id={self.id!r}, status={self.batch.get('status')!r})"
-
-    def refresh(self) -> dict[str, Any]:
-        """Fetch the batch object (OpenAI's ``batch``) and keep it in ``self.batch``."""
-        self.batch = self.client._request("GET", f"/v1/batches/{self.id}").json()
-        return self.batch
-
-    def status(self) -> str:
-        """The current status: validating, in_progress, finalizing, completed, failed,
-        cancelling, cancelled or expired."""
-        return self.refresh()["status"]
-
-    def wait(self, *, poll_interval: float = 1.0, timeout: float | None = None) -> dict[str, Any]:
-        """Poll until the batch reaches a final status; returns the batch object.
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.refresh()["status"] not in TERMINAL_STATUSES:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"batch {self.id} is still {self.batch['status']}")
-            time.sleep(poll_interval)
-        return self.batch
-
-    def cancel(self) -> dict[str, Any]:
-        """Ask the server to cancel; returns the batch object (status ``cancelling``, later
-        ``cancelled``). Raises `BatchGenError` (409) when the batch already finished."""
-        self.batch = self.client._request("POST", f"/v1/batches/{self.id}/cancel").json()
-        return self.batch
-
-    def iter_results(self, *, poll_wait: float = 10.0) -> Iterator[BatchResult]:
-        """Yield every result of the batch once, as soon as the server has stored it.
-
-        Results come in the order they were stored (not input order); each carries its
-        ``index`` and ``custom_id``. Ends when the batch has reached a final status and every
-        result was yielded; for a cancelled or expired batch that includes the error results
-        of the requests that never ran. Survives server restarts (see the module docstring).
-
-        Args:
-            poll_wait: seconds the server holds a poll open waiting for new results (1-30).
-        """
-        wait = max(1, min(30, int(poll_wait)))
-        after = 0
-        while True:
-            page = self.client._request(
-                "GET",
-                f"/v1/batches/{self.id}/results",
-                params={"after": after, "wait": wait},
-                timeout=self.client.timeout + wait,
-            ).json()
-            for item in page["data"]:
-                yield BatchResult(item["index"], item["custom_id"], item["line"], item["result"])
-            after = page["last_seq"]
-            if page["complete"]:
-                return
-
-    def results(self) -> list[BatchResult]:
-        """Every result, in input order (waits for the batch to finish)."""
-        return sorted(self.iter_results(), key=lambda r: r.index)
 
 
 class BatchGenClient:
@@ -446,54 +321,3 @@ def _checked(response: httpx.Response) -> httpx.Response:
 
 def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-@dataclass
-class EndpointLines:
-    """The lines of a batch input file that go to one endpoint (`split_by_endpoint`).
-
-    Attributes:
-        data: the file's bytes with every other endpoint's line blanked (an empty line), so
-            line numbers stay those of the file.
-        num_lines: how many lines (not blank) go to this endpoint.
-    """
-
-    data: bytes
-    num_lines: int
-
-
-def line_endpoint(raw: bytes) -> str | None:
-    """The endpoint of one batch input line: its ``url`` when a string, else
-    ``/v1/chat/completions`` for a line with ``messages``, else ``/v1/completions``; None for
-    a line that is not a JSON object (the server reports its error)."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("url"), str):
-        return obj["url"]
-    return CHAT_COMPLETIONS_URL if "messages" in obj else COMPLETIONS_URL
-
-
-def split_by_endpoint(path: str | os.PathLike) -> dict[str, EndpointLines]:
-    """Group the lines of a batch input file by endpoint (`line_endpoint`), in order of first
-    appearance. A line with no endpoint (not JSON) or with one BatchGen does not serve (say
-    ``/v1/embeddings``) goes with the first served endpoint, whose batch reports its error
-    line (``invalid_url`` for the latter, as ``batchgen run`` does) while the rest runs; a file
-    of such lines only goes to ``/v1/completions``. Blank lines are kept in every group (the
-    server skips them)."""
-    lines = Path(path).read_bytes().splitlines(keepends=True)
-    ends = [None if not raw.strip() else line_endpoint(raw) for raw in lines]
-    ends = [e if e in SUPPORTED_URLS else None for e in ends]
-    urls = list(dict.fromkeys(e for e in ends if e is not None))
-    if not urls and any(raw.strip() for raw in lines):
-        urls = [COMPLETIONS_URL]
-    # Each non-blank line's batch: its own endpoint, or the first one for a line without.
-    owners = [None if not raw.strip() else (e or urls[0]) for raw, e in zip(lines, ends)]
-    groups = {}
-    for url in urls:
-        keep = [raw if owner in (None, url) else b"\n" for raw, owner in zip(lines, owners)]
-        groups[url] = EndpointLines(b"".join(keep), owners.count(url))
-    return groups
