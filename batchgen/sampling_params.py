@@ -1,34 +1,36 @@
 """Per-request sampling settings, with vLLM's names and semantics (`vllm.SamplingParams`).
 
 Pure Python (no torch), so that a client process can build requests without the engine.
+The checks of single fields and the bounds (``MAX_N``, ``MAX_LOGPROBS``, ...) are in
+`batchgen.sampling_params_checks`; the bounds are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from numbers import Integral, Real
 
+from batchgen.sampling_params_checks import (  # noqa: F401 (bounds re-exported)
+    GREEDY_TEMPERATURE_EPS,
+    MAX_INT64,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    check_bad_words,
+    check_float,
+    check_int,
+    check_logit_bias,
+    check_stop_strings,
+    check_stop_token_ids,
+    check_structured_outputs,
+    is_int,
+    raise_field_error,
+    short_repr,
+)
 from batchgen.structured.params import StructuredOutputsParams
-
-# Bounds beyond which float32 sampling would overflow, and a cap on samples per request
-# (each sample is a sequence with its own KV cache; OpenAI caps n at 128).
-MAX_N = 1024
-MAX_TEMPERATURE = 1e4
-MIN_REPETITION_PENALTY = 1e-4
-MAX_REPETITION_PENALTY = 1e4
-# Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
-GREEDY_TEMPERATURE_EPS = 1e-5
-# Largest `logprobs` a request may ask for (vLLM's default `max_logprobs`, OpenAI's cap).
-MAX_LOGPROBS = 20
-# Largest value of an integer field that counts tokens or names them (top_k, max_tokens,
-# min_tokens, stop_token_ids): such values meet int64 tensors in the sampler and in rank-to-rank
-# exchanges, so a larger one would fail the whole engine step instead of this request.
-MAX_INT64 = 2**63 - 1
-# OpenAI's range for a `logit_bias` value.
-MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -159,37 +161,37 @@ class SamplingParams:
         self._bad_words_token_ids: list[list[int]] | None = None if self.bad_words else []
 
     def _validate_and_normalise(self) -> None:
-        self.n = _int(self.n, "n", minimum=1)
+        self.n = check_int(self.n, "n", minimum=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         # Upper bounds keep the float32 sampler finite (1/temperature, logit/penalty).
-        self.temperature = _float(
+        self.temperature = check_float(
             self.temperature,
             "temperature",
             f"[0, {MAX_TEMPERATURE:g}]",
             lambda x: 0 <= x <= MAX_TEMPERATURE,
         )
-        self.top_p = _float(self.top_p, "top_p", "(0, 1]", lambda x: 0 < x <= 1)
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT64:
+        self.top_p = check_float(self.top_p, "top_p", "(0, 1]", lambda x: 0 < x <= 1)
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT64:
             raise ValueError(
                 "top_k must be an integer >= 1, or 0 or -1 to disable it, and at most "
-                f"{MAX_INT64}, got {_short(self.top_k)}"
+                f"{MAX_INT64}, got {short_repr(self.top_k)}"
             )
         self.top_k = max(int(self.top_k), 0)
-        self.min_p = _float(self.min_p, "min_p", "[0, 1]", lambda x: 0 <= x <= 1)
+        self.min_p = check_float(self.min_p, "min_p", "[0, 1]", lambda x: 0 <= x <= 1)
         if self.seed is not None:
-            self.seed = _int(self.seed, "seed")
+            self.seed = check_int(self.seed, "seed")
         if self.max_tokens is not None:
-            self.max_tokens = _int(
+            self.max_tokens = check_int(
                 self.max_tokens, "max_tokens", minimum=1, maximum=MAX_INT64, or_none=True
             )
-        self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0, maximum=MAX_INT64)
+        self.min_tokens = check_int(self.min_tokens, "min_tokens", minimum=0, maximum=MAX_INT64)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        self.stop = _stop_strings(self.stop)
-        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.stop = check_stop_strings(self.stop)
+        self.stop_token_ids = check_stop_token_ids(self.stop_token_ids)
         flags = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
@@ -202,33 +204,32 @@ class SamplingParams:
                 f"stop={self.stop!r} with detokenize=False"
             )
         if self.logprobs is not None:
-            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            if not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(
                     f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
                     f"got {self.logprobs!r}"
                 )
             self.logprobs = int(self.logprobs)
         if self.prompt_logprobs is not None:
-            if not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            if not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise ValueError(
                     f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                    f"got {_short(self.prompt_logprobs)}"
+                    f"got {short_repr(self.prompt_logprobs)}"
                 )
             self.prompt_logprobs = int(self.prompt_logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
-            setattr(
-                self, name, _float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)
-            )
-        self.repetition_penalty = _float(
+            value = check_float(getattr(self, name), name, "[-2, 2]", lambda x: -2 <= x <= 2)
+            setattr(self, name, value)
+        self.repetition_penalty = check_float(
             self.repetition_penalty,
             "repetition_penalty",
             f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
             lambda x: MIN_REPETITION_PENALTY <= x <= MAX_REPETITION_PENALTY,
         )
         if self.structured_outputs is not None:
-            self.structured_outputs = _structured_outputs(self.structured_outputs)
-        self.logit_bias = _logit_bias(self.logit_bias)
-        self.bad_words = _bad_words(self.bad_words)
+            self.structured_outputs = check_structured_outputs(self.structured_outputs)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+        self.bad_words = check_bad_words(self.bad_words)
 
     def update_from_tokenizer(self, tokenizer: object, vocab_size: int) -> None:
         """Check the token ids this request names against the model (vLLM's name for the step
@@ -247,7 +248,7 @@ class SamplingParams:
         outside = sorted(t for t in self.logit_bias or () if t >= vocab_size)
         if outside:
             shown = ", ".join(map(str, outside[:5])) + (", ..." if len(outside) > 5 else "")
-            _raise_field(
+            raise_field_error(
                 "logit_bias",
                 f"logit_bias keys must be token ids in [0, {vocab_size}) (the model's "
                 f"vocabulary), got {shown}",
@@ -256,11 +257,11 @@ class SamplingParams:
         for word in self.bad_words:
             plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not plain or not all(_is_int(t) and 0 <= t < vocab_size for t in plain + spaced):
-                _raise_field(
+            if not plain or not all(is_int(t) and 0 <= t < vocab_size for t in plain + spaced):
+                raise_field_error(
                     "bad_words",
-                    f"bad_words entry {_short(word)} must tokenize to token ids in "
-                    f"[0, {vocab_size}), got {_short(plain)}",
+                    f"bad_words entry {short_repr(word)} must tokenize to token ids in "
+                    f"[0, {vocab_size}), got {short_repr(plain)}",
                 )
             forms.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
@@ -296,146 +297,3 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
-
-
-def _structured_outputs(spec: object) -> StructuredOutputsParams:
-    """``spec`` as a `StructuredOutputsParams` checked by the grammar engine."""
-    if isinstance(spec, dict):
-        unknown = sorted(set(spec) - set(StructuredOutputsParams.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"structured_outputs has an unknown field {unknown[0]!r}")
-        spec = StructuredOutputsParams(**spec)
-    if not isinstance(spec, StructuredOutputsParams):
-        raise ValueError(
-            f"structured_outputs must be a StructuredOutputsParams or None, got {_short(spec)}"
-        )
-    from batchgen.structured.grammar import check_spec  # imports the grammar engine
-
-    check_spec(spec)
-    return spec
-
-
-def _raise_field(param: str, message: str) -> None:
-    """Raise ValueError(message) carrying the OpenAI error ``code`` and the field ``param``."""
-    err = ValueError(message)
-    err.code = "invalid_request"
-    err.param = param
-    raise err
-
-
-def _bad_words(words: object) -> list[str]:
-    if words is None:
-        return []
-    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-        raise ValueError(f"bad_words must be a list of strings or None, got {_short(words)}")
-    if any(not w.strip() for w in words):
-        raise ValueError(
-            f"bad_words entries must contain a non-space character, got {_short(list(words))}"
-        )
-    return list(words)
-
-
-def _logit_bias(bias: object) -> dict[int, float] | None:
-    """``bias`` as ``{token_id: float}``, keys and values checked (see ``logit_bias``)."""
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise ValueError(
-            "logit_bias must be an object (dict) of token id -> bias in "
-            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or None, got {_short(bias)}"
-        )
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
-            token = int(key)
-        elif _is_int(key) and key >= 0:
-            token = int(key)
-        else:
-            token = -1
-        if not 0 <= token <= MAX_INT64:
-            raise ValueError(
-                "logit_bias keys must be token ids: integers >= 0 or strings of decimal digits "
-                f"(as JSON carries them), got {_short(key)}"
-            )
-        number = math.nan
-        if isinstance(value, Real) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.nan
-        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:  # NaN fails too
-            raise ValueError(
-                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
-                f"{MAX_LOGIT_BIAS:g}], got {_short(value)} for token {_short(key)}"
-            )
-        out[token] = number
-    return out
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _short(value: object) -> str:
-    """``repr(value)``, cut to about 40 characters (an integer of 4,000 digits stays readable)."""
-    text = repr(value)
-    if len(text) <= 40:
-        return text
-    return f"{text[:20]}... ({len(text)} characters)"
-
-
-def _int(
-    value: object,
-    name: str,
-    minimum: int | None = None,
-    maximum: int | None = None,
-    or_none: bool = False,
-) -> int:
-    too_large = _is_int(value) and maximum is not None and value > maximum
-    if not _is_int(value) or (minimum is not None and value < minimum) or too_large:
-        none = " or None" if or_none else ""
-        if too_large:
-            bound = f"an integer in [{minimum}, {maximum}]"
-        else:
-            bound = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {bound}{none}, got {_short(value)}")
-    return int(value)
-
-
-def _float(value: object, name: str, allowed: str, ok: Callable[[float], bool]) -> float:
-    number = math.nan
-    if isinstance(value, Real) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an integer beyond float range (JSON allows 4,300 digits)
-            number = math.nan
-    if not math.isfinite(number) or not ok(number):
-        # "in [0, 1]" for a bounded range, "a finite number >= 0" for a one-sided one.
-        words = f"a finite number {allowed}" if allowed[0] in "<>" else f"in {allowed}"
-        raise ValueError(f"{name} must be {words}, got {_short(value)}")
-    return number
-
-
-def _stop_strings(stop: object) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
-    if any(s == "" for s in stop):
-        raise ValueError(f"stop must not contain empty strings, got {stop!r}")
-    return list(stop)
-
-
-def _stop_token_ids(ids: object) -> list[int]:
-    if ids is None:
-        return []
-    if not isinstance(ids, (list, tuple)) or not all(
-        _is_int(i) and 0 <= i <= MAX_INT64 for i in ids
-    ):
-        raise ValueError(
-            f"stop_token_ids must be a list of integers >= 0 or None, each at most {MAX_INT64}, "
-            f"got {_short(ids)}"
-        )
-    return [int(i) for i in ids]
