@@ -521,7 +521,8 @@ def test_small_batch_behind_a_large_one_progresses(server, client):
 
 
 def test_cancel_mid_run_lists_every_custom_id_once(server, sdk, tmp_path):
-    file = _upload(sdk, tmp_path, slow_lines(12, 64, prefix="cancel"))
+    # 12 lines x 256 tokens, 2 in flight: the cancel arrives long before the last line finishes.
+    file = _upload(sdk, tmp_path, slow_lines(12, 256, prefix="cancel"))
     batch = sdk.batches.create(
         input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
     )
@@ -542,7 +543,10 @@ def test_cancel_mid_run_lists_every_custom_id_once(server, sdk, tmp_path):
 
 
 def test_expired_batch_lists_every_custom_id_once(server, http, sdk, tmp_path):
-    file = _upload(sdk, tmp_path, slow_lines(10, 128, prefix="exp"))
+    # Far more work than a 1 s window holds (40 lines x 512 tokens, 2 in flight: 10,240 steps),
+    # so the batch expires however fast the engine becomes.
+    n = 40
+    file = _upload(sdk, tmp_path, slow_lines(n, 512, prefix="exp"))
     r = http.post(
         "/v1/batches",
         json={"input_file_id": file.id, "endpoint": "/v1/completions", "completion_window": "1s"},
@@ -551,7 +555,7 @@ def test_expired_batch_lists_every_custom_id_once(server, http, sdk, tmp_path):
     batch = _wait(sdk, r.json()["id"])
     assert batch.status == "expired" and batch.expired_at is not None
     out, err = _files(sdk, batch)
-    assert sorted(r["custom_id"] for r in out + err) == sorted(f"exp-{i}" for i in range(10))
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"exp-{i}" for i in range(n))
     assert err and {r["error"]["code"] for r in err} == {"batch_expired"}
 
 
