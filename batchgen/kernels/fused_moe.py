@@ -18,7 +18,13 @@ Micro-kernels (`kernel_isa`, logged once per dtype on first use):
   (``isa="avx2"`` forces the AVX2 one for A/B runs). Measured on one core of a 2-core AVX-512
   machine under load from other jobs (minimum of 40 alternated calls, E 4, top-1, H 512, I 256):
   AVX-512 vs AVX2 at 4 tokens 0.25 vs 0.24 ms (weight-bandwidth bound), 64 tokens 90 vs 67
-  GFLOP/s, 256 tokens 96 vs 69, 1,024 tokens 65 vs 49.
+  GFLOP/s, 256 tokens 96 vs 69, 1,024 tokens 65 vs 49. The AVX-512 one prefetches each
+  panel pair 2 KiB ahead in its first row block (the hardware streamer stops at every 4 KiB
+  page) and writes y_slots of a large call with non-temporal stores, as the bf16 kernels do:
+  bench layer (E 64, top-8), one thread, process time, machine loaded, same-run A/B against
+  the kernel without either: 70 tokens 8.9 -> 7.6 ms, 257 tokens 17.8 -> 15.1, 2,048 tokens
+  107 -> 93 (the stores alone: 99); 16 tokens (about 2 rows per expert, at the weight
+  stream's bandwidth already) unchanged.
 - bfloat16, chosen at run time: AMX-BF16 (``tdpbf16ps`` on 2 x 2 tiles of 16 x 16 float32)
   where the CPU has amx_bf16 and the OS grants this process the tile state (Linux
   ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked once), else ``vdpbf16ps`` (AVX512-BF16, two k per
