@@ -1,7 +1,8 @@
-"""The bf16 fused MoE kernel of a git revision against this working tree's, in one process.
+"""The fused MoE kernel of a git revision against this working tree's, in one process.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/fused_moe_ab.py --base main \\
-        [--tokens 16,70,128,512,2048] [--rounds 9] [--isa amx|avx512_bf16] [--threads 1,2]
+        [--dtype bfloat16|float32] [--tokens 16,70,128,512,2048] [--rounds 9] \\
+        [--isa amx|avx512_bf16|auto|avx2] [--threads 1,2]
 
 Both `csrc/fused_moe.cpp` trees (the revision's, taken with ``git show``, and the working
 tree's) are compiled with the flags of `batchgen.kernels.cpu_build` into a temporary folder and
@@ -30,13 +31,14 @@ from batchgen.models.layers.moe import sort_by_expert
 
 
 def build(src: Path, out: Path) -> ctypes.CDLL:
-    """Compile ``src/fused_moe.cpp`` to ``out`` (a .so) and load it, its bf16 entry typed."""
+    """Compile ``src/fused_moe.cpp`` to ``out`` (a .so) and load it, its entries typed."""
     cxx = cxx_command()
     obj = f"{out}.o"
     subprocess.run([*cxx, *CXX_FLAGS, "-c", str(src / "fused_moe.cpp"), "-o", obj], check=True)
     subprocess.run([*cxx, obj, "-o", str(out), *LINK_FLAGS], check=True)
     lib = ctypes.CDLL(str(out))
-    lib.batchgen_fused_moe_silu_bf16.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
+    for fn in (lib.batchgen_fused_moe_silu_bf16, lib.batchgen_fused_moe_silu_f32):
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
     return lib
 
 
@@ -61,25 +63,36 @@ def main() -> None:
     p.add_argument("--tokens", default="16,70,128,512,2048")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    p.add_argument("--isa", default="amx", choices=["amx", "avx512_bf16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--isa", default=None, help="bfloat16: amx (default) or avx512_bf16; float32: auto or avx2"
+    )
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=256)
     args = p.parse_args()
     e, a, h, i = args.experts, args.top_k, args.hidden, args.intermediate
-    isa = fm.ISAS[torch.bfloat16][args.isa]
+    dtype = getattr(torch, args.dtype)
+    isa_name = args.isa or ("amx" if dtype == torch.bfloat16 else "auto")
+    if isa_name not in fm.ISAS[dtype]:
+        raise SystemExit(f"--isa must be one of {sorted(fm.ISAS[dtype])} for {args.dtype}")
+    isa = fm.ISAS[dtype][isa_name]
+    entry = "batchgen_fused_moe_silu_" + ("bf16" if dtype == torch.bfloat16 else "f32")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "base").mkdir()
         checkout_csrc(args.base, tmp / "base")
         libs = {"base": build(tmp / "base", tmp / "base.so"), "new": build(CSRC, tmp / "new.so")}
         torch.manual_seed(0)
-        w13 = fm.pack_expert_weights((torch.randn(e, 2 * i, h) * 0.02).bfloat16())
-        w2 = fm.pack_expert_weights((torch.randn(e, h, i) * 0.02).bfloat16())
-        print(f"E {e} top-{a} H {h} I {i}, bf16 isa {args.isa}, base {args.base} vs working tree")
+        w13 = fm.pack_expert_weights((torch.randn(e, 2 * i, h) * 0.02).to(dtype))
+        w2 = fm.pack_expert_weights((torch.randn(e, h, i) * 0.02).to(dtype))
+        print(
+            f"E {e} top-{a} H {h} I {i}, {args.dtype} isa {isa_name}, base {args.base} vs "
+            "working tree"
+        )
         for t in (int(x) for x in args.tokens.split(",")):
-            x = torch.randn(t, h).bfloat16()
+            x = torch.randn(t, h).to(dtype)
             weights, ids = torch.topk(torch.randn(t, e).softmax(-1), a, dim=-1)
             weights = (weights / weights.sum(-1, keepdim=True)).float().contiguous()
             order, counts = sort_by_expert(ids, e)
@@ -90,7 +103,7 @@ def main() -> None:
             outs = {name: torch.empty(t, h) for name in libs}
 
             def call(name: str, threads: int, out: torch.Tensor) -> None:
-                rc = libs[name].batchgen_fused_moe_silu_bf16(
+                rc = getattr(libs[name], entry)(
                     x.data_ptr(), w13.data_ptr(), w2.data_ptr(), weights.data_ptr(),
                     order.data_ptr(), starts.data_ptr(), y_slots.data_ptr(), out.data_ptr(),
                     t, h, i, a, e, threads, isa,

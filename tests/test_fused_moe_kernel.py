@@ -58,6 +58,7 @@ def _kernel(x, w13, w2, topk_weights, topk_ids):
         (37, 4, 1, 48, 16),  # top-1
         (300, 4, 2, 64, 32),  # ~150 rows per expert: two row chunks of the kernel
         (64, 64, 8, 512, 256),  # the bench model's shapes
+        (300, 16, 8, 512, 64),  # y_slots 4.9 MB: above kStreamMinBytes, non-temporal stores
     ],
 )
 def test_kernel_matches_reference_experts(num_tokens, num_experts, top_k, hidden, inter):
@@ -81,6 +82,20 @@ def test_kernel_output_of_a_token_does_not_depend_on_the_batch():
     topk_weights, topk_ids = _routing(201, 8, 2, seed=6)
     batch = _kernel(x, w13, w2, topk_weights, topk_ids)
     for t in (0, 77, 200):
+        alone = _kernel(x[t : t + 1], w13, w2, topk_weights[t : t + 1], topk_ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
+
+
+@needs_kernel
+def test_a_token_alone_matches_it_in_a_call_with_non_temporal_stores():
+    """Above kStreamMinBytes of y_slots (T x top-k x H floats) the down GEMM's rows are written
+    with non-temporal stores, and the first row block of each panel pair prefetches: neither
+    changes a value, so a token alone (regular stores) gives the same bits."""
+    w13, w2 = _weights(16, 512, 64, seed=13)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(14))
+    topk_weights, topk_ids = _routing(300, 16, 8, seed=15)
+    batch = _kernel(x, w13, w2, topk_weights, topk_ids)
+    for t in (0, 151, 299):
         alone = _kernel(x[t : t + 1], w13, w2, topk_weights[t : t + 1], topk_ids[t : t + 1])
         assert torch.equal(alone[0], batch[t])
 

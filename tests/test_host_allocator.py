@@ -74,3 +74,19 @@ def test_huge_pages_refuse_what_is_not_one_dense_cpu_block():
     assert host_allocator.advise_huge_pages(torch.empty(2 << 20).expand(64, -1)) == 0  # stride 0
     assert host_allocator.advise_huge_pages(big.view(2, -1).t()) == 0  # not contiguous
     assert host_allocator.advise_huge_pages(5) == 0
+
+
+def test_empty_huge_pages_starts_on_a_huge_page_and_holds_the_shape(monkeypatch):
+    monkeypatch.delenv("BATCHGEN_HUGE_PAGES", raising=False)
+    page = host_allocator.HUGE_PAGE_BYTES
+    t = host_allocator.empty_huge_pages((4, 3, page // 8), torch.bfloat16)  # 3 huge pages
+    assert t.shape == (4, 3, page // 8) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    if sys.platform == "linux" and host_allocator._libc_madvise() is not None:
+        assert t.data_ptr() % page == 0
+    t.fill_(1.5)
+    assert t.float().sum().item() == 1.5 * t.numel()
+    small = host_allocator.empty_huge_pages((1000,), torch.float32)
+    assert small.shape == (1000,) and small.storage_offset() == 0  # a plain torch.empty
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "0")
+    off = host_allocator.empty_huge_pages((4, page // 4), torch.float32)
+    assert off.shape == (4, page // 4) and off.storage_offset() == 0

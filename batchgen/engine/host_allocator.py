@@ -126,3 +126,38 @@ def advise_huge_pages(t) -> int:
     if madvise is None or madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
         return 0
     return hi - lo
+
+
+def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new, uninitialised, contiguous CPU tensor whose memory starts on a 2 MiB boundary and
+    is advised for transparent huge pages (`advise_huge_pages`) before it is first written.
+
+    For large tensors read end to end many times, e.g. the fused MoE kernel's packed expert
+    weights (`batchgen.kernels.fused_moe.pack_expert_weights`: a decode step streams every
+    expert's weights once per layer). With 4 KiB pages the stream takes a TLB miss (a
+    two-level page walk in a virtual machine) every 4 KiB; measured on the bench layer (E 64,
+    H 512, I 256, top-8, one thread, process time, machine loaded by other jobs, same-run A/B):
+    float32 at 16 tokens 7.30 -> 6.02 ms, 70 tokens 10.17 -> 8.51, 257 tokens 17.4 -> 16.4;
+    bfloat16 at 16 tokens 2.67 -> 2.35, 70 tokens 3.66 -> 3.24.
+
+    Args:
+        shape: the tensor's sizes.
+        dtype: its dtype.
+    Returns:
+        A ``torch.empty``-like tensor (a view at a 2 MiB-aligned offset of a buffer 2 MiB
+        larger); a plain ``torch.empty`` when nothing was advised (smaller than two huge pages,
+        ``BATCHGEN_HUGE_PAGES=0``, not Linux, or ``madvise`` failed). Never raises beyond
+        ``torch.empty``'s own errors.
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < 2 * HUGE_PAGE_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    region = raw[offset : offset + nbytes]
+    if advise_huge_pages(region) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return region.view(dtype).view(shape)

@@ -51,10 +51,10 @@
 // The bf16 activation is silu_mul_to_bf16_pairs (fused_moe_bf16.h: libmvec's 16-lane expf);
 // AMX computes it in the gate/up GEMM's epilogue (AmxBf16::gemm_silu), the vdpbf16ps kernel
 // in a pass over float32 rows: the same function of the same float32 sums. Both bf16 kernels
-// write the down GEMM's weighted rows into y_slots with non-temporal stores when the buffer
-// is larger than kStreamMinBytes (it is read only by the slot-sum pass and is far larger than
-// the caches at large calls), with regular stores below (the slot sum then reads it back
-// from the caches, not from memory).
+// and the AVX-512 float32 one write the down GEMM's weighted rows into y_slots with
+// non-temporal stores when the buffer is larger than kStreamMinBytes (it is read only by the
+// slot-sum pass and is far larger than the caches at large calls), with regular stores below
+// (the slot sum then reads it back from the caches, not from memory).
 //
 // Experts are spread over OpenMP threads (dynamic: experts differ in rows); the library joins
 // torch's OpenMP runtime like paged_decode_attention.cpp.

@@ -44,11 +44,16 @@ struct AmxBf16 {
   static int64_t row_offset(int64_t row, int64_t k_size) { return row * k_size; }
   static bool usable(int64_t k_size) { return k_size % 32 == 0; }
 
-  // k per cache block: a GEMM with K > kKc (the bench layer's gate/up, K = H = 512) runs its
-  // k in blocks so that a panel pair's block (kKc x 32 bf16 = 16 KiB) stays in L1 while the
-  // row blocks stream past it; with the whole K = 512 a panel pair (32 KiB) and a 32-row block
-  // of A (32 KiB) overflowed the 48 KiB L1, and both came from L2 at every k step.
-  static constexpr int64_t kKc = 256;
+  // k per cache block: a GEMM with K > kKc (the bench layer's gate/up, K = H = 512, and its
+  // down projection, K = I = 256) runs its k in blocks so that a panel pair's block (kKc x 32
+  // bf16 = 8 KiB) stays in L1 while the row blocks stream past it; with the whole K = 512 a
+  // panel pair (32 KiB) and a 32-row block of A (32 KiB) overflowed the 48 KiB L1, and both
+  // came from L2 at every k step. 128 against 256 (bench layer, random top-8 routing, one
+  // thread, process time, loaded machine, same-run A/B, medians of 8): 257 tokens (about 32
+  // rows per expert) 5.01 -> 4.51 ms and 4.95 -> 4.29 in a second run, 512 tokens 7.28 ->
+  // 6.84 and 7.59 -> 7.03, 16 to 128 and 2,048 tokens 0.97-0.99; 64 was no better than 256.
+  // The partial sums wait in cbuf between k blocks, exactly: the same bits.
+  static constexpr int64_t kKc = 128;
 
   // Software prefetch distance along a weight panel (bytes). The weights are streamed once
   // per expert chunk (each tile of B is read once when m <= 32), so a call of few rows per
