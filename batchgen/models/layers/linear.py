@@ -3,11 +3,13 @@
 On a CPU with avx512_bf16, a bfloat16 model's ``nn.Linear`` layers (attention q/k/v/o, MLA
 projections, dense MLPs, shared experts, the router gate, the LM head) run on weights packed
 once instead of ``F.linear``, which repacks the weight on every call: the `packed_linear`
-kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for calls of at most
-`packed_linear_max_macs` multiply-adds (decode steps: a fixed cost of a few microseconds
-where oneDNN's is 15-20), oneDNN's inner product (`batchgen.kernels.onednn_linear`) for larger
-ones (prefill chunks: its blocking wins there). `use_packed_linear` is the one place that
-chooses; the thresholds are measured (docs/performance.md, ``benchmarks/bf16_linear.py``).
+kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for weights of at most 1 MiB at any
+row count and for other calls of at most `packed_linear_max_macs` multiply-adds (decode steps:
+a fixed cost of a few microseconds where oneDNN's is 15-20), oneDNN's inner product
+(`batchgen.kernels.onednn_linear`) for larger ones, its rows rounded up to
+`onednn_bucket_rows` so that oneDNN does not build a primitive for every new row count.
+`use_packed_linear` is the one place that chooses; the thresholds are measured
+(docs/performance.md, ``benchmarks/bf16_linear.py``, ``benchmarks/peers/dense_linear.py``).
 The class changes in place and the parameters stay, so weight loading, tying
 (``lm_head.weight is embed_tokens.weight``) and `update_weights` are untouched: the packed
 copies are keyed on the weight's storage and version counter, and is dropped by
