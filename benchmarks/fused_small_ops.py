@@ -1,6 +1,8 @@
 """The fused small-op CPU kernels against the eager torch ops they replace, alternating in one
 process (issue 19): routing (softmax + top-k + renormalise), the sort by expert, rotary on q and
-k, and the residual add + RMSNorm.
+k, rotary with the paged KV cache write (``rotary+kv write``: the rotary kernel and two
+``index_copy_`` against `rotary_embedding_and_cache_`, a 4 GiB-style cache of 2^21 slots, slots
+scattered), and the residual add + RMSNorm.
 
     .venv/bin/python benchmarks/fused_small_ops.py [--rows 70,2048] [--reps 300] [--threads 1]
 
@@ -21,7 +23,7 @@ import torch
 
 from batchgen.kernels.moe_routing import moe_sort
 from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from batchgen.kernels.rotary_embedding import rotary_embedding_
+from batchgen.kernels.rotary_embedding import rotary_embedding_, rotary_embedding_and_cache_
 from batchgen.models.layers.rotary import RotaryEmbedding
 
 
@@ -70,12 +72,27 @@ def cases(rows: int, dtype: torch.dtype):
     def rope_eager():
         return rope.forward(None, q, k, {(rope.cache_key, dtype): (cos, sin)})
 
+    v = qkv[:, 640:].view(rows, 2, 64)
+    num_slots = 2**21  # the bench's 4 GiB budget in bf16 holds about this many per layer
+    k_cache = torch.zeros(num_slots, 2, 64, dtype=dtype)
+    v_cache = torch.zeros(num_slots, 2, 64, dtype=dtype)
+    slots = torch.randperm(num_slots)[:rows]
+
+    def rope_then_index_copy():
+        rotary_embedding_(q, k, cos, sin)
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
+    def rope_and_cache():
+        rotary_embedding_and_cache_(q, k, v, cos, sin, (k_cache, v_cache), slots)
+
     h, x = torch.randn(rows, 512).to(dtype), torch.randn(rows, 512).to(dtype)
     w = torch.randn(512).to(dtype)
     return [
         ("routing", routing_eager, lambda: topk_softmax(logits, 8, True)),
         ("sort_by_expert", sort_eager, sort_kernel),
         ("rotary q,k", rope_eager, lambda: rotary_embedding_(q, k, cos, sin)),
+        ("rotary+kv write", rope_then_index_copy, rope_and_cache),
         ("add+rms_norm", lambda: rms_norm(h + x, w, 1e-5),
          lambda: fused_add_rms_norm(x, h, w, 1e-5)),
     ]  # fmt: skip

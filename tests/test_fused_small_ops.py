@@ -6,7 +6,8 @@
   Non-finite logits give torch's ids and NaN weights, as torch.
 - `moe_sort`: exactly ``argsort(stable=True)`` and ``bincount``.
 - `rotary_embedding_` (batchgen/kernels/rotary_embedding.py): bit for bit the eager
-  ``q * cos + rotate_half(q) * sin``, float32 and bf16.
+  ``q * cos + rotate_half(q) * sin``, float32 and bf16; `rotary_embedding_and_cache_` the same
+  rotation and the two ``index_copy_`` of k and v into the paged cache, bit for bit.
 - `fused_add_rms_norm` (batchgen/kernels/rms_norm.py): the new residual bit for bit
   ``residual + x`` and the normed rows bit for bit `rms_norm` of it; and the decoder layers
   that fuse it (`add_and_prenorm` / `prenormed`) give the unfused stages' bits.
@@ -24,7 +25,11 @@ from batchgen.kernels.moe_routing import (
     topk_softmax_available,
 )
 from batchgen.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from batchgen.kernels.rotary_embedding import rotary_embedding_available
+from batchgen.kernels.rotary_embedding import (
+    rotary_embedding_and_cache_,
+    rotary_embedding_and_cache_available,
+    rotary_embedding_available,
+)
 from batchgen.models.layers.norm import (
     PRENORMED_ATTR,
     RMSNorm,
@@ -175,6 +180,55 @@ def test_rotary_kernel_is_the_eager_rotation_bit_for_bit(dtype, head_dim):
     assert q1.data_ptr() == q.data_ptr() and k1.data_ptr() == k.data_ptr()  # in place
     assert torch.equal(q1, q0) and torch.equal(k1, k0)
     assert torch.equal(qkv[:, (hq + hkv) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 70, 300])
+def test_rotary_with_cache_write_is_the_rotation_then_index_copy_bit_for_bit(dtype, tokens):
+    torch.manual_seed(tokens)
+    hq, hkv, d, num_slots = 8, 2, 64, 1024
+    rope = RotaryEmbedding(d, {"rope_type": "default", "rope_theta": 1e6})
+    positions = torch.randint(0, 30000, (tokens,))
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d) * 3).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # views of the fused projection
+    q, k, v = q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+    slots = torch.randperm(num_slots)[:tokens]  # int64, any order
+    caches = [(torch.randn(num_slots, hkv, d).to(dtype)) for _ in range(4)]
+    ref_k, ref_v, k_cache, v_cache = caches[0], caches[1], caches[0].clone(), caches[1].clone()
+    cache: dict = {}
+    q0, k0 = rope(positions, q, k, cache)  # eager, new tensors
+    ref_k.index_copy_(0, slots, k0)
+    ref_v.index_copy_(0, slots, v)
+    v_before = v.clone()
+    assert rope.rotate_and_cache_(positions, q, k, v, cache, (k_cache, v_cache), slots)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # rotated in place, the same bits
+    assert torch.equal(v, v_before)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # other slots kept
+
+
+def test_rotary_with_cache_write_refuses_what_it_cannot_write():
+    rope = RotaryEmbedding(8, {"rope_theta": 10000.0})
+    q, k, v = torch.randn(5, 2, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    kv = (torch.zeros(16, 1, 8), torch.zeros(16, 1, 8))
+    pos, slots = torch.arange(5), torch.arange(5)
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    assert rotary_embedding_and_cache_available(q, k, v, cos, sin, kv, slots)
+    for bad_kv, bad_slots, bad_v in [
+        ((kv[0].bfloat16(), kv[1].bfloat16()), slots, v),  # cache of another dtype
+        ((kv[0], kv[1][:8]), slots, v),  # caches of different sizes
+        ((torch.zeros(16, 1, 16)[:, :, ::2], kv[1]), slots, v),  # not contiguous
+        (kv, slots.int(), v),  # int32 slots
+        (kv, slots[:4], v),  # a slot short
+        (kv, slots, torch.randn(5, 1, 16)[:, :, ::2]),  # v heads not contiguous
+    ]:
+        assert not rotary_embedding_and_cache_available(q, k, bad_v, cos, sin, bad_kv, bad_slots)
+        assert not rope.rotate_and_cache_(pos, q, k, bad_v, None, bad_kv, bad_slots)
+    q_before = q.clone()
+    with pytest.raises(ValueError, match=r"outside \[0, 16\)"):
+        rotary_embedding_and_cache_(q, k, v, cos, sin, kv, torch.tensor([0, 1, 2, 3, 16]))
+    assert torch.equal(q, q_before) and not kv[0].any()  # nothing written
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_embedding_and_cache_(q, k, v, cos, sin, kv, slots.int())
 
 
 def test_rotary_kernel_serves_only_layouts_it_reads(monkeypatch):

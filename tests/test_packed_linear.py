@@ -139,15 +139,47 @@ def test_cpu_kernels_switch_lists_packed_linear(monkeypatch):
 
 
 def test_use_packed_linear_follows_the_measured_limits():
+    # weights up to 1 MiB of bf16 (the bench model's qkv, o, router, LM head): any rows on AMX
     assert lin.use_packed_linear(70, 768, 512, 1)  # a decode step's qkv, one thread
-    assert lin.use_packed_linear(256, 512, 512, 1)
-    assert not lin.use_packed_linear(512, 512, 512, 1)
-    assert lin.use_packed_linear(512, 768, 512, 2)
-    assert not lin.use_packed_linear(2048, 512, 512, 2)  # a prefill chunk: oneDNN
+    assert lin.use_packed_linear(2048, 768, 512, 1)  # a prefill chunk's qkv
+    assert lin.use_packed_linear(4096, 512, 512, 2)
+    assert lin.use_packed_linear(1, 1024, 512, 1) and not lin.use_packed_linear(512, 1025, 512, 1)
+    # larger weights (hidden 2048): the multiply-add limits
+    assert lin.use_packed_linear(8, 3072, 2048, 1)  # 50 M multiply-adds, below 2^26
+    assert not lin.use_packed_linear(16, 3072, 2048, 1)  # 101 M
+    assert lin.use_packed_linear(8, 2048, 2048, 2) and not lin.use_packed_linear(64, 2048, 2048, 2)
     assert lin.packed_linear_max_macs(4) == lin.PACKED_LINEAR_MAX_MACS
-    # without AMX (vdpbf16ps) only small calls
+    # without AMX (vdpbf16ps) only small calls, whatever the weight
     assert lin.use_packed_linear(16, 64, 512, 2, amx=False)
     assert not lin.use_packed_linear(16, 768, 512, 1, amx=False)
+
+
+def test_onednn_bucket_rows_bounds_the_padding_and_the_row_counts():
+    assert [lin.onednn_bucket_rows(m) for m in (1, 15, 16, 17, 300, 1024, 1025, 1899, 2048)] == [
+        1, 15, 16, 18, 320, 1024, 1152, 1920, 2048
+    ]  # fmt: skip
+    buckets = {lin.onednn_bucket_rows(m) for m in range(1, 8193)}
+    for m in range(1, 8193):
+        mp = lin.onednn_bucket_rows(m)
+        assert m <= mp <= m + m // 8 and mp in buckets and lin.onednn_bucket_rows(mp) == mp
+    assert len(buckets) == 16 + 8 * 9  # exact to 16, then 8 sizes per power of two to 8,192
+
+
+@pytest.mark.skipif(not ol.prepacked_linear_supported(), reason="no oneDNN bf16 path here")
+@pytest.mark.parametrize("m", [1, 17, 300, 1899])
+def test_onednn_rows_bucketed_give_the_unpadded_call_bit_for_bit(monkeypatch, m):
+    monkeypatch.setattr(lin, "PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS_ONE_THREAD", 0)
+    layer = _layer(n=72, k=96)
+    w, b = layer.weight, layer.bias
+    x = torch.randn(m, 2 * 96).to(torch.bfloat16)[:, ::2]  # strided rows
+    ref = ol.onednn_linear(x.contiguous(), ol.pack_onednn_weight(w), b)  # [m, 72], m rows
+    with torch.inference_mode():
+        y = layer(x)
+        assert y.shape == (m, 72) and torch.equal(y, ref)
+        if m % 3 == 0:
+            assert torch.equal(layer(x.reshape(3, m // 3, 96)), ref.view(3, m // 3, 72))
 
 
 def _layer(n=40, k=64, bias=True) -> lin.PrepackedLinear:
@@ -165,6 +197,7 @@ def test_layer_runs_the_kernel_below_the_limit_and_onednn_above(monkeypatch):
     small, big = torch.randn(9, 64).to(torch.bfloat16), torch.randn(300, 64).to(torch.bfloat16)
     monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS", 100 * 40 * 64)
     monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS_ONE_THREAD", 100 * 40 * 64)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT", 0)
     kernel = pk.packed_linear(small, pk.pack_packed_linear_weight(w), 40, 64, b)
     with torch.inference_mode():
         assert torch.equal(layer(small), kernel)

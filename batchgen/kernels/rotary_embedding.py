@@ -38,6 +38,12 @@ def _functions() -> dict[torch.dtype, object]:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]
                 fns[dtype] = fn
+                # the same rotation with the paged KV cache write (`rotary_embedding_and_cache_`)
+                fn = getattr(lib, name.replace("rotary", "rotary_cache"))
+                fn.restype = ctypes.c_int
+                fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]
+                fn.argtypes += [_ptr, _i64, _ptr, _ptr, _ptr, _i64]
+                fns[(dtype, "cache")] = fn
         _fns = fns
     return _fns
 
@@ -123,6 +129,111 @@ def rotary_embedding_(
             rc = fn(*args)
     else:
         rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"rotary kernel rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return q, k
+
+
+def _cache_layout_ok(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """v laid out as k (`_heads_ok`), caches ``[num_slots, Hkv, D]`` contiguous of k's dtype,
+    ``slot_mapping [T]`` contiguous int64, all on the CPU."""
+    hk, d = k.shape[1], k.shape[2]
+    return (
+        v.shape == k.shape
+        and v.dtype == k.dtype
+        and _heads_ok(v, d)
+        and all(
+            c.dim() == 3
+            and c.shape[1:] == (hk, d)
+            and c.dtype == k.dtype
+            and c.is_contiguous()
+            and c.device.type == "cpu"
+            for c in (k_cache, v_cache)
+        )
+        and k_cache.shape[0] == v_cache.shape[0]
+        and v.device.type == "cpu"
+        and slot_mapping.device.type == "cpu"
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.shape == (k.shape[0],)
+        and slot_mapping.is_contiguous()
+    )
+
+
+def rotary_embedding_and_cache_available(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """True when `rotary_embedding_and_cache_` serves these tensors: `rotary_embedding_available`
+    for q, k, cos, sin, v laid out as k, the caches ``[num_slots, Hkv, D]`` contiguous of
+    q's dtype and ``slot_mapping [T]`` contiguous int64, all on the CPU, no gradient."""
+    return (
+        rotary_embedding_available(q, k, cos, sin)
+        and not (torch.is_grad_enabled() and v.requires_grad)
+        and _cache_layout_ok(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        and (q.dtype, "cache") in _functions()
+    )
+
+
+def rotary_embedding_and_cache_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_` on ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (in place, the same bits),
+    then the rotated ``k`` and ``v [T, Hkv, D]`` written to rows ``slot_mapping [T]`` (int64)
+    of ``kv_cache = (k_cache, v_cache)``, each ``[num_slots, Hkv, D]``: one kernel pass instead
+    of the rotation and two ``index_copy_`` (vLLM's ``reshape_and_cache`` fused with RoPE).
+
+    Returns:
+        ``(q, k)``, the same tensors.
+    Raises:
+        ValueError: a layout the kernel cannot read (`rotary_embedding_and_cache_available`
+            lists them), or a slot outside ``[0, num_slots)`` (nothing is written then).
+        RuntimeError: the kernel rejected the shapes.
+    Call only where `rotary_embedding_and_cache_available` is True."""
+    k_cache, v_cache = kv_cache
+    if not (_layout_ok(q, k, cos, sin) and _cache_layout_ok(k, v, k_cache, v_cache, slot_mapping)):
+        raise ValueError(
+            f"rotary_embedding_and_cache_: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+            f"({k_cache.dtype}), slot_mapping {tuple(slot_mapping.shape)} "
+            f"{slot_mapping.dtype}: the kernel reads q, k, v as [T, H, D] with contiguous heads, "
+            "caches [num_slots, Hkv, D] contiguous of q's dtype, slot_mapping [T] int64, CPU"
+        )
+    t, hq, d = q.shape
+    if t == 0:
+        return q, k
+    args = (
+        q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), k.shape[1], d,
+        cos.data_ptr(), sin.data_ptr(), t, torch.get_num_threads(), v.data_ptr(), v.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k_cache.shape[0],
+    )  # fmt: skip
+    fn = _functions()[(q.dtype, "cache")]
+    if torch.autograd._profiler_enabled():
+        with record_function("batchgen::rotary_embedding_and_cache"):
+            rc = fn(*args)
+    else:
+        rc = fn(*args)
+    if rc == 2:
+        raise ValueError(
+            f"slot_mapping has a slot outside [0, {k_cache.shape[0]}) (min "
+            f"{int(slot_mapping.min())}, max {int(slot_mapping.max())}); nothing was written"
+        )
     if rc != 0:
         raise RuntimeError(f"rotary kernel rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
     return q, k

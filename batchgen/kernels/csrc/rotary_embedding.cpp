@@ -14,6 +14,7 @@
 // Why: the eager form is ten torch ops per layer (two mul, neg, cat, mul, add for q and for k),
 // about 50 us on a 70-token decode batch, nearly all dispatch; this is one call.
 #include <cstdint>
+#include <cstring>
 
 #include "bf16_rows.h"
 
@@ -51,10 +52,31 @@ void rotate_head(T* x, const T* c, const T* s, int64_t d) {
   }
 }
 
+// Optional paged KV cache write fused into the same pass (vLLM's reshape_and_cache): after a
+// token's key heads are rotated, its key row (hk heads of d, adjacent) and value row (v, row
+// stride v_stride) are copied to row slots[t] of k_cache / v_cache ([num_slots, hk, d],
+// contiguous), while the row is still in L1. Every slot is checked before anything is written.
+template <class T>
+struct CacheWrite {
+  const T* v = nullptr;
+  int64_t v_stride = 0;
+  T* k_cache = nullptr;
+  T* v_cache = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t num_slots = 0;
+};
+
 template <class T>
 int run(T* q, int64_t q_stride, int64_t hq, T* k, int64_t k_stride, int64_t hk, int64_t d,
-        const T* cos, const T* sin, int64_t rows, int64_t threads) {
+        const T* cos, const T* sin, int64_t rows, int64_t threads,
+        const CacheWrite<T>& cw = CacheWrite<T>{}) {
   if (rows < 0 || d <= 0 || d % 2 != 0 || hq < 0 || hk < 0) return 1;
+  if (cw.slots != nullptr) {
+    for (int64_t t = 0; t < rows; ++t) {
+      if (cw.slots[t] < 0 || cw.slots[t] >= cw.num_slots) return 2;
+    }
+  }
+  const int64_t row_bytes = hk * d * static_cast<int64_t>(sizeof(T));
   const int64_t use = rows >= 2 * kRowsPerThread ? threads : 1;
 #pragma omp parallel for num_threads(use) schedule(static) if (use > 1)
   for (int64_t t = 0; t < rows; ++t) {
@@ -62,6 +84,11 @@ int run(T* q, int64_t q_stride, int64_t hq, T* k, int64_t k_stride, int64_t hk, 
     const T* s = sin + t * d;
     for (int64_t h = 0; h < hq; ++h) rotate_head(q + t * q_stride + h * d, c, s, d);
     for (int64_t h = 0; h < hk; ++h) rotate_head(k + t * k_stride + h * d, c, s, d);
+    if (cw.slots != nullptr) {
+      const int64_t slot = cw.slots[t];
+      std::memcpy(cw.k_cache + slot * hk * d, k + t * k_stride, row_bytes);
+      std::memcpy(cw.v_cache + slot * hk * d, cw.v + t * cw.v_stride, row_bytes);
+    }
   }
   return 0;
 }
@@ -79,4 +106,27 @@ extern "C" int batchgen_rotary_bf16(uint16_t* q, int64_t q_stride, int64_t hq, u
                                     int64_t k_stride, int64_t hk, int64_t d, const uint16_t* cos,
                                     const uint16_t* sin, int64_t rows, int64_t threads) {
   return run(q, q_stride, hq, k, k_stride, hk, d, cos, sin, rows, threads);
+}
+
+// rotary as above, then k (rotated) and v rows written to the paged cache at slots[t]
+// (CacheWrite). Returns 2 (nothing written) when a slot is outside [0, num_slots).
+extern "C" int batchgen_rotary_cache_f32(float* q, int64_t q_stride, int64_t hq, float* k,
+                                         int64_t k_stride, int64_t hk, int64_t d,
+                                         const float* cos, const float* sin, int64_t rows,
+                                         int64_t threads, const float* v, int64_t v_stride,
+                                         float* k_cache, float* v_cache, const int64_t* slots,
+                                         int64_t num_slots) {
+  const CacheWrite<float> cw{v, v_stride, k_cache, v_cache, slots, num_slots};
+  return run(q, q_stride, hq, k, k_stride, hk, d, cos, sin, rows, threads, cw);
+}
+
+extern "C" int batchgen_rotary_cache_bf16(uint16_t* q, int64_t q_stride, int64_t hq,
+                                          uint16_t* k, int64_t k_stride, int64_t hk, int64_t d,
+                                          const uint16_t* cos, const uint16_t* sin,
+                                          int64_t rows, int64_t threads, const uint16_t* v,
+                                          int64_t v_stride, uint16_t* k_cache,
+                                          uint16_t* v_cache, const int64_t* slots,
+                                          int64_t num_slots) {
+  const CacheWrite<uint16_t> cw{v, v_stride, k_cache, v_cache, slots, num_slots};
+  return run(q, q_stride, hq, k, k_stride, hk, d, cos, sin, rows, threads, cw);
 }

@@ -195,8 +195,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write ``k, v`` to the cache, then attend.
+    """Write ``k, v`` to the cache (unless ``kv_written``: the caller already did, e.g.
+    `RotaryEmbedding.rotate_and_cache_`), then attend.
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (Hq a multiple of Hkv: grouped-query attention).
@@ -211,8 +213,9 @@ def paged_attention(
     prefill kernel where `use_prefill_kernel` says so (reading the cache in place), else SDPA.
     """
     k_cache, v_cache = kv_cache
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not kv_written:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     backend = "torch"
     if meta.decode_buckets and q.dtype == k_cache.dtype:
@@ -350,6 +353,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(meta.positions, q, k, meta.rope_cache, inplace=True)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        # RoPE and the KV cache write in one CPU kernel pass where it serves, else apart
+        written = self.rotary_emb.rotate_and_cache_(
+            meta.positions, q, k, v, meta.rope_cache, kv_cache, meta.slot_mapping
+        )
+        if not written:
+            q, k = self.rotary_emb(meta.positions, q, k, meta.rope_cache, inplace=True)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window, written)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -3,11 +3,13 @@
 On a CPU with avx512_bf16, a bfloat16 model's ``nn.Linear`` layers (attention q/k/v/o, MLA
 projections, dense MLPs, shared experts, the router gate, the LM head) run on weights packed
 once instead of ``F.linear``, which repacks the weight on every call: the `packed_linear`
-kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for calls of at most
-`packed_linear_max_macs` multiply-adds (decode steps: a fixed cost of a few microseconds
-where oneDNN's is 15-20), oneDNN's inner product (`batchgen.kernels.onednn_linear`) for larger
-ones (prefill chunks: its blocking wins there). `use_packed_linear` is the one place that
-chooses; the thresholds are measured (docs/performance.md, ``benchmarks/bf16_linear.py``).
+kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for weights of at most 1 MiB at any
+row count and for other calls of at most `packed_linear_max_macs` multiply-adds (decode steps:
+a fixed cost of a few microseconds where oneDNN's is 15-20), oneDNN's inner product
+(`batchgen.kernels.onednn_linear`) for larger ones, its rows rounded up to
+`onednn_bucket_rows` so that oneDNN does not build a primitive for every new row count.
+`use_packed_linear` is the one place that chooses; the thresholds are measured
+(docs/performance.md, ``benchmarks/bf16_linear.py``, ``benchmarks/peers/dense_linear.py``).
 The class changes in place and the parameters stay, so weight loading, tying
 (``lm_head.weight is embed_tokens.weight``) and `update_weights` are untouched: the packed
 copies are keyed on the weight's storage and version counter, and is dropped by
@@ -44,6 +46,28 @@ PACKED_LINEAR_MAX_MACS = 3 * 2**26
 # rows of qkv (768 x 512); so only calls up to 2^21 multiply-adds. Not measured on a CPU that
 # lacks AMX, nor at two threads.
 PACKED_LINEAR_MAX_MACS_VNNI = 2**21
+# Weights of at most this many elements (1 MiB of bf16; vLLM's CPU backend sends weights up to
+# 1 MiB to SGLang's ``weight_packed_linear`` on the same grounds) run on the AMX kernel at any
+# row count. The limits above were measured calling one row count again and again; an engine's
+# prefill chunks have a new row count nearly every step, and oneDNN builds (JITs) a primitive
+# for each new shape: about 3.5 ms for the bench model's qkv, so a first call at 1,000-2,000
+# rows took 4-5 ms where the kernel took 1.1 (``benchmarks/peers/dense_linear.py --vary``, one
+# thread, process CPU time, loaded machine). Against oneDNN with its rows bucketed
+# (`onednn_bucket_rows`, primitives cached) the kernel was still 1.1-1.6x on the bench
+# model's qkv (768 x 512) and o (512 x 512) at 257-4,096 rows of varying count.
+PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT = 2**19
+# oneDNN calls round their rows up to one of this many sizes per power of two (padding at most
+# 1/8 of the rows), so a run meets a few dozen row counts per weight shape instead of
+# thousands, and oneDNN's primitive cache (1,024 entries by default) keeps them.
+ONEDNN_ROW_BUCKETS_PER_OCTAVE = 8
+
+
+def onednn_bucket_rows(m: int) -> int:
+    """``m`` rounded up to a multiple of ``2^(floor(log2 m) - 3)`` (`ONEDNN_ROW_BUCKETS_PER_OCTAVE`
+    sizes per power of two; exact up to 16 rows): the row count a oneDNN call runs at.
+    Example: 1,899 -> 1,920 (multiples of 128 between 1,024 and 2,048), 300 -> 320."""
+    step = 1 << max(m.bit_length() - 1 - ONEDNN_ROW_BUCKETS_PER_OCTAVE.bit_length() + 1, 0)
+    return -(-m // step) * step
 
 
 def packed_linear_max_macs(num_threads: int, amx: bool = True) -> int:
@@ -58,7 +82,10 @@ def use_packed_linear(m: int, n: int, k: int, num_threads: int, amx: bool = True
     """Whether a bf16 call of ``[m, k] @ [n, k].T`` on ``num_threads`` threads runs on the
     `packed_linear` kernel (True) or on oneDNN's prepacked path (False): the measured
     crossover, `packed_linear_max_macs` (``amx``: the kernel runs AMX tiles, not
-    vdpbf16ps)."""
+    vdpbf16ps), and, with AMX, any row count for a weight of at most
+    `PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT` elements."""
+    if amx and n * k <= PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT:
+        return True
     return m * n * k <= packed_linear_max_macs(num_threads, amx)
 
 
@@ -132,8 +159,28 @@ class PrepackedLinear(nn.Linear):
                 return pk.run_packed_linear(packed[3], x, packed[2], n, k, bias, threads, isa)
         if packed[1] is None:
             return F.linear(x, w, bias)
-        # Any leading dimensions and strides; float32 accumulation, rounded once to bf16.
-        return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
+        return _onednn_bucketed(x, packed[1], bias, k)
+
+
+def _onednn_bucketed(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, k: int
+) -> torch.Tensor:
+    """oneDNN's prepacked inner product of ``x [..., K]`` (any strides) at
+    `onednn_bucket_rows` rows: the rows copied into a zero-padded ``[Mp, K]`` buffer when M is
+    not a bucket size, the result ``[..., N]`` a view of the first M rows. Float32
+    accumulation, rounded once to bf16; each row's result depends on that row only."""
+    rows = x.reshape(-1, k)  # [M, K]
+    m = rows.shape[0]
+    mp = onednn_bucket_rows(m)
+    if mp != m:
+        padded = rows.new_empty((mp, k))  # [Mp, K]
+        padded[:m] = rows
+        padded[m:].zero_()
+        rows = padded
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [Mp, N]
+    if mp != m:
+        out = out[:m]
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def enable_prepacked_linear(model: nn.Module) -> int:

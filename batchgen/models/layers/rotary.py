@@ -13,7 +13,12 @@ import math
 import torch
 from torch import nn
 
-from batchgen.kernels.rotary_embedding import rotary_embedding_, rotary_embedding_available
+from batchgen.kernels.rotary_embedding import (
+    rotary_embedding_,
+    rotary_embedding_and_cache_,
+    rotary_embedding_and_cache_available,
+    rotary_embedding_available,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -92,6 +97,40 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
+    def _cached_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, cache: dict | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin`, through the step's ``cache`` dict where given (see `forward`)."""
+        if cache is None:
+            return self.cos_sin(positions, dtype)
+        key = (self.cache_key, dtype)
+        if key not in cache:
+            cache[key] = self.cos_sin(positions, dtype)
+        return cache[key]
+
+    def rotate_and_cache_(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: dict | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """Where the CPU kernel serves (`rotary_embedding_and_cache_available`): rotate ``q [T,
+        Hq, D]`` and ``k [T, Hkv, D]`` in place as ``forward(..., inplace=True)`` does (the same
+        bits) and write the rotated k and ``v [T, Hkv, D]`` to rows ``slot_mapping [T]`` of
+        ``kv_cache`` (each ``[num_slots, Hkv, D]``) in the same pass; returns True. Elsewhere
+        it does nothing and returns False: the caller rotates and writes the cache itself."""
+        if q.device.type != "cpu":
+            return False
+        cos, sin = self._cached_cos_sin(positions, q.dtype, cache)
+        if not rotary_embedding_and_cache_available(q, k, v, cos, sin, kv_cache, slot_mapping):
+            return False
+        rotary_embedding_and_cache_(q, k, v, cos, sin, kv_cache, slot_mapping)
+        return True
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -105,13 +144,7 @@ class RotaryEmbedding(nn.Module):
         that rotate at these positions; None computes cos/sin here. ``inplace``: q and k may
         be overwritten; on CPU one kernel call then rotates them in place, bit for bit the
         eager result (`batchgen.kernels.rotary_embedding`)."""
-        if cache is None:
-            cos, sin = self.cos_sin(positions, q.dtype)
-        else:
-            key = (self.cache_key, q.dtype)
-            if key not in cache:
-                cache[key] = self.cos_sin(positions, q.dtype)
-            cos, sin = cache[key]
+        cos, sin = self._cached_cos_sin(positions, q.dtype, cache)
         if inplace and rotary_embedding_available(q, k, cos, sin):
             return rotary_embedding_(q, k, cos, sin)
         q = q * cos + rotate_half(q) * sin
