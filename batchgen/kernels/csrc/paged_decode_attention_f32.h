@@ -1,0 +1,146 @@
+// The AVX-512F path of the float32 paged decode attention kernel (paged_decode_attention.cpp
+// includes this after Args, Scratch, begin_seq, end_seq, softmax_heads and the AVX2 path).
+//
+// Bit-identical to the AVX2 path it replaces (same products, same sums in the same order), so
+// float32 results do not change with the path; only the instruction count and the prefetching
+// differ:
+//   scores  two query heads of one KV head per zmm: lanes 0-7 run the AVX2 path's 8-lane FMA
+//           chain over D / 8 chunks for head a, lanes 8-15 the same chain for head b, against
+//           one K chunk broadcast to both halves (`vbroadcastf32x8`): half the FMAs of the
+//           AVX2 path for the same chains. 8 positions a tile; the 8-lane sums use the AVX2
+//           path's tree, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (`hadd16` is
+//           `vhaddps` per 128 bits), for both heads at once. The K rows of a tile stay in L1
+//           across the Hq / 2 head pairs.
+//   softmax `softmax_heads` as the AVX2 path calls it (same layout: [Hq, n rounded up to 8]).
+//   P @ V   per KV head, its G query heads x D float32 accumulators in registers (up to 16
+//           zmm: more heads take further passes over a chunk's rows), one FMA chain per
+//           element in position order (the AVX2 path's order), a chunk of 16 positions at a
+//           time so that a chunk's value rows (both KV heads) stay in L1 across the KV heads.
+//   prefetch whole rows (every KV head) `kF32PrefetchRows` positions ahead into L1, for K
+//           during the scores and for V during P @ V; the first V rows during the last score
+//           tiles. Rows of a sequence sit in blocks anywhere in the cache: the hardware
+//           prefetcher follows a block's rows but cannot guess the next block.
+// Applies where D is 64 or 128 and G = Hq / Hkv is even (head pairs share a KV head); else
+// the AVX2 path runs.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kF32PrefetchRows = 32;  // positions ahead (two blocks of 16)
+
+// Per 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (`vhaddps`'s pairs, 512 bits wide).
+inline __m512 hadd16(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+inline void prefetch_f32_rows(const float* const* rows, int64_t j0, int64_t j1, int64_t row) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t off = 0; off < row; off += 16) _mm_prefetch(rows[j] + off, _MM_HINT_T0);
+}
+
+// Whether the AVX-512F float32 path applies to head size d and G query heads per KV head.
+inline bool f32_avx512_applies(int64_t d, int64_t g) { return (d == 64 || d == 128) && g % 2 == 0; }
+
+template <int64_t D>
+void run_seq_f32_avx512(const Args<float>& a, int64_t b, Scratch& s,
+                        std::vector<const float*>& k_rows, std::vector<const float*>& v_rows) {
+  constexpr int64_t C8 = D / 8, C16 = D / 16;
+  const int64_t g_size = a.hq / a.hkv, row = a.hkv * D;
+  int64_t start, n;
+  if (!begin_seq(a, b, s, start, n)) return;
+  const int64_t* table = a.block_tables + b * a.max_blocks;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  k_rows.resize(n8);
+  v_rows.resize(n8);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = start + j;
+    const int64_t slot = table[p / a.block_size] * a.block_size + p % a.block_size;
+    k_rows[j] = a.k_cache + slot * row;
+    v_rows[j] = a.v_cache + slot * row;
+  }
+  for (int64_t j = n; j < n8; ++j) k_rows[j] = v_rows[j] = k_rows[0];  // read, never used
+  // Query head pairs interleaved per 8-float chunk: qp[pair][c] = [q_2p[8c:8c+8], q_2p+1[...]].
+  const int64_t pairs = a.hq / 2;
+  s.qpair.resize(pairs * C8 * 16);
+  for (int64_t pr = 0; pr < pairs; ++pr)
+    for (int64_t c = 0; c < C8; ++c)
+      for (int64_t l = 0; l < 16; ++l)
+        s.qpair[(pr * C8 + c) * 16 + l] = s.qf[(2 * pr + l / 8) * D + 8 * c + l % 8];
+  s.scores.resize(a.hq * n8);
+  float* scores = s.scores.data();
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  prefetch_f32_rows(k_rows.data(), 0, std::min(kF32PrefetchRows, n), row);
+  for (int64_t j0 = 0; j0 < n8; j0 += 8) {
+    // K rows kF32PrefetchRows ahead; V's first rows during the last tiles.
+    const int64_t ahead = j0 + kF32PrefetchRows;
+    if (ahead < n) prefetch_f32_rows(k_rows.data(), ahead, std::min(ahead + 8, n), row);
+    else if (ahead - n < kF32PrefetchRows)
+      prefetch_f32_rows(v_rows.data(), ahead - n, std::min(ahead - n + 8, n), row);
+    for (int64_t pr = 0; pr < pairs; ++pr) {
+      const float* qp = s.qpair.data() + pr * C8 * 16;
+      const int64_t col = (2 * pr / g_size) * D;
+      __m512 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < C8; ++c) {
+        const __m512 qv = _mm512_loadu_ps(qp + c * 16);
+        for (int t = 0; t < 8; ++t)
+          acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(
+                                       k_rows[j0 + t] + col + 8 * c)), acc[t]);
+      }
+      // 128-bit lanes: 0, 1 head a's lanes 0-3, 4-7; 2, 3 head b's.
+      const __m512 u0 = hadd16(hadd16(acc[0], acc[1]), hadd16(acc[2], acc[3]));
+      const __m512 u1 = hadd16(hadd16(acc[4], acc[5]), hadd16(acc[6], acc[7]));
+      // [a(t0-3), b(t0-3), a(t4-7), b(t4-7)] = low quads + high quads
+      const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88),
+                                       _mm512_shuffle_f32x4(u0, u1, 0xDD));
+      const __m512 r = _mm512_shuffle_f32x4(_mm512_mul_ps(sum, scale),
+                                            _mm512_mul_ps(sum, scale), 0xD8);  // [a | b]
+      _mm256_storeu_ps(scores + 2 * pr * n8 + j0, _mm512_castps512_ps256(r));
+      _mm256_storeu_ps(scores + (2 * pr + 1) * n8 + j0,
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+    }
+  }
+  softmax_heads<float>(scores, n8, n, a.hq, s.inv_sum.data());  // the padding past n left out
+  // P @ V: per chunk of 16 positions, per KV head, its query heads in passes of up to 16 zmm.
+  constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 16 / C16);
+  float* acc_out = s.acc.data();  // [Hq, D], zero from begin_seq
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t j1 = std::min(j0 + 16, n);
+    const int64_t ahead = j0 + kF32PrefetchRows;
+    if (ahead < n) prefetch_f32_rows(v_rows.data(), ahead, std::min(ahead + 16, n), row);
+    for (int64_t h0 = 0; h0 < a.hq; h0 += kHeadsPerPass) {
+      const int64_t hs = std::min(kHeadsPerPass, a.hq - h0);
+      __m512 acc[kHeadsPerPass][C16];
+#pragma GCC unroll 16
+      for (int64_t h = 0; h < kHeadsPerPass; ++h)
+        for (int64_t c = 0; c < C16; ++c)
+          acc[h][c] = h < hs ? _mm512_loadu_ps(acc_out + (h0 + h) * D + 16 * c)
+                             : _mm512_setzero_ps();
+      // A pass's heads span KV heads where G < kHeadsPerPass: each head reads its own.
+      for (int64_t j = j0; j < j1; ++j) {
+#pragma GCC unroll 16
+        for (int64_t h = 0; h < kHeadsPerPass; ++h) {
+          if (h >= hs) break;
+          const float* vh = v_rows[j] + ((h0 + h) / g_size) * D;
+          const __m512 w = _mm512_set1_ps(scores[(h0 + h) * n8 + j]);
+          for (int64_t c = 0; c < C16; ++c)
+            acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vh + 16 * c), acc[h][c]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int64_t h = 0; h < kHeadsPerPass; ++h)
+        for (int64_t c = 0; c < C16; ++c)
+          if (h < hs) _mm512_storeu_ps(acc_out + (h0 + h) * D + 16 * c, acc[h][c]);
+    }
+  }
+  end_seq(a, b, s);
+}
+#endif
+
+}  // namespace

@@ -1,0 +1,87 @@
+"""The float32 paths of the paged decode attention kernel give the same bits: the AVX-512F
+path (``csrc/paged_decode_attention_f32.h``) reorders no sum of the AVX2 path it replaced, so
+float32 decode (and the token-identity tests against transformers) did not change with it."""
+
+import pytest
+import torch
+
+from batchgen.kernels.paged_attention import (
+    decode_kernel_available,
+    decode_kernel_isa,
+    paged_decode_attention,
+)
+
+pytestmark = pytest.mark.skipif(
+    not decode_kernel_available(torch.device("cpu"), torch.float32), reason="kernel not built"
+)
+
+
+def _case(kv_lens, hq, hkv, d, block_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in kv_lens]
+    perm = torch.randperm(sum(nbs) + 3, generator=g)  # scattered blocks, some unused
+    tables = torch.zeros(len(kv_lens), max(nbs), dtype=torch.int64)
+    taken = 0
+    for i, nb in enumerate(nbs):
+        tables[i, :nb] = perm[taken : taken + nb]
+        taken += nb
+    rows = (sum(nbs) + 3) * block_size
+    k = torch.randn(rows, hkv, d, generator=g)
+    v = torch.randn(rows, hkv, d, generator=g)
+    q = torch.randn(len(kv_lens), hq, d, generator=g) * 2
+    return q, k, v, tables, torch.tensor(kv_lens)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size",
+    [
+        (8, 2, 64, 16),  # the bench model: G = 4
+        (8, 2, 128, 16),  # D = 128
+        (4, 2, 64, 16),  # G = 2: one head pair per KV head
+        (8, 1, 64, 8),  # multi-query, G = 8: two passes of P @ V
+        (12, 2, 128, 16),  # G = 6, D = 128: passes of 2 heads
+        (6, 3, 64, 4),  # blocks of 4
+        (8, 8, 64, 16),  # G = 1: the AVX2 path (no head pairs), still exact
+        (8, 2, 96, 16),  # D = 96: the AVX2 path
+    ],
+)
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_f32_avx512f_path_is_bit_identical_to_avx2(hq, hkv, d, block_size, window, threads,
+                                                    monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    lens = [1, 7, 8, block_size, block_size + 1, 40, 333, 1000]
+    q, k, v, tables, kv_lens = _case(lens, hq, hkv, d, block_size)
+    outs = {}
+    for isa in ("avx2", "avx512f", "auto"):
+        outs[isa] = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k, v, tables, kv_lens, block_size, d**-0.5, window,
+                               outs[isa], isa=isa)
+    assert torch.equal(outs["avx512f"], outs["avx2"])
+    assert torch.equal(outs["auto"], outs["avx2"])
+    # and both are attention: against a float64 reference
+    for i, n in enumerate(lens):
+        p = torch.arange(max(0, n - window) if window else 0, n)
+        slots = tables[i, p // block_size] * block_size + p % block_size
+        kk = k[slots].double().repeat_interleave(hq // hkv, 1)  # [n, Hq, D]
+        vv = v[slots].double().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
+        ref = torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
+        torch.testing.assert_close(outs["avx512f"][i].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_isa_names_the_avx512f_path_where_it_applies():
+    isa = decode_kernel_isa(torch.float32, 64, 4)
+    assert isa in ("avx512f", "avx2", "generic")
+    if isa == "avx512f":
+        assert decode_kernel_isa(torch.float32, 64, 1) == "avx2"  # no head pairs
+        assert decode_kernel_isa(torch.float32, 96, 4) == "avx2"  # D not 64 or 128
+    assert decode_kernel_isa(torch.float32, 12, 4) == "generic"
+
+
+def test_f32_generic_path_is_attention_too():
+    q, k, v, tables, kv_lens = _case([5, 300], 8, 2, 64, 16, seed=1)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    paged_decode_attention(q, k, v, tables, kv_lens, 16, 0.125, None, a, isa="generic")
+    paged_decode_attention(q, k, v, tables, kv_lens, 16, 0.125, None, b, isa="avx512f")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
