@@ -14,12 +14,14 @@ cache on transparent huge pages (`batchgen.engine.host_allocator.advise_huge_pag
 and 95 ms (9.7 GB/s).
 
 float32 paths: AVX-512F (``csrc/paged_decode_attention_f32.h``: two query heads of a KV head
-per zmm in the scores, each query head's P @ V accumulators in registers, rows prefetched two
-blocks ahead) where the head size is 64 or 128 and Hq / Hkv is even, else AVX2, else generic
-loops. The AVX-512F path sums in exactly the AVX2 path's order (bit-identical results); at
-the bench's shapes (70 and 256 sequences, contexts 32-1,500, 4 caches cycled, one thread, CPU
-time, loaded machine) it took 0.62-0.66x the AVX2 path's time, 0.89-0.92x vLLM 0.32's ``vec``
-path (from 1.49-1.52x; ``benchmarks/peers/decode_attention.py --dtype float32``).
+per zmm in the scores, a 16-lane softmax, each query head's P @ V accumulators in registers,
+rows prefetched into L2 two blocks ahead) where the head size is 64 or 128 and Hq / Hkv is
+even, else AVX2, else generic loops. The AVX-512F path's scores are the AVX2 path's bit for
+bit; its softmax (Cephes' exp, explicit 16-lane sums) differs from the AVX2 path's by a few
+ulps. At the bench's shapes (70 and 256 sequences, contexts 32-1,500, 4 caches cycled, one
+thread, CPU time, loaded machine) it took 0.55-0.57x the AVX2 path's time (one process, A/B
+alternated), about 0.8x vLLM 0.32's ``vec`` path where the AVX2 path took 1.5x
+(``benchmarks/peers/decode_attention.py --dtype float32``).
 
 bfloat16 (q, caches and output in bf16): each bf16 value is widened exactly to float32 in
 registers, scores, softmax and the weighted sum of values run in float32; the unnormalised
@@ -174,7 +176,7 @@ def paged_decode_attention(
         isa: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of `ISAS` to force a
             path (tests, A/B measurements; one that does not apply to the dtype, head size or
             CPU falls back to the next narrower: float32 has ``avx512f``, ``avx2`` and
-            ``generic``, the first two bit-identical). None: `default_isa` (the
+            ``generic``). None: `default_isa` (the
             ``BATCHGEN_PAGED_ATTENTION_ISA`` variable, ``"auto"`` when unset).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one

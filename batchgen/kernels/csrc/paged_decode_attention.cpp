@@ -28,7 +28,8 @@
 // a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
 // is compiled for AVX-512F; float32: AVX-512F for head sizes 64 and 128 with an even number of
-// query heads per KV head (paged_decode_attention_f32.h, bit-identical to AVX2); else AVX2/FMA
+// query heads per KV head (paged_decode_attention_f32.h: AVX2's scores bit for bit, its own
+// 16-lane softmax); else AVX2/FMA
 // (8 floats) for multiples of 8. Both entries take `isa` (0: auto, 1:
 // AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16, 5: AVX512-BF16 with AMX scores; a
 // forced path that does not apply to the shapes or CPU falls back down that list) so tests and
@@ -236,7 +237,7 @@ void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    // Bit-identical to the AVX2 path below (paged_decode_attention_f32.h).
+    // The AVX2 path's scores bit for bit, a 16-lane softmax (paged_decode_attention_f32.h).
     if ((a.isa == kAuto || a.isa >= kAvx512) && f32_avx512_applies(a.d, a.hq / a.hkv))
       return a.d == 64 ? run_seq_f32_avx512<64>(a, b, s, rows.k, rows.v)
                        : run_seq_f32_avx512<128>(a, b, s, rows.k, rows.v);
