@@ -123,3 +123,17 @@ def test_f32_model_greedy_through_the_avx512f_path_matches_transformers(checkpoi
     ref = _hf(path)
     for prompt_ids, out in zip(ids, outs):
         assert out.outputs[0].token_ids == _hf_greedy(ref, prompt_ids, 32)
+
+
+@pytest.mark.parametrize("isa", ["avx512f", "avx2", "generic"])
+def test_f32_a_nan_key_makes_that_sequence_nan(isa):
+    """A NaN in one cached key gives torch's SDPA a NaN output row; every float32 path says so
+    too (the AVX-512F softmax's max and `exp_ps` keep a NaN) and leaves the other sequences
+    finite."""
+    lens = [1, 16, 17, 40]
+    q, k, v, tables, kv_lens = _case(lens, 8, 2, 64, 16, seed=2)
+    k[tables[3, 0] * 16 + 5] = float("nan")  # position 5 of sequence 3, every KV head
+    out = torch.zeros_like(q)
+    paged_decode_attention(q, k, v, tables, kv_lens, 16, 0.125, None, out, isa=isa)
+    assert out[3].isnan().all()
+    assert not out[:3].isnan().any()
