@@ -119,7 +119,8 @@ def decode_kernel_isa(
     if lib is None or dtype not in _DTYPES:
         return None
     if dtype == torch.float32:
-        return _LEVEL_NAMES[lib.batchgen_paged_decode_attention_f32_isa(head_size, num_queries_per_kv)]
+        level = lib.batchgen_paged_decode_attention_f32_isa(head_size, num_queries_per_kv)
+        return _LEVEL_NAMES[level]
     level = lib.batchgen_paged_decode_attention_bf16_isa(head_size, num_queries_per_kv, block_size)
     return _LEVEL_NAMES[level]
 
@@ -176,8 +177,8 @@ def paged_decode_attention(
         isa: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of `ISAS` to force a
             path (tests, A/B measurements; one that does not apply to the dtype, head size or
             CPU falls back to the next narrower: float32 has ``avx512f``, ``avx2`` and
-            ``generic``). None: `default_isa` (the
-            ``BATCHGEN_PAGED_ATTENTION_ISA`` variable, ``"auto"`` when unset).
+            ``generic``). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
+            ``"auto"`` when unset).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
             step share them: `batchgen.models.layers.attention.paged_attention` checks once per
