@@ -13,6 +13,16 @@ rounds in one process: generic loops 120 ms (7.6 GB/s), the AVX2 path 114 ms, an
 cache on transparent huge pages (`batchgen.engine.host_allocator.advise_huge_pages`) 104 ms
 and 95 ms (9.7 GB/s).
 
+float32 paths: AVX-512F (``csrc/paged_decode_attention_f32.h``: two query heads of a KV head
+per zmm in the scores, a 16-lane softmax, each query head's P @ V accumulators in registers,
+rows prefetched into L2 two blocks ahead) where the head size is 64 or 128 and Hq / Hkv is
+even, else AVX2, else generic loops. The AVX-512F path's scores are the AVX2 path's bit for
+bit; its softmax (Cephes' exp, explicit 16-lane sums) differs from the AVX2 path's by a few
+ulps. At the bench's shapes (70 and 256 sequences, contexts 32-1,500, 4 caches cycled, one
+thread, CPU time, loaded machine) it took 0.55-0.57x the AVX2 path's time (one process, A/B
+alternated), about 0.8x vLLM 0.32's ``vec`` path where the AVX2 path took 1.5x
+(``benchmarks/peers/decode_attention.py --dtype float32``).
+
 bfloat16 (q, caches and output in bf16): each bf16 value is widened exactly to float32 in
 registers, scores, softmax and the weighted sum of values run in float32; the unnormalised
 softmax weights are rounded to bf16 before the sum and the output once, as torch's CPU SDPA does
@@ -66,13 +76,15 @@ def _library():
         if lib is None:
             return None
         common = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-        lib.batchgen_paged_decode_attention_f32.argtypes = common
+        lib.batchgen_paged_decode_attention_f32.argtypes = [*common, _i64]
         lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64]
         lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64] * 3
+        lib.batchgen_paged_decode_attention_f32_isa.argtypes = [_i64] * 2
         for fn in (
             lib.batchgen_paged_decode_attention_f32,
             lib.batchgen_paged_decode_attention_bf16,
             lib.batchgen_paged_decode_attention_bf16_isa,
+            lib.batchgen_paged_decode_attention_f32_isa,
         ):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -98,16 +110,18 @@ def decode_kernel_isa(
     (bfloat16, the ``"avx512_bf16"`` path with its scores and P @ V by AMX-BF16: head size a
     multiple of 32 up to 192, at most 16 query heads per KV head, blocks of a multiple of 16,
     the CPU has AMX and Linux grants its tile state), ``"avx512_bf16"`` (bfloat16, head size a
-    multiple of 32, the CPU has avx512_bf16), ``"avx512f"`` (bfloat16, head size a multiple of
-    16, library built for AVX-512F), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build),
+    multiple of 32, the CPU has avx512_bf16), ``"avx512f"`` (library built for AVX-512F;
+    bfloat16: head size a multiple of 16; float32: head size 64 or 128 and an even number of
+    query heads per KV head), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build),
     ``"generic"`` (plain loops), or None when the kernel does not serve ``dtype`` or is
     unavailable."""
     lib = _function()
     if lib is None or dtype not in _DTYPES:
         return None
-    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size, num_queries_per_kv, block_size)
     if dtype == torch.float32:
-        level = min(level, 1)  # the float32 kernel keeps its AVX2 path
+        level = lib.batchgen_paged_decode_attention_f32_isa(head_size, num_queries_per_kv)
+        return _LEVEL_NAMES[level]
+    level = lib.batchgen_paged_decode_attention_bf16_isa(head_size, num_queries_per_kv, block_size)
     return _LEVEL_NAMES[level]
 
 
@@ -160,11 +174,11 @@ def paged_decode_attention(
         scale: softmax scale; sliding_window: HF's rule (key j visible iff ``pos - j <
             window``) or None.
         out: ``[B, Hq, D]``, q's dtype, contiguous: receives the result.
-        isa: bfloat16 only: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of
-            `ISAS` to force a path (tests, A/B measurements; one that does not apply to the
-            head size or CPU falls back to the next narrower). None: `default_isa` (the
-            ``BATCHGEN_PAGED_ATTENTION_ISA`` variable, ``"auto"`` when unset; ignored for
-            float32).
+        isa: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of `ISAS` to force a
+            path (tests, A/B measurements; one that does not apply to the dtype, head size or
+            CPU falls back to the next narrower: float32 has ``avx512f``, ``avx2`` and
+            ``generic``). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
+            ``"auto"`` when unset).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
             step share them: `batchgen.models.layers.attention.paged_attention` checks once per
@@ -179,15 +193,15 @@ def paged_decode_attention(
     if lib is None:
         raise RuntimeError("the CPU paged decode attention kernel is not available")
     if isa is None:
-        isa = default_isa() if q.dtype == torch.bfloat16 else "auto"
-    if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
-        raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
+        isa = default_isa()
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
     args = (q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
     _check(*args, context_checked)
     if q.dtype == torch.bfloat16:
-        fn, extra = lib.batchgen_paged_decode_attention_bf16, (ISAS[isa],)
+        fn = lib.batchgen_paged_decode_attention_bf16
     else:
-        fn, extra = lib.batchgen_paged_decode_attention_f32, ()
+        fn = lib.batchgen_paged_decode_attention_f32
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa)
@@ -211,7 +225,7 @@ def paged_decode_attention(
             scale,
             sliding_window or 0,
             torch.get_num_threads(),
-            *extra,
+            ISAS[isa],
         )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")

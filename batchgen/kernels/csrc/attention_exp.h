@@ -1,5 +1,6 @@
-// Shared by the attention kernels (paged_decode_attention_bf16.h, prefill_attention.cpp): the
-// AVX-512 target attribute, the run-time check for avx512f + avx512_bf16, and a vector exp.
+// Shared by the attention kernels (paged_decode_attention_bf16.h, paged_decode_attention_f32.h,
+// prefill_attention.cpp): the AVX-512 target attribute, the run-time check for avx512f +
+// avx512_bf16, and a vector exp (AVX-512F).
 #pragma once
 
 #include "fused_moe_common.h"
@@ -19,6 +20,9 @@ inline bool avx512_bf16_usable() {
   return usable;
 }
 
+#endif
+
+#if BATCHGEN_HAVE_BF16 || defined(__AVX512F__)
 // e^x per lane for x <= 88.37 (the softmax calls it on x <= 0), float32. Cephes' expf
 // (S. Moshier, Cephes Math Library, expf.c): n = round(x log2 e); r = x - n ln2 in two parts
 // (C1 = 0.693359375 exact, C2 = -2.12194440e-4) so r is exact-ish on [-ln2/2, ln2/2];
@@ -26,7 +30,8 @@ inline bool avx512_bf16_usable() {
 // `vscalefps` (exact, and it underflows to subnormals and 0 correctly). Cephes states a peak
 // relative error of 1.7e-7 (rms 2.8e-8) over [-87.3, 88.7] in IEEE single; inputs below -104
 // are clamped there (e^-104 < 2^-149: the result is 0). NaN in, NaN out.
-BATCHGEN_ATTN_BF16_TARGET inline __m512 exp_ps(__m512 x) {
+// AVX-512F only (the bf16 kernels and the float32 decode path call it).
+__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
   // The clamps' operand order keeps a NaN: vmaxps / vminps return their second operand when
   // either is NaN (x first, a NaN score became -104 and its weight 0: the key was dropped).
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);

@@ -27,8 +27,10 @@
 // are a multiple of 16, D <= 192 and G <= 16: paged_decode_attention_amx.h) for head sizes that are
 // a multiple of 32 where the CPU has avx512_bf16 (checked at run time); else
 // AVX-512F (16 floats a vector, bf16 widened to float32) for multiples of 16 where the library
-// is compiled for AVX-512F (bf16 only: the float32 kernel keeps the AVX2 path it was measured
-// with); else AVX2/FMA (8 floats) for multiples of 8. The bf16 entry takes `isa` (0: auto, 1:
+// is compiled for AVX-512F; float32: AVX-512F for head sizes 64 and 128 with an even number of
+// query heads per KV head (paged_decode_attention_f32.h: AVX2's scores bit for bit, its own
+// 16-lane softmax); else AVX2/FMA
+// (8 floats) for multiples of 8. Both entries take `isa` (0: auto, 1:
 // AVX2, 2: generic loops, 3: AVX-512F, 4: AVX512-BF16, 5: AVX512-BF16 with AMX scores; a
 // forced path that does not apply to the shapes or CPU falls back down that list) so tests and
 // A/B measurements reach every path on one machine.
@@ -142,6 +144,7 @@ inline void add_value_row(float* acc, const float* w, int64_t stride, int64_t j,
 // Per-thread buffers, reused across the sequences a thread runs.
 struct Scratch {
   std::vector<float> qf, scores, acc, inv_sum;  // [Hq, D], [Hq, n], [Hq, D], [Hq]
+  std::vector<float> qpair;  // the float32 AVX-512F path's query head pairs, [Hq / 2, D / 8, 16]
 };
 
 // The sequence's query as float32 into ``s.qf``; its window [start, len); false when empty
@@ -206,6 +209,7 @@ void run_seq_generic(const Args<T>& a, int64_t b, Scratch& s) {
 
 }  // namespace
 #include "paged_decode_attention_vec.h"   // the AVX-512F and AVX2 paths
+#include "paged_decode_attention_f32.h"   // the float32 AVX-512F path
 #include "paged_decode_attention_bf16.h"  // the AVX512-BF16 path (AMX scores)
 namespace {
 
@@ -232,9 +236,14 @@ void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
       return run_seq_bf16(a, b, rows.bf16, amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size));
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
-  // AVX-512 for bf16 only: the float32 kernel's numerics and speed stay as measured.
-  if (sizeof(T) == 2 && (a.isa == kAuto || a.isa >= kAvx512) && a.d % 16 == 0)
+  if constexpr (std::is_same_v<T, float>) {
+    // The AVX2 path's scores bit for bit, a 16-lane softmax (paged_decode_attention_f32.h).
+    if ((a.isa == kAuto || a.isa >= kAvx512) && f32_avx512_applies(a.d, a.hq / a.hkv))
+      return a.d == 64 ? run_seq_f32_avx512<64>(a, b, s, rows.k, rows.v)
+                       : run_seq_f32_avx512<128>(a, b, s, rows.k, rows.v);
+  } else if ((a.isa == kAuto || a.isa >= kAvx512) && a.d % 16 == 0) {
     return run_seq_vector<Avx512>(a, b, s, rows.k, rows.v);
+  }
 #endif
   if (a.isa != kGeneric && a.d % 8 == 0) return run_seq_vector<Avx2>(a, b, s, rows.k, rows.v);
 #endif
@@ -267,10 +276,11 @@ extern "C" int batchgen_paged_decode_attention_f32(
     const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
     const int64_t* kv_lens, float* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-    int64_t num_threads) {
+    int64_t num_threads, int64_t isa) {
+  if (isa < kAuto || isa > kAmx) return 2;
   const Args<float> a{q,  k_cache, v_cache, block_tables, kv_lens,        out,
                       hq, hkv,     d,       block_size,   max_blocks,     sliding_window,
-                      scale, kAuto};
+                      scale, isa};
   return run(a, num_seqs, num_threads);
 }
 
@@ -299,5 +309,19 @@ extern "C" int batchgen_paged_decode_attention_bf16_isa(int64_t d, int64_t g, in
   if (d % 8 == 0) return 1;
 #endif
   (void)d;
+  return 0;
+}
+
+// The path the float32 entry runs with isa 0 for head size d and g query heads per KV head:
+// 2 AVX-512F (paged_decode_attention_f32.h), 1 AVX2, 0 the generic loops.
+extern "C" int batchgen_paged_decode_attention_f32_isa(int64_t d, int64_t g) {
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  if (f32_avx512_applies(d, g)) return 2;
+#endif
+  if (d % 8 == 0) return 1;
+#endif
+  (void)d;
+  (void)g;
   return 0;
 }
