@@ -487,3 +487,17 @@ def test_auto_dtype_on_an_amx_cpu_follows_a_bf16_checkpoint(caplog, monkeypatch)
         assert not caplog.records
         assert resolve_dtype("float16", cpu, fp32) == torch.float16
         assert len(caplog.records) == 1 and "dtype float16 on CPU" in caplog.text
+
+
+def test_min_tokens_blocks_a_stop_token_in_the_engine(llm):
+    # The engine builds a row's min_tokens block list (stop ids, EOS) only while min_tokens
+    # can hold: a stop token that greedy decoding picks first is blocked for min_tokens tokens.
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = llm.generate("min tokens", free, use_tqdm=False)[0].outputs[0].token_ids[0]
+    stop_now = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[first])
+    out = llm.generate("min tokens", stop_now, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [first] and out.stop_reason == first
+    held = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[first], min_tokens=3,
+                          ignore_eos=True)  # fmt: skip
+    out = llm.generate("min tokens", held, use_tqdm=False)[0].outputs[0]
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3

@@ -5,6 +5,7 @@ engine token-identical with staging on. Pinned memory and CUDA events run only o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,3 +158,19 @@ def test_graph_replay_with_staging_is_token_identical(checkpoint_dir, monkeypatc
     assert graphs is not None
     assert _greedy(staged, prompts, 8) == eager
     assert graphs.num_graph_steps >= 5
+
+
+def test_array_to_device_unstaged_and_staged():
+    plain = HostStaging(CPU)
+    a = np.arange(6, dtype=np.int64).reshape(2, 3)
+    t = plain.array_to_device("block_tables", a[:, :2])  # a strided view: copied contiguous
+    assert t.dtype == torch.long and t.tolist() == [[0, 1], [3, 4]] and t.is_contiguous()
+    assert plain.slots == {}
+    s = HostStaging(CPU, staged=True, pin_memory=False, event_factory=FakeEvent)
+    t = s.array_to_device("block_tables", a[:, 1:])
+    assert t.tolist() == [[1, 2], [4, 5]] and t.shape == (2, 2) and t.is_contiguous()
+    i32 = s.array_to_device("kv_lens", np.array([3, 9], dtype=np.int32))
+    assert i32.dtype == torch.int32 and i32.tolist() == [3, 9]
+    assert s.array_to_device("kv_lens", np.zeros(0, dtype=np.int64)).shape == (0,)
+    with pytest.raises(ValueError, match="positions: int64 or int32"):
+        s.array_to_device("positions", np.zeros(2, dtype=np.float32))

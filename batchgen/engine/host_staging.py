@@ -102,6 +102,25 @@ class HostStaging:
             slot.array[:n] = values
         return self._send(slot, (n,))
 
+    def array_to_device(self, field: str, array: np.ndarray) -> torch.Tensor:
+        """A 1-D or 2-D numpy ``array`` as a tensor of its shape on the device: on CPU
+        unstaged, the array itself (``torch.from_numpy``; the caller must not reuse it), else
+        through the field's host slot like `to_device`. Only int64 and int32 arrays are
+        staged (``torch.long`` / ``torch.int32``).
+
+        Raises:
+            ValueError: ``field`` empty, or an array that is neither int64 nor int32.
+        """
+        if array.dtype not in (np.int64, np.int32):
+            raise ValueError(f"{field}: int64 or int32 array expected, got {array.dtype}")
+        if not self.staged:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        dtype = torch.long if array.dtype == np.int64 else torch.int32
+        slot = self._slot(field, dtype, array.size)
+        if array.size:
+            slot.array[: array.size].reshape(array.shape)[...] = array
+        return self._send(slot, array.shape)
+
     def rows_to_device(
         self,
         field: str,

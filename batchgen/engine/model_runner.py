@@ -7,7 +7,9 @@ tensors (key and value for GQA, latent and rope key for MLA: `kv_cache_token_sha
 from __future__ import annotations
 
 import math
+from itertools import chain
 
+import numpy as np
 import torch
 
 from batchgen.engine.host_allocator import advise_huge_pages
@@ -124,10 +126,6 @@ class ModelRunner:
                 blocks = as_blocks(cache, self.block_size)
                 blocks.index_copy_(0, dst, blocks.index_select(0, src))
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def prepare(
         self, scheduled: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, AttentionMetadata, list[ScheduledSeq], torch.Tensor]:
@@ -136,10 +134,12 @@ class ModelRunner:
 
         Returns ``input_ids [T]``, the metadata, the scheduled entries in flat order, and
         ``sample_indices [B]`` (flat index of the last token of each entry that samples,
-        in flat order). Every tensor is built from host lists through ``staging`` (one
-        asynchronous copy per field on CUDA). The decode rows' context lengths and block ids
-        are checked here, on the host lists, before any tensor is built
-        (`check_decode_context_lists`): the kernels skip their own check
+        in flat order). The per-row work is one pass over the entries reading a few
+        attributes; everything else (slot mapping, padded block tables, the checks) is numpy
+        over the whole step (`_DecodeRows`), and every tensor is built from those arrays
+        through ``staging`` (one asynchronous copy per field on CUDA, none on CPU). The decode
+        rows' context lengths and block ids are checked here, on the host, before any tensor
+        is built (as `check_decode_context_lists`): the kernels skip their own check
         (``DecodeBucket.checked_num_blocks``), so the step does not sync with the host for it.
 
         Raises:
@@ -147,89 +147,157 @@ class ModelRunner:
                 block id outside the cache (naming ``block_tables``).
         """
         bs = self.block_size
-        decodes = sorted(
-            (s for s in scheduled if s.num_new_tokens == 1),
-            key=lambda s: s.seq.num_computed_tokens,
-        )
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        decodes.sort(key=_num_computed_tokens)  # stable: ties keep the scheduled order
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        sample_indices: list[int] = []
-        span_slots: list[int] = []  # every prefill span's kv_slots, concatenated
-        span_args: list[tuple[int, int, int]] = []
-        for entry in ordered:
-            seq, start = entry.seq, entry.seq.num_computed_tokens
-            end = start + entry.num_new_tokens
-            token_start = len(input_ids)
-            input_ids.extend(seq.token_ids_slice(start, end))
-            positions.extend(range(start, end))
-            slot_mapping.extend(self._slots(seq.block_table, start, end))
-            if entry.samples_next_token:
-                sample_indices.append(len(input_ids) - 1)
-            if entry.num_new_tokens > 1:
-                kv_slots = (
-                    slot_mapping[-entry.num_new_tokens :]
-                    if start == 0
-                    else self._slots(seq.block_table, 0, end)
-                )
-                span_slots.extend(kv_slots)
-                span_args.append((token_start, entry.num_new_tokens, end))
-        kv_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
-        num_blocks = [-(-n // bs) for n in kv_lens]
-        tables = [s.seq.block_table[:n] for s, n in zip(decodes, num_blocks)]
         num_cache_blocks = self.kv_caches[0][0].shape[0] // bs
-        check_decode_context_lists(tables, num_blocks, num_cache_blocks)
+        rows = _DecodeRows(decodes, bs, num_cache_blocks)
+        ids_parts, pos_parts, slot_parts = [rows.token_ids], [rows.positions], [rows.slots]
+        sample_indices = np.flatnonzero(rows.samples)  # decode rows are one token each
+        extra_samples: list[int] = []
+        span_slots: list[np.ndarray] = []  # every prefill span's kv_slots, in order
+        span_args: list[tuple[int, int, int]] = []
+        token_start = len(decodes)
+        for entry in prefills:
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            num_new = entry.num_new_tokens
+            end = start + num_new
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            kv_positions = np.arange(end, dtype=np.int64)  # a span attends to [0, end)
+            kv_slots = table[kv_positions // bs] * bs + kv_positions % bs
+            ids_parts.append(np.asarray(seq.token_ids_slice(start, end), dtype=np.int64))
+            pos_parts.append(np.arange(start, end, dtype=np.int64))
+            slot_parts.append(kv_slots[start:])
+            if entry.samples_next_token:
+                extra_samples.append(token_start + num_new - 1)
+            span_slots.append(kv_slots)
+            span_args.append((token_start, num_new, end))
+            token_start += num_new
+        if extra_samples:
+            sample_indices = np.concatenate([sample_indices, np.array(extra_samples)])
         stage = self.staging
         meta = AttentionMetadata(
-            positions=stage.to_device("positions", positions),
-            slot_mapping=stage.to_device("slot_mapping", slot_mapping),
+            positions=stage.array_to_device("positions", np.concatenate(pos_parts)),
+            slot_mapping=stage.array_to_device("slot_mapping", np.concatenate(slot_parts)),
             num_decode_tokens=len(decodes),
             block_size=bs,
             decode_backend=self.decode_backend,
         )
         if span_args:
-            all_slots = stage.to_device("kv_slots", span_slots)  # [sum kv_len], one copy
+            # [sum kv_len], one copy
+            all_slots = stage.array_to_device("kv_slots", np.concatenate(span_slots))
             offset = 0
             for token_start, num_tokens, kv_len in span_args:
                 kv_slots = all_slots[offset : offset + kv_len]
                 meta.prefills.append(PrefillSpan(token_start, num_tokens, kv_len, kv_slots))
                 offset += kv_len
+        num_blocks = rows.num_blocks
         if self.decode_in_place:  # the kernel reads each context in place: one bucket
             plan = [(0, len(decodes))] if decodes else []
         elif self.batch_invariant:
             plan = [(i, i + 1) for i in range(len(decodes))]
         else:
-            plan = plan_decode_buckets(num_blocks, max_bucket_blocks=self.max_bucket_blocks)
+            plan = plan_decode_buckets(
+                num_blocks.tolist(), max_bucket_blocks=self.max_bucket_blocks
+            )
         for start, end in plan:
-            width = num_blocks[end - 1]
+            width = int(num_blocks[end - 1])
             bucket = DecodeBucket(
                 start,
                 end,
-                stage.rows_to_device("block_tables", tables[start:end], width),  # [b, width]
-                stage.to_device("kv_lens", kv_lens[start:end]),  # [b]
+                # [b, width], padded with block 0
+                stage.array_to_device("block_tables", rows.block_tables[start:end, :width]),
+                stage.array_to_device("kv_lens", rows.positions[start:end] + 1),  # [b]
             )
             bucket.checked_num_blocks = num_cache_blocks
             meta.decode_buckets.append(bucket)
-        ids = stage.to_device("input_ids", input_ids)
-        return ids, meta, ordered, stage.to_device("sample_indices", sample_indices)
+        ids = stage.array_to_device("input_ids", np.concatenate(ids_parts))
+        return ids, meta, ordered, stage.array_to_device("sample_indices", sample_indices)
+
+
+def _num_computed_tokens(entry: ScheduledSeq) -> int:
+    return entry.seq.num_computed_tokens
+
+
+class _DecodeRows:
+    """The decode rows of a step (``entries``: one new token each, sorted by context) as
+    numpy arrays, built with one pass over the entries and vectorised arithmetic after it
+    (vLLM's ``InputBatch`` keeps such arrays persistent; here the sequences' Python block
+    tables stay the source of truth and are flattened once per step).
+
+    Attributes (B = rows, W = the widest row's blocks):
+        positions: ``[B]`` int64, each row's position (``num_computed_tokens``); its context
+            length is ``positions + 1``.
+        token_ids: ``[B]`` int64, the token at that position.
+        samples: ``[B]`` bool, the row reaches its sequence's end (a token is sampled).
+        num_blocks: ``[B]`` int64, ``ceil((positions + 1) / block_size)``.
+        block_tables: ``[B, W]`` int64, each row's first ``num_blocks`` block ids, then 0.
+        slots: ``[B]`` int64, the cache slot of each row's new token.
+
+    Raises:
+        ValueError: as `check_decode_context_lists`, for the first row that fails it.
+    """
+
+    def __init__(self, entries: list[ScheduledSeq], block_size: int, num_cache_blocks: int):
+        b = len(entries)
+        positions, tokens, samples, tables = [], [], [], []
+        for entry in entries:
+            seq = entry.seq
+            pos = seq.num_computed_tokens
+            prompt, output = seq.request.prompt_token_ids, seq.output_token_ids
+            n_prompt = len(prompt)
+            positions.append(pos)
+            tokens.append(prompt[pos] if pos < n_prompt else output[pos - n_prompt])
+            samples.append(pos + 1 == n_prompt + len(output))
+            tables.append(seq.block_table)
+        self.positions = np.array(positions, dtype=np.int64).reshape(b)
+        self.token_ids = np.array(tokens, dtype=np.int64).reshape(b)
+        self.samples = np.array(samples, dtype=bool).reshape(b)
+        self.num_blocks = self.positions // block_size + 1
+        lens = np.fromiter(map(len, tables), np.int64, b)
+        longest = int(lens.max()) if b else 0
+        flat = np.fromiter(chain.from_iterable(tables), np.int64, int(lens.sum()))
+        full = np.zeros((b, longest), dtype=np.int64)
+        full[np.arange(longest) < lens[:, None]] = flat  # row-major: each table in order
+        width = int(self.num_blocks.max()) if b else 0
+        tables_w = np.zeros((b, width), dtype=np.int64)
+        covered = min(width, longest)
+        tables_w[:, :covered] = full[:, :covered]
+        tables_w[np.arange(width) >= self.num_blocks[:, None]] = 0  # past a row's context
+        short = lens < self.num_blocks
+        outside = ((tables_w < 0) | (tables_w >= num_cache_blocks)).any(axis=1)
+        bad = np.flatnonzero(short | outside)
+        if bad.size:
+            i = int(bad[0])
+            n = int(self.num_blocks[i])
+            check_decode_context_lists([tables[i][:n]], [n], num_cache_blocks, first_row=i)
+            raise AssertionError("unreachable: the row's check raises")  # pragma: no cover
+        self.block_tables = tables_w
+        rows = np.arange(b)
+        if b:
+            self.slots = (
+                tables_w[rows, self.num_blocks - 1] * block_size + self.positions % block_size
+            )
+        else:
+            self.slots = np.zeros(0, dtype=np.int64)
 
 
 def check_decode_context_lists(
-    tables: list[list[int]], num_blocks: list[int], num_cache_blocks: int
+    tables: list[list[int]], num_blocks: list[int], num_cache_blocks: int, first_row: int = 0
 ) -> None:
     """`batchgen.kernels.paged_attention.check_decode_context` on the host lists a step is
     built from, so that the device never syncs for it: each decode row's block table
     ``tables[i]`` (its first ``num_blocks[i]`` entries, ``ceil(kv_len / block_size)``) must
     have ``num_blocks[i]`` entries, all in ``[0, num_cache_blocks)``. Context lengths are
     ``num_computed_tokens + 1 >= 1`` and the bucket width is the widest row's blocks by
-    construction, so the kernels' other checks hold.
+    construction, so the kernels' other checks hold. ``first_row``: the step row of
+    ``tables[0]`` (for the message).
 
     Raises:
         ValueError: naming ``block_tables``, the row, and what is wrong.
     """
-    for i, (table, n) in enumerate(zip(tables, num_blocks, strict=True)):
+    for i, (table, n) in enumerate(zip(tables, num_blocks, strict=True), start=first_row):
         if len(table) != n:
             raise ValueError(
                 f"block_tables: decode row {i} needs {n} blocks for its context, "

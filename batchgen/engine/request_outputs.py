@@ -186,9 +186,12 @@ class RequestOutputs:
         return results
 
     def _sampling_row(self, seq: SequenceCoroutine) -> SamplingRow:
-        p = seq.params
-        block = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, block)
+        p = seq.request.params
+        block: list[int] | tuple = ()  # read only while min_tokens holds: built only then
+        if p.min_tokens:
+            block = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        prompt = seq.request.prompt_token_ids
+        return SamplingRow(p, prompt, seq.output_token_ids, seq.generator, block)
 
     def _append_token(self, seq: SequenceCoroutine, out: SamplerOutput, row: int) -> None:
         token = out.sampled_token_ids[row]

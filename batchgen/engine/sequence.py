@@ -109,7 +109,8 @@ class SequenceCoroutine:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
+        # read per row several times a step: the lengths directly, not through the properties
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
 
     def token_id_at(self, position: int) -> int:
         n = self.num_prompt_tokens
