@@ -228,18 +228,20 @@ def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:
     bfloat16 stays bfloat16, ``[E, N / 16, K / 2, 16, 2]``; any other dtype becomes float32,
     ``[E, N / 16, K, 16]`` (see `packed_expert_shape`). The copy is on transparent huge
     pages where the OS gives them (`empty_huge_pages`: every decode step streams it; 16-18%
-    faster float32 decode calls, 11% bfloat16, on the bench layer). Raises ValueError when N
-    is not a multiple of 16 (or K odd for bfloat16)."""
+    faster float32 decode calls, 11% bfloat16, on the bench layer). Raises ValueError when w
+    is not 3-D, N is not a multiple of 16 (or K odd for bfloat16)."""
+    if w.dim() != 3:
+        raise ValueError(f"expert weights must be [E, N, K], got shape {tuple(w.shape)}")
     num_experts, n, k = w.shape
     if n % PANEL:
         raise ValueError(f"expert weight rows must be a multiple of {PANEL}, got {n}")
-    w = w.detach()
+    w = w.detach()  # reshape, not view: a strided checkpoint tensor is copied, not refused
     if w.dtype == torch.bfloat16:
         if k % 2:
             raise ValueError(f"bf16 expert weight columns must be even, got {k}")
-        src = w.view(num_experts, n // PANEL, PANEL, k // 2, 2).transpose(2, 3)
+        src = w.reshape(num_experts, n // PANEL, PANEL, k // 2, 2).transpose(2, 3)
     else:
-        src = w.float().view(num_experts, n // PANEL, PANEL, k).transpose(2, 3)
+        src = w.float().reshape(num_experts, n // PANEL, PANEL, k).transpose(2, 3)
     packed = empty_huge_pages(tuple(src.shape), src.dtype)
     packed.copy_(src)
     return packed
@@ -272,8 +274,10 @@ def fused_moe_silu(
         top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
         activation is rounded to bfloat16 once, before the down projection.
     Raises:
-        ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
-            ``isa`` is not one of `ISAS` for x's dtype.
+        ValueError: when the arguments' shapes, dtypes or devices disagree, a packed weight
+            is not contiguous, top_k is 0, ``order`` is not a permutation of the (token,
+            slot) rows (each named in the message), or ``isa`` is not one of `ISAS` for x's
+            dtype.
         RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
             CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
@@ -322,6 +326,11 @@ def fused_moe_silu(
             torch.get_num_threads(),
             code,
         )
+    if rc == 3:
+        raise ValueError(
+            f"order must be a permutation of range({num_tokens * top_k}) (each (token, slot) "
+            "row once, as sort_by_expert returns it)"
+        )
     if rc == 2:
         raise RuntimeError(f"the fused MoE CPU kernel has no {isa!r} micro-kernel on this CPU")
     if rc != 0:
@@ -333,6 +342,11 @@ def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, 
     """``(E, H, I)`` of the packed weights; ValueError unless the arguments describe one layer
     consistently (the kernel trusts them: a wrong count would read past the weights or leave
     stale rows in the workspace)."""
+    named = {"x": x, "w13_packed": w13_packed, "w2_packed": w2_packed,
+             "topk_weights": topk_weights, "order": order}
+    for name, t in named.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     rank = 5 if x.dtype == torch.bfloat16 else 4
     if w13_packed.dim() != rank or w2_packed.dim() != rank:
         raise ValueError(
@@ -343,6 +357,9 @@ def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, 
             f"x ({x.dtype}), w13_packed ({w13_packed.dtype}) and w2_packed ({w2_packed.dtype}) "
             "must have one dtype"
         )
+    for name in ("w13_packed", "w2_packed"):  # read by data_ptr as one dense block
+        if not named[name].is_contiguous():
+            raise ValueError(f"{name} must be contiguous (as pack_expert_weights returns it)")
     pair = 2 if rank == 5 else 1  # k per packed row
     num_experts = w13_packed.shape[0]
     hidden, inter = w13_packed.shape[2] * pair, w2_packed.shape[2] * pair
@@ -359,6 +376,8 @@ def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, 
         raise ValueError(
             f"topk_weights must be [{x.shape[0]}, top_k], got {tuple(topk_weights.shape)}"
         )
+    if topk_weights.shape[1] < 1:
+        raise ValueError("top_k (topk_weights.shape[1]) must be at least 1, got 0")
     if len(counts) != num_experts:
         raise ValueError(
             f"counts must have one entry per expert ({num_experts}), got {len(counts)}"

@@ -1,0 +1,229 @@
+"""Nasty inputs for the CPU fused MoE kernel (`batchgen.kernels.fused_moe`) after the round of
+prefetch, non-temporal y_slots stores, AMX k blocks of 128 and huge-page packed weights:
+skewed routing, empty experts, odd sizes, the streaming threshold exactly, thread counts,
+non-contiguous / wrongly placed arguments, and a bad ``order`` (the kernel indexes x and
+y_slots with it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import fused_moe as fm
+from batchgen.models.layers.moe import fused_experts_reference, sort_by_expert
+
+needs_kernel = pytest.mark.skipif(
+    not fm.fused_moe_available(
+        torch.zeros(1, 16), torch.zeros(1, 16, 16), torch.zeros(1, 16, 8), F.silu
+    ),
+    reason="the fused MoE kernel is not built here (no compiler or no AVX2/FMA)",
+)
+needs_bf16 = pytest.mark.skipif(
+    fm.kernel_isa(torch.bfloat16) is None, reason="no avx512_bf16 kernel on this CPU"
+)
+needs_amx = pytest.mark.skipif(
+    fm.kernel_isa(torch.bfloat16) != "amx_bf16", reason="no AMX-BF16 on this CPU"
+)
+STREAM_MIN_BYTES = 4 << 20  # kStreamMinBytes in csrc/fused_moe_common.h
+
+
+def _weights(num_experts, hidden, inter, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _routing(num_tokens, num_experts, top_k, seed, skew=None):
+    """Softmax top-k routing; ``skew`` = an expert every token picks first (all rows of slot 0
+    on one expert)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if skew is not None:
+        logits[:, skew] += 100.0
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _run(x, w13, w2, weights, ids, isa="auto"):
+    order, counts = sort_by_expert(ids, w13.shape[0])
+    return fm.fused_moe_silu(
+        x, fm.pack_expert_weights(w13), fm.pack_expert_weights(w2), weights, order, counts, isa
+    )
+
+
+def _reference(x, w13, w2, weights, ids):
+    return fused_experts_reference(
+        x.double(), w13.double(), w2.double(), weights.double(), ids, F.silu
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,hidden,inter,skew",
+    [
+        (1, 8, 8, 16, 8, None),  # top_k = num_experts, one token
+        (1, 8, 1, 16, 8, None),  # top-1, one token: 7 experts with 0 rows
+        (97, 8, 2, 48, 24, 3),  # every token's first slot on expert 3 (97 rows: 9 row blocks)
+        (513, 4, 4, 16, 8, 0),  # top_k = E and far more rows than one row chunk per expert
+        (5, 64, 8, 80, 40, None),  # most experts empty; H, I not multiples of 32 / 64
+        (33, 4, 2, 144, 72, 1),  # H 144, I 72: odd multiples of 16 / 8
+    ],
+)
+def test_float32_skewed_and_sparse_routing_matches_float64(
+    num_tokens, num_experts, top_k, hidden, inter, skew
+):
+    w13, w2 = _weights(num_experts, hidden, inter, seed=1)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=3, skew=skew)
+    got = _run(x, w13, w2, weights, ids)
+    want = _reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _stream_tokens(top_k, hidden, extra):
+    """num_tokens with y_slots = T x top_k x H x 4 bytes exactly at kStreamMinBytes (extra 0)
+    or one token above it (the smallest step a call can take)."""
+    tokens, rem = divmod(STREAM_MIN_BYTES, top_k * hidden * 4)
+    assert rem == 0
+    return tokens + extra
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra", [0, 1])
+def test_y_slots_at_and_just_above_the_streaming_threshold_are_exact(extra):
+    """At kStreamMinBytes the rows are stored normally, one token above non-temporally: the
+    same bits for every token as the token alone, and float32-close to float64."""
+    top_k, hidden, inter, num_experts = 8, 128, 32, 8
+    num_tokens = _stream_tokens(top_k, hidden, extra)
+    w13, w2 = _weights(num_experts, hidden, inter, seed=4)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=6)
+    got = _run(x, w13, w2, weights, ids)
+    torch.testing.assert_close(
+        got.double(), _reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
+    )
+    for t in (0, num_tokens // 2, num_tokens - 1):
+        alone = _run(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone[0], got[t])
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
+)
+def test_one_and_two_threads_give_the_same_bits(dtype):
+    w13, w2 = _weights(16, 160, 96, seed=7, dtype=dtype)  # K = 160: one k block of 128 + 32
+    x = torch.randn(300, 160, generator=torch.Generator().manual_seed(8)).to(dtype)
+    weights, ids = _routing(300, 16, 4, seed=9, skew=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(x, w13, w2, weights, ids)
+        torch.set_num_threads(2)
+        two = _run(x, w13, w2, weights, ids)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_amx
+@pytest.mark.parametrize("hidden,inter", [(32, 32), (160, 96), (288, 160), (416, 288)])
+def test_amx_k_not_a_multiple_of_the_k_block_matches_vdpbf16ps(hidden, inter):
+    """AMX runs K in blocks of 128 (kKc): K = 32 (less than one block), 160, 288, 416 (a
+    partial last block). vdpbf16ps runs the same float32 sums of the same bf16 products per
+    k pair, in another order: within float32 rounding of it."""
+    w13, w2 = _weights(8, hidden, inter, seed=10, dtype=torch.bfloat16)
+    x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(11)).bfloat16()
+    weights, ids = _routing(70, 8, 2, seed=12, skew=2)
+    amx = _run(x, w13, w2, weights, ids, isa="amx")
+    vec = _run(x, w13, w2, weights, ids, isa="avx512_bf16")
+    ref = _reference(x.float(), w13.float(), w2.float(), weights, ids)
+    # both within the bf16 activation rounding of the float64 reference (one bf16 ulp of the
+    # activation times |w2| row sums: 2^-8 relative, generously 2e-2 absolute at these scales)
+    torch.testing.assert_close(amx.double(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(amx, vec, rtol=1e-2, atol=1e-2)
+    for t in (0, 69):
+        alone = _run(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], isa="amx")
+        assert torch.equal(alone[0], amx[t])
+
+
+@needs_kernel
+def test_zero_tokens_and_zero_experts_with_rows():
+    w13, w2 = _weights(4, 16, 8, seed=13)
+    x = torch.empty(0, 16)
+    out = _run(x, w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64))
+    assert out.shape == (0, 16)
+
+
+@needs_kernel
+def test_non_contiguous_packed_weights_are_refused():
+    """A strided view of packed weights (every other expert) has consistent shapes but the
+    kernel reads ``data_ptr`` as one dense block: garbage, and past the end of the storage for
+    the last experts. It must be refused, naming the argument."""
+    w13, w2 = _weights(8, 16, 8, seed=14)
+    p13, p2 = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    x = torch.randn(3, 16)
+    weights, ids = _routing(3, 4, 2, seed=15)
+    order, counts = sort_by_expert(ids, 4)
+    with pytest.raises(ValueError, match="w13_packed"):
+        fm.fused_moe_silu(x, p13[::2], p2[:4], weights, order, counts)
+    with pytest.raises(ValueError, match="w2_packed"):
+        fm.fused_moe_silu(x, p13[:4], p2[::2], weights, order, counts)
+
+
+@needs_kernel
+def test_tensors_off_the_cpu_are_refused():
+    w13, w2 = _weights(4, 16, 8, seed=16)
+    p13, p2 = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    weights, ids = _routing(3, 4, 2, seed=17)
+    order, counts = sort_by_expert(ids, 4)
+    with pytest.raises(ValueError, match="x"):
+        fm.fused_moe_silu(torch.empty(3, 16, device="meta"), p13, p2, weights, order, counts)
+    with pytest.raises(ValueError, match="w13_packed"):
+        fm.fused_moe_silu(torch.randn(3, 16), p13.to("meta"), p2, weights, order, counts)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", ["too_large", "negative", "duplicate"])
+def test_an_order_that_is_not_a_permutation_is_refused(bad):
+    """``order`` indexes x (by token) and y_slots (by slot): an index past T x top-k read and
+    wrote out of bounds; a duplicate left a slot of the reused workspace unwritten (a previous
+    call's values summed into the output)."""
+    w13, w2 = _weights(4, 16, 8, seed=18)
+    x = torch.randn(3, 16)
+    weights, ids = _routing(3, 4, 2, seed=19)
+    order, counts = sort_by_expert(ids, 4)
+    order = order.clone()
+    if bad == "too_large":
+        order[0] = 1 << 40
+    elif bad == "negative":
+        order[-1] = -7
+    else:
+        order[1] = order[0]
+    with pytest.raises(ValueError, match="order"):
+        fm.fused_moe_silu(x, fm.pack_expert_weights(w13), fm.pack_expert_weights(w2),
+                          weights, order, counts)
+
+
+@needs_kernel
+def test_top_k_zero_is_refused_by_name():
+    w13, w2 = _weights(4, 16, 8, seed=20)
+    with pytest.raises(ValueError, match="top_k"):
+        fm.fused_moe_silu(torch.randn(2, 16), fm.pack_expert_weights(w13),
+                          fm.pack_expert_weights(w2), torch.empty(2, 0),
+                          torch.empty(0, dtype=torch.int64), [0, 0, 0, 0])
+
+
+def test_pack_expert_weights_of_a_non_contiguous_weight_is_the_same_layout():
+    """A transposed checkpoint tensor (``w.t()`` views are common after conversions)."""
+    w13, _ = _weights(4, 32, 16, seed=21)
+    strided = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    assert torch.equal(fm.pack_expert_weights(strided), fm.pack_expert_weights(w13))
+
+
+def test_pack_expert_weights_rejects_a_weight_that_is_not_3d_by_name():
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        fm.pack_expert_weights(torch.zeros(32, 16))
