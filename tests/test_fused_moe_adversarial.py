@@ -227,3 +227,71 @@ def test_pack_expert_weights_of_a_non_contiguous_weight_is_the_same_layout():
 def test_pack_expert_weights_rejects_a_weight_that_is_not_3d_by_name():
     with pytest.raises(ValueError, match=r"\[E, N, K\]"):
         fm.pack_expert_weights(torch.zeros(32, 16))
+
+
+def _huge_layer_weights(seed):
+    """E 8, H 256, I 256: w13 packs to 4 MiB, w2 to 2 MiB (float32): w13 goes on huge pages
+    (`empty_huge_pages` from two huge pages up), w2 stays a plain tensor."""
+    return _weights(8, 256, 256, seed=seed)
+
+
+@needs_kernel
+def test_huge_page_packing_on_off_and_saved_give_the_same_bits(monkeypatch, tmp_path):
+    """Packed weights on huge pages (a view at a 2 MiB offset of a larger uint8 buffer), off
+    (`BATCHGEN_HUGE_PAGES=0`), after torch.save / torch.load and after a deepcopy: the same
+    layout, the same kernel output bit for bit."""
+    import copy
+
+    from batchgen.engine import host_allocator
+
+    w13, w2 = _huge_layer_weights(seed=22)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(23))
+    weights, ids = _routing(40, 8, 2, seed=24)
+    order, counts = sort_by_expert(ids, 8)
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "1")
+    p13_on, p2_on = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    if host_allocator._libc_madvise() is not None:
+        assert p13_on.data_ptr() % host_allocator.HUGE_PAGE_BYTES == 0
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "off")
+    p13_off, p2_off = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    assert p13_off.storage_offset() == 0
+    assert torch.equal(p13_on, p13_off) and torch.equal(p2_on, p2_off)
+    torch.save((p13_on, p2_on), tmp_path / "packed.pt")
+    p13_saved, p2_saved = torch.load(tmp_path / "packed.pt")
+    p13_copy = copy.deepcopy(p13_on)
+    outs = [
+        fm.fused_moe_silu(x, a, b, weights, order, counts)
+        for a, b in ((p13_on, p2_on), (p13_off, p2_off), (p13_saved, p2_saved), (p13_copy, p2_on))
+    ]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(
+        outs[0].double(), _reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
+    )
+
+
+@needs_kernel
+def test_a_block_with_huge_page_weights_repacks_after_a_weight_update():
+    """`SparseMoeBlock` packs on first use; a write through ``param.data`` (what update_weights
+    and the RL sync do) plus `invalidate_packed_weights` must give the new weights' result,
+    not the old huge-page copy's."""
+    from batchgen.models.layers.moe import SparseMoeBlock
+    from batchgen.models.model_config import RouterConfig
+
+    torch.manual_seed(25)
+    block = SparseMoeBlock(256, 256, num_experts=8, top_k=2, router=RouterConfig())
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(26))
+    with torch.no_grad():
+        assert block.uses_kernel(x)
+        before = block(x)
+        old_p13 = block.packed_expert_weights()[0]
+        new13, new2 = _huge_layer_weights(seed=27)
+        block.w13_weight.data.copy_(new13)
+        block.w2_weight.data.copy_(new2)
+        block.invalidate_packed_weights()
+        after = block(x)
+        assert block.packed_expert_weights()[0] is not old_p13
+        fresh = SparseMoeBlock(256, 256, num_experts=8, top_k=2, router=RouterConfig())
+        fresh.load_state_dict(block.state_dict())
+        assert torch.equal(after, fresh(x))
+        assert not torch.equal(after, before)
