@@ -295,3 +295,66 @@ def test_a_block_with_huge_page_weights_repacks_after_a_weight_update():
         fresh.load_state_dict(block.state_dict())
         assert torch.equal(after, fresh(x))
         assert not torch.equal(after, before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int32])
+def test_an_unsupported_activation_dtype_is_named(dtype):
+    """It said ``isa must be one of [] for torch.float64, got 'auto'`` (blaming isa)."""
+    w13, w2 = _weights(4, 16, 8, seed=28)
+    weights, ids = _routing(3, 4, 2, seed=29)
+    order, counts = sort_by_expert(ids, 4)
+    with pytest.raises(ValueError, match=r"x must be float32 or bfloat16"):
+        fm.fused_moe_silu(torch.zeros(3, 16, dtype=dtype), fm.pack_expert_weights(w13),
+                          fm.pack_expert_weights(w2), weights, order, counts)
+
+
+@needs_kernel
+def test_strided_x_weights_and_order_and_tensor_counts_give_the_same_bits():
+    """x a column slice of a wider tensor, topk_weights transposed twice, order a strided view,
+    counts a tensor instead of a list: the same result as the dense arguments."""
+    w13, w2 = _weights(8, 48, 24, seed=30)
+    p13, p2 = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    wide = torch.randn(21, 96, generator=torch.Generator().manual_seed(31))
+    x = wide[:, 48:]
+    weights, ids = _routing(21, 8, 3, seed=32)
+    order, counts = sort_by_expert(ids, 8)
+    want = fm.fused_moe_silu(x.contiguous(), p13, p2, weights, order, counts)
+    strided_weights = weights.t().contiguous().t()
+    strided_order = torch.stack([order, order], 1)[:, 0]
+    assert not (x.is_contiguous() or strided_weights.is_contiguous()
+                or strided_order.is_contiguous())
+    got = fm.fused_moe_silu(x, p13, p2, strided_weights, strided_order, torch.tensor(counts))
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra", [0, 1])
+def test_avx2_and_avx512_agree_bit_for_bit_at_the_streaming_threshold(extra):
+    """The AVX2 kernel ignores ``stream`` (regular stores), the AVX-512 one streams above
+    kStreamMinBytes: both run the same FMA chain per output, so the same bits either way."""
+    if fm.kernel_isa(torch.float32) != "avx512f":
+        pytest.skip("no AVX-512F build here")
+    top_k, hidden, inter, num_experts = 8, 128, 32, 8
+    num_tokens = _stream_tokens(top_k, hidden, extra)
+    w13, w2 = _weights(num_experts, hidden, inter, seed=33)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(34))
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=35)
+    assert torch.equal(_run(x, w13, w2, weights, ids), _run(x, w13, w2, weights, ids, "avx2"))
+
+
+@needs_bf16
+@pytest.mark.parametrize("isa", ["avx512_bf16", pytest.param("amx", marks=needs_amx)])
+@pytest.mark.parametrize("extra", [0, 1])
+def test_bf16_at_and_just_above_the_streaming_threshold_is_batch_invariant(isa, extra):
+    top_k, hidden, inter, num_experts = 8, 128, 64, 8
+    num_tokens = _stream_tokens(top_k, hidden, extra)
+    w13, w2 = _weights(num_experts, hidden, inter, seed=36, dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(37)).bfloat16()
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=38, skew=extra)
+    got = _run(x, w13, w2, weights, ids, isa)
+    ref = _reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2)
+    for t in (0, num_tokens - 1):
+        alone = _run(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], isa)
+        assert torch.equal(alone[0], got[t])

@@ -274,14 +274,16 @@ def fused_moe_silu(
         top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
         activation is rounded to bfloat16 once, before the down projection.
     Raises:
-        ValueError: when the arguments' shapes, dtypes or devices disagree, a packed weight
-            is not contiguous, top_k is 0, ``order`` is not a permutation of the (token,
-            slot) rows (each named in the message), or ``isa`` is not one of `ISAS` for x's
-            dtype.
+        ValueError: x neither float32 nor bfloat16; the arguments' shapes, dtypes or
+            devices disagree; a packed weight is not contiguous; top_k is 0; ``order`` is
+            not a permutation of the (token, slot) rows (each named in the message); or
+            ``isa`` is not one of `ISAS` for x's dtype.
         RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
             CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
-    isas = ISAS.get(x.dtype, {})
+    if x.dtype not in ISAS:
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    isas = ISAS[x.dtype]
     if isa not in isas:
         raise ValueError(f"isa must be one of {sorted(isas)} for {x.dtype}, got {isa!r}")
     lib = _library()
