@@ -358,3 +358,19 @@ def test_bf16_at_and_just_above_the_streaming_threshold_is_batch_invariant(isa, 
     for t in (0, num_tokens - 1):
         alone = _run(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], isa)
         assert torch.equal(alone[0], got[t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_expert_weight_into_takes_a_strided_expert_and_names_a_wrong_destination(dtype):
+    """The weight streamer packs each checkpoint piece with `pack_expert_weight_into`: a
+    strided piece (a transposed tensor) packs like its contiguous copy; a destination of
+    another shape is refused by name (it surfaced as torch's broadcast error)."""
+    w13, _ = _weights(2, 32, 16, seed=39, dtype=dtype)
+    whole = fm.pack_expert_weights(w13)
+    strided = w13[1].t().contiguous().t()
+    dst = torch.empty(fm.packed_expert_shape(32, 32, dtype), dtype=dtype)
+    fm.pack_expert_weight_into(dst, strided)
+    assert torch.equal(dst, whole[1])
+    wrong = torch.empty(fm.packed_expert_shape(32, 16, dtype), dtype=dtype)
+    with pytest.raises(ValueError, match="dst"):
+        fm.pack_expert_weight_into(wrong, w13[1])

@@ -77,12 +77,12 @@ import torch.nn.functional as F
 
 from batchgen.engine.host_allocator import empty_huge_pages
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.fused_moe_checks import PANEL, check_fused_moe_args
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
-PANEL = 16  # output columns per packed weight panel (the micro-kernel's width)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _lib = None
 _logged: set[str] = set()
@@ -215,12 +215,21 @@ def packed_expert_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
 
 def pack_expert_weight_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     """Copy one expert's ``w [N, K]`` into ``dst`` of `packed_expert_shape` (``dst``'s dtype
-    picks the layout; N a multiple of 16, K even for bfloat16)."""
+    picks the layout; N a multiple of 16, K even for bfloat16). Raises ValueError when w is
+    not 2-D or ``dst`` is not `packed_expert_shape` of w's ``[N, K]``."""
+    if w.dim() != 2:
+        raise ValueError(f"w must be one expert's [N, K] weight, got shape {tuple(w.shape)}")
     n, k = w.shape
+    want = packed_expert_shape(n, k, dst.dtype)
+    if n % PANEL or (dst.dtype == torch.bfloat16 and k % 2) or tuple(dst.shape) != want:
+        raise ValueError(
+            f"dst {tuple(dst.shape)} ({dst.dtype}) is not the packed shape of w {tuple(w.shape)}"
+            f" (N a multiple of {PANEL}, K even for bfloat16: {want})"
+        )
     if dst.dtype == torch.bfloat16:
-        dst.copy_(w.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2))
+        dst.copy_(w.reshape(n // PANEL, PANEL, k // 2, 2).transpose(1, 2))
     else:
-        dst.copy_(w.view(n // PANEL, PANEL, k).transpose(1, 2))
+        dst.copy_(w.reshape(n // PANEL, PANEL, k).transpose(1, 2))
 
 
 def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:
@@ -290,7 +299,7 @@ def fused_moe_silu(
     best = kernel_isa(x.dtype)
     if lib is None or best is None:
         raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
-    num_experts, hidden, inter = _check(x, w13_packed, w2_packed, topk_weights, order, counts)
+    num_experts, hidden, inter = check_fused_moe_args(x, w13_packed, w2_packed, topk_weights, order, counts)
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     if num_tokens == 0:
@@ -338,56 +347,3 @@ def fused_moe_silu(
     if rc != 0:
         raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc}, isa {isa!r})")
     return out
-
-
-def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, int, int]:
-    """``(E, H, I)`` of the packed weights; ValueError unless the arguments describe one layer
-    consistently (the kernel trusts them: a wrong count would read past the weights or leave
-    stale rows in the workspace)."""
-    named = {"x": x, "w13_packed": w13_packed, "w2_packed": w2_packed,
-             "topk_weights": topk_weights, "order": order}
-    for name, t in named.items():
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
-    rank = 5 if x.dtype == torch.bfloat16 else 4
-    if w13_packed.dim() != rank or w2_packed.dim() != rank:
-        raise ValueError(
-            f"w13_packed and w2_packed must come from pack_expert_weights ({rank}-D for {x.dtype})"
-        )
-    if w13_packed.dtype != x.dtype or w2_packed.dtype != x.dtype:
-        raise ValueError(
-            f"x ({x.dtype}), w13_packed ({w13_packed.dtype}) and w2_packed ({w2_packed.dtype}) "
-            "must have one dtype"
-        )
-    for name in ("w13_packed", "w2_packed"):  # read by data_ptr as one dense block
-        if not named[name].is_contiguous():
-            raise ValueError(f"{name} must be contiguous (as pack_expert_weights returns it)")
-    pair = 2 if rank == 5 else 1  # k per packed row
-    num_experts = w13_packed.shape[0]
-    hidden, inter = w13_packed.shape[2] * pair, w2_packed.shape[2] * pair
-    if w2_packed.shape[0] != num_experts or w2_packed.shape[1] * PANEL != hidden:
-        raise ValueError(
-            f"w2_packed {tuple(w2_packed.shape)} does not match w13_packed "
-            f"{tuple(w13_packed.shape)}"
-        )
-    if w13_packed.shape[1] * PANEL != 2 * inter:
-        raise ValueError(f"w13_packed rows {w13_packed.shape[1] * PANEL} != 2 x {inter}")
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
-    if topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_weights must be [{x.shape[0]}, top_k], got {tuple(topk_weights.shape)}"
-        )
-    if topk_weights.shape[1] < 1:
-        raise ValueError("top_k (topk_weights.shape[1]) must be at least 1, got 0")
-    if len(counts) != num_experts:
-        raise ValueError(
-            f"counts must have one entry per expert ({num_experts}), got {len(counts)}"
-        )
-    rows = topk_weights.numel()
-    if order.numel() != rows or sum(counts) != rows or min(counts, default=0) < 0:
-        raise ValueError(
-            f"order ({order.numel()}) and counts (sum {sum(counts)}) must both cover the "
-            f"{rows} (token, slot) rows"
-        )
-    return num_experts, hidden, inter
