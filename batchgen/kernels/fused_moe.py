@@ -299,7 +299,9 @@ def fused_moe_silu(
     best = kernel_isa(x.dtype)
     if lib is None or best is None:
         raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
-    num_experts, hidden, inter = check_fused_moe_args(x, w13_packed, w2_packed, topk_weights, order, counts)
+    num_experts, hidden, inter = check_fused_moe_args(
+        x, w13_packed, w2_packed, topk_weights, order, counts
+    )
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     if num_tokens == 0:
