@@ -113,10 +113,13 @@ def test_y_slots_at_and_just_above_the_streaming_threshold_are_exact(extra):
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
 )
-def test_one_and_two_threads_give_the_same_bits(dtype):
+@pytest.mark.parametrize("num_tokens,top_k", [(300, 4), (1700, 8)])  # y_slots 0.8 / 8.7 MB
+def test_one_and_two_threads_give_the_same_bits(dtype, num_tokens, top_k):
+    """Experts spread over threads dynamically, the slot sum statically, regular and (above
+    kStreamMinBytes) non-temporal stores: the same bits on 1 and 2 threads."""
     w13, w2 = _weights(16, 160, 96, seed=7, dtype=dtype)  # K = 160: one k block of 128 + 32
-    x = torch.randn(300, 160, generator=torch.Generator().manual_seed(8)).to(dtype)
-    weights, ids = _routing(300, 16, 4, seed=9, skew=5)
+    x = torch.randn(num_tokens, 160, generator=torch.Generator().manual_seed(8)).to(dtype)
+    weights, ids = _routing(num_tokens, 16, top_k, seed=9, skew=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
