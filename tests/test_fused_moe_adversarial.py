@@ -377,3 +377,63 @@ def test_pack_expert_weight_into_takes_a_strided_expert_and_names_a_wrong_destin
     wrong = torch.empty(fm.packed_expert_shape(32, 16, dtype), dtype=dtype)
     with pytest.raises(ValueError, match="dst"):
         fm.pack_expert_weight_into(wrong, w13[1])
+
+
+class _Guarded:
+    """Copies of tensors placed against inaccessible (PROT_NONE) pages: ``before`` puts the
+    first byte right after a guard page, ``after`` the last byte right before one, so a read
+    past either end of x or the packed weights faults (a crash, not garbage) instead of
+    reading a neighbour's memory. Software prefetches never fault, so they are not caught."""
+
+    def __init__(self):
+        import ctypes
+        import mmap
+
+        self._mmap, self._ctypes = mmap, ctypes
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._keep = []
+
+    def __call__(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        page = self._mmap.PAGESIZE
+        nbytes = t.numel() * t.element_size()
+        pages = -(-nbytes // page)
+        buf = self._mmap.mmap(-1, (pages + 2) * page)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+        base = raw.data_ptr()
+        for guard in (base, base + (pages + 1) * page):
+            assert self._libc.mprotect(guard, page, 0) == 0  # PROT_NONE
+        start = page if where == "before" else page + pages * page - nbytes
+        view = raw[start : start + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self._keep.append((buf, raw))
+        return view
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize(
+    "dtype,isa,hidden,inter",
+    [
+        (torch.float32, "auto", 48, 24),
+        (torch.float32, "avx2", 80, 40),
+        pytest.param(torch.bfloat16, "avx512_bf16", 48, 24, marks=needs_bf16),
+        pytest.param(torch.bfloat16, "amx", 160, 96, marks=needs_amx),
+        pytest.param(torch.bfloat16, "amx", 288, 32, marks=needs_amx),
+    ],
+)
+def test_no_read_outside_x_and_the_packed_weights(where, dtype, isa, hidden, inter):
+    """Every expert with rows (top_k = E, so the first and last experts' weights, at the ends
+    of the packed tensors, are read), skewed rows, a partial row block: no read outside x,
+    w13_packed or w2_packed (a guard page at either end), and the same bits as unguarded."""
+    guarded = _Guarded()
+    w13, w2 = _weights(4, hidden, inter, seed=40, dtype=dtype)
+    p13, p2 = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    x = torch.randn(13, hidden, generator=torch.Generator().manual_seed(41)).to(dtype)
+    weights, ids = _routing(13, 4, 4, seed=42, skew=3)
+    order, counts = sort_by_expert(ids, 4)
+    want = fm.fused_moe_silu(x, p13, p2, weights, order, counts, isa)
+    got = fm.fused_moe_silu(
+        guarded(x, where), guarded(p13, where), guarded(p2, where), weights, order, counts, isa
+    )
+    assert torch.equal(got, want)
