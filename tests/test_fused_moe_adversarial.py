@@ -33,6 +33,7 @@ from batchgen.models.layers.moe import sort_by_expert
         (513, 4, 4, 16, 8, 0),  # top_k = E and far more rows than one row chunk per expert
         (5, 64, 8, 80, 40, None),  # most experts empty; H, I not multiples of 32 / 64
         (33, 4, 2, 144, 72, 1),  # H 144, I 72: odd multiples of 16 / 8
+        (1000, 64, 1, 48, 24, 0),  # top-1, every row on expert 0, 63 experts empty
     ],
 )
 def test_float32_skewed_and_sparse_routing_matches_float64(
