@@ -158,3 +158,14 @@ def test_no_read_outside_x_and_the_packed_weights(where, dtype, isa, hidden, int
         guarded(x, where), guarded(p13, where), guarded(p2, where), weights, order, counts, isa
     )
     assert torch.equal(got, want)
+
+
+def test_pack_expert_weights_keeps_the_device_of_its_input():
+    """Before huge pages the packed copy stayed on w's device (``.contiguous()``); the huge-page
+    buffer is host memory, so a meta (or CUDA) weight raised "Cannot copy out of meta tensor"
+    (or came back on the CPU). Only CPU weights go to `empty_huge_pages`."""
+    w = torch.empty(4, 32, 16, device="meta")
+    packed = fm.pack_expert_weights(w)
+    assert packed.device.type == "meta" and packed.shape == (4, 2, 16, 16)
+    bf16 = fm.pack_expert_weights(w.bfloat16())
+    assert bf16.device.type == "meta" and bf16.shape == (4, 2, 8, 16, 2)
