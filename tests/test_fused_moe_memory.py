@@ -5,6 +5,8 @@ the packed weights (guard pages)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from fused_moe_helpers import needs_amx, needs_bf16, needs_kernel
@@ -147,6 +149,8 @@ def test_no_read_outside_x_and_the_packed_weights(where, dtype, isa, hidden, int
     """Every expert with rows (top_k = E, so the first and last experts' weights, at the ends
     of the packed tensors, are read), skewed rows, a partial row block: no read outside x,
     w13_packed or w2_packed (a guard page at either end), and the same bits as unguarded."""
+    if sys.platform != "linux":
+        pytest.skip("guard pages through libc mprotect: Linux only")
     guarded = _Guarded()
     w13, w2 = _weights(4, hidden, inter, seed=40, dtype=dtype)
     p13, p2 = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
