@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from batchgen.engine import host_allocator
@@ -90,3 +91,20 @@ def test_empty_huge_pages_starts_on_a_huge_page_and_holds_the_shape(monkeypatch)
     monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "0")
     off = host_allocator.empty_huge_pages((4, page // 4), torch.float32)
     assert off.shape == (4, page // 4) and off.storage_offset() == 0
+
+
+@pytest.mark.parametrize("word", ["0", "off", "False", " no "])
+def test_every_off_word_turns_huge_pages_off(monkeypatch, word):
+    """BATCHGEN_HUGE_PAGES read `== "0"` only: ``off``/``false``/``no`` (which every other
+    on/off switch takes, `switches.env_flag`) left huge pages on."""
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", word)
+    assert host_allocator.advise_huge_pages(torch.empty(16 << 20)) == 0
+    page = host_allocator.HUGE_PAGE_BYTES
+    t = host_allocator.empty_huge_pages((4, page // 4), torch.float32)
+    assert t.shape == (4, page // 4) and t.storage_offset() == 0
+
+
+def test_a_bad_huge_pages_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_HUGE_PAGES", "maybe")
+    with pytest.raises(ValueError, match="BATCHGEN_HUGE_PAGES='maybe'"):
+        host_allocator.empty_huge_pages((4, 1 << 20), torch.float32)

@@ -23,6 +23,7 @@ BAD_SWITCHES = [
     ("BATCHGEN_MOE_PATH", "fast", ["'auto'", "'grouped_mm'", "'reference'", "'triton'"]),
     ("BATCHGEN_ATTENTION_BACKEND", "flash", ["'cpu_kernel'", "'torch'", "'triton'"]),
     ("BATCHGEN_PREFILL_ATTENTION", "flash", ["'auto'", "'kernel'", "'sdpa'"]),
+    ("BATCHGEN_HUGE_PAGES", "maybe", ["1/true/yes/on (on)", "0/false/no/off (off)"]),
 ]
 
 

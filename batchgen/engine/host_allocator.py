@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from batchgen.kernels.switches import env_flag
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameter numbers from glibc's <malloc.h>.
@@ -92,6 +94,18 @@ def _libc_madvise():
 _madvise = None
 
 
+HUGE_PAGES_ENV = "BATCHGEN_HUGE_PAGES"  # an on/off switch: off advises no huge pages
+
+
+def huge_pages_enabled() -> bool:
+    """False when ``BATCHGEN_HUGE_PAGES`` is ``0`` (also ``false``/``no``/``off``).
+
+    Raises:
+        ValueError: a value other than the on/off words (`switches.env_flag`; the engine
+            checks it at start, `switches.check_kernel_switches`)."""
+    return env_flag(HUGE_PAGES_ENV)
+
+
 def advise_huge_pages(t) -> int:
     """Ask Linux to back a large CPU tensor with transparent huge pages (``madvise`` with
     ``MADV_HUGEPAGE``), before its memory is first touched.
@@ -105,11 +119,13 @@ def advise_huge_pages(t) -> int:
     Args:
         t: a contiguous CPU tensor not yet written (e.g. from ``torch.empty``).
     Returns:
-        Bytes advised: 0 when not on Linux, ``BATCHGEN_HUGE_PAGES=0``, the tensor is not a
-        contiguous CPU tensor, it is smaller than two huge pages, or ``madvise`` fails (THP
-        disabled). Never raises.
+        Bytes advised: 0 when not on Linux, `huge_pages_enabled` is False, the tensor is not
+        a contiguous CPU tensor, it is smaller than two huge pages, or ``madvise`` fails (THP
+        disabled).
+    Raises:
+        ValueError: only for a bad ``BATCHGEN_HUGE_PAGES`` value (`huge_pages_enabled`).
     """
-    if os.environ.get("BATCHGEN_HUGE_PAGES", "1") == "0" or sys.platform != "linux":
+    if sys.platform != "linux" or not huge_pages_enabled():
         return 0
     try:
         if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
@@ -146,9 +162,12 @@ def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     Returns:
         A ``torch.empty``-like tensor (a view at a 2 MiB-aligned offset of a buffer 2 MiB
         larger); a plain ``torch.empty`` when nothing was advised (smaller than two huge pages,
-        ``BATCHGEN_HUGE_PAGES=0``, not Linux, or ``madvise`` failed). Never raises beyond
-        ``torch.empty``'s own errors.
+        ``BATCHGEN_HUGE_PAGES`` off, not Linux, or ``madvise`` failed).
+    Raises:
+        ValueError: a bad ``BATCHGEN_HUGE_PAGES`` value (`huge_pages_enabled`), besides
+            ``torch.empty``'s own errors.
     """
+    huge_pages_enabled()  # a bad value fails for small tensors too, not only large ones
     numel = 1
     for size in shape:
         numel *= size

@@ -58,10 +58,13 @@ torch's 2.3). In bfloat16 it is within one bf16 rounding of the activation of th
 reference on the same bf16 inputs (the bound is derived in ``tests/test_fused_moe_bf16.py``).
 A token's output does not depend on the other tokens in the call, in either dtype.
 
-Memory: the packed weights are a second copy of the expert weights (each tensor 2 MiB more, to
-start on a huge page), and the per-(token, slot)
-scratch (`_workspace`) keeps the size of the largest call (T x top-k x H floats) for the life of
-the process.
+Memory: the packed weights are a second copy of the expert weights (a tensor of 4 MiB or more
+reserves 2 MiB more address space, to start on a huge page; the pages before that start are
+never written, so not resident: 48 packed tensors of 4 MiB written through added 190 MiB of
+RSS against 194 MiB for plain ``torch.empty`` ones, one run on a loaded machine; the CPU KV
+cache budget is ``kv_cache_memory_gb`` or a fixed 1 GiB, not what is left after the weights,
+so it does not move), and the per-(token, slot) scratch (`_workspace`) keeps the size of the
+largest call (T x top-k x H floats) for the life of the process.
 """
 
 from __future__ import annotations
@@ -77,12 +80,12 @@ import torch.nn.functional as F
 
 from batchgen.engine.host_allocator import empty_huge_pages
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.fused_moe_checks import PANEL, check_fused_moe_args
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_flag
 
 logger = logging.getLogger(__name__)
 
-PANEL = 16  # output columns per packed weight panel (the micro-kernel's width)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _lib = None
 _logged: set[str] = set()
@@ -215,31 +218,44 @@ def packed_expert_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
 
 def pack_expert_weight_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     """Copy one expert's ``w [N, K]`` into ``dst`` of `packed_expert_shape` (``dst``'s dtype
-    picks the layout; N a multiple of 16, K even for bfloat16)."""
+    picks the layout; N a multiple of 16, K even for bfloat16). Raises ValueError when w is
+    not 2-D or ``dst`` is not `packed_expert_shape` of w's ``[N, K]``."""
+    if w.dim() != 2:
+        raise ValueError(f"w must be one expert's [N, K] weight, got shape {tuple(w.shape)}")
     n, k = w.shape
+    want = packed_expert_shape(n, k, dst.dtype)
+    if n % PANEL or (dst.dtype == torch.bfloat16 and k % 2) or tuple(dst.shape) != want:
+        raise ValueError(
+            f"dst {tuple(dst.shape)} ({dst.dtype}) is not the packed shape of w {tuple(w.shape)}"
+            f" (N a multiple of {PANEL}, K even for bfloat16: {want})"
+        )
     if dst.dtype == torch.bfloat16:
-        dst.copy_(w.view(n // PANEL, PANEL, k // 2, 2).transpose(1, 2))
+        dst.copy_(w.reshape(n // PANEL, PANEL, k // 2, 2).transpose(1, 2))
     else:
-        dst.copy_(w.view(n // PANEL, PANEL, k).transpose(1, 2))
+        dst.copy_(w.reshape(n // PANEL, PANEL, k).transpose(1, 2))
 
 
 def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:
     """``w [E, N, K]`` -> the kernel's packed layout, contiguous, a copy (N * K per expert):
     bfloat16 stays bfloat16, ``[E, N / 16, K / 2, 16, 2]``; any other dtype becomes float32,
-    ``[E, N / 16, K, 16]`` (see `packed_expert_shape`). The copy is on transparent huge
-    pages where the OS gives them (`empty_huge_pages`: every decode step streams it; 16-18%
-    faster float32 decode calls, 11% bfloat16, on the bench layer). Raises ValueError when N
-    is not a multiple of 16 (or K odd for bfloat16)."""
+    ``[E, N / 16, K, 16]`` (see `packed_expert_shape`), on w's device. A CPU weight's copy
+    is on transparent huge pages where the OS gives them (`empty_huge_pages`: every decode
+    step streams it; 16-18% faster float32 decode calls, 11% bfloat16, on the bench layer).
+    Raises ValueError when w is not 3-D, N is not a multiple of 16 (or K odd for bfloat16)."""
+    if w.dim() != 3:
+        raise ValueError(f"expert weights must be [E, N, K], got shape {tuple(w.shape)}")
     num_experts, n, k = w.shape
     if n % PANEL:
         raise ValueError(f"expert weight rows must be a multiple of {PANEL}, got {n}")
-    w = w.detach()
+    w = w.detach()  # reshape, not view: a strided checkpoint tensor is copied, not refused
     if w.dtype == torch.bfloat16:
         if k % 2:
             raise ValueError(f"bf16 expert weight columns must be even, got {k}")
-        src = w.view(num_experts, n // PANEL, PANEL, k // 2, 2).transpose(2, 3)
+        src = w.reshape(num_experts, n // PANEL, PANEL, k // 2, 2).transpose(2, 3)
     else:
-        src = w.float().view(num_experts, n // PANEL, PANEL, k).transpose(2, 3)
+        src = w.float().reshape(num_experts, n // PANEL, PANEL, k).transpose(2, 3)
+    if w.device.type != "cpu":  # huge pages are host memory; the copy stays on w's device
+        return src.contiguous()
     packed = empty_huge_pages(tuple(src.shape), src.dtype)
     packed.copy_(src)
     return packed
@@ -272,19 +288,25 @@ def fused_moe_silu(
         top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
         activation is rounded to bfloat16 once, before the down projection.
     Raises:
-        ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
+        ValueError: x neither float32 nor bfloat16; the arguments' shapes, dtypes or
+            devices disagree; a packed weight is not contiguous; top_k is 0; ``order`` is
+            not a permutation of the (token, slot) rows (each named in the message); or
             ``isa`` is not one of `ISAS` for x's dtype.
         RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
             CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
-    isas = ISAS.get(x.dtype, {})
+    if x.dtype not in ISAS:
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+    isas = ISAS[x.dtype]
     if isa not in isas:
         raise ValueError(f"isa must be one of {sorted(isas)} for {x.dtype}, got {isa!r}")
     lib = _library()
     best = kernel_isa(x.dtype)
     if lib is None or best is None:
         raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
-    num_experts, hidden, inter = _check(x, w13_packed, w2_packed, topk_weights, order, counts)
+    num_experts, hidden, inter = check_fused_moe_args(
+        x, w13_packed, w2_packed, topk_weights, order, counts
+    )
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     if num_tokens == 0:
@@ -322,51 +344,13 @@ def fused_moe_silu(
             torch.get_num_threads(),
             code,
         )
+    if rc == 3:
+        raise ValueError(
+            f"order must be a permutation of range({num_tokens * top_k}) (each (token, slot) "
+            "row once, as sort_by_expert returns it)"
+        )
     if rc == 2:
         raise RuntimeError(f"the fused MoE CPU kernel has no {isa!r} micro-kernel on this CPU")
     if rc != 0:
         raise RuntimeError(f"fused MoE kernel rejected the shapes (code {rc}, isa {isa!r})")
     return out
-
-
-def _check(x, w13_packed, w2_packed, topk_weights, order, counts) -> tuple[int, int, int]:
-    """``(E, H, I)`` of the packed weights; ValueError unless the arguments describe one layer
-    consistently (the kernel trusts them: a wrong count would read past the weights or leave
-    stale rows in the workspace)."""
-    rank = 5 if x.dtype == torch.bfloat16 else 4
-    if w13_packed.dim() != rank or w2_packed.dim() != rank:
-        raise ValueError(
-            f"w13_packed and w2_packed must come from pack_expert_weights ({rank}-D for {x.dtype})"
-        )
-    if w13_packed.dtype != x.dtype or w2_packed.dtype != x.dtype:
-        raise ValueError(
-            f"x ({x.dtype}), w13_packed ({w13_packed.dtype}) and w2_packed ({w2_packed.dtype}) "
-            "must have one dtype"
-        )
-    pair = 2 if rank == 5 else 1  # k per packed row
-    num_experts = w13_packed.shape[0]
-    hidden, inter = w13_packed.shape[2] * pair, w2_packed.shape[2] * pair
-    if w2_packed.shape[0] != num_experts or w2_packed.shape[1] * PANEL != hidden:
-        raise ValueError(
-            f"w2_packed {tuple(w2_packed.shape)} does not match w13_packed "
-            f"{tuple(w13_packed.shape)}"
-        )
-    if w13_packed.shape[1] * PANEL != 2 * inter:
-        raise ValueError(f"w13_packed rows {w13_packed.shape[1] * PANEL} != 2 x {inter}")
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
-    if topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_weights must be [{x.shape[0]}, top_k], got {tuple(topk_weights.shape)}"
-        )
-    if len(counts) != num_experts:
-        raise ValueError(
-            f"counts must have one entry per expert ({num_experts}), got {len(counts)}"
-        )
-    rows = topk_weights.numel()
-    if order.numel() != rows or sum(counts) != rows or min(counts, default=0) < 0:
-        raise ValueError(
-            f"order ({order.numel()}) and counts (sum {sum(counts)}) must both cover the "
-            f"{rows} (token, slot) rows"
-        )
-    return num_experts, hidden, inter

@@ -58,7 +58,8 @@ def check_kernel_switches() -> None:
     """Read every kernel and path switch once, so that a bad value fails at engine start:
     ``BATCHGEN_CPU_KERNELS``, ``BATCHGEN_CPU_AMX``, ``BATCHGEN_PACKED_LINEAR``,
     ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_PAGED_ATTENTION_ISA``, ``BATCHGEN_MOE_PATH``,
-    ``BATCHGEN_ATTENTION_BACKEND`` and ``BATCHGEN_PREFILL_ATTENTION``. Builds and loads nothing.
+    ``BATCHGEN_ATTENTION_BACKEND``, ``BATCHGEN_PREFILL_ATTENTION`` and ``BATCHGEN_HUGE_PAGES``.
+    Builds and loads nothing.
 
     Raises:
         ValueError: the first bad value, naming the variable and the allowed values; or
@@ -66,6 +67,7 @@ def check_kernel_switches() -> None:
             kernel off (the first prefill failed with it, long after start).
     """
     # Imported here: these modules import torch-side code that imports this module.
+    from batchgen.engine.host_allocator import huge_pages_enabled
     from batchgen.kernels.cpu_build import kernels_enabled
     from batchgen.kernels.fused_moe import amx_enabled
     from batchgen.kernels.onednn_linear import prepacked_linear_enabled
@@ -77,6 +79,7 @@ def check_kernel_switches() -> None:
 
     kernels_enabled()
     amx_enabled()
+    huge_pages_enabled()
     packed_linear_enabled()
     prepacked_linear_enabled()
     default_isa()

@@ -77,6 +77,18 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
   constexpr int64_t kStep = K::kStep;
   if (hidden % kPanel != 0 || (2 * inter) % kPanel != 0 || top_k <= 0) return 1;
   const int64_t h = hidden, i2 = 2 * inter;
+  // order indexes x (by token) and y_slots (by slot): each of the T x top_k rows exactly once,
+  // or a row would be read or written out of bounds, or left holding a previous call's values.
+  {
+    const int64_t rows = num_tokens * top_k;
+    if (starts[0] != 0 || starts[num_experts] != rows) return 3;
+    std::vector<uint8_t> seen(rows, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t slot = order[r];
+      if (slot < 0 || slot >= rows || seen[slot]) return 3;
+      seen[slot] = 1;
+    }
+  }
   num_threads = std::max<int64_t>(1, num_threads);
   // Non-temporal stores into y_slots only when it outgrows the caches (the bf16 kernels'
   // StoreRows says why); a choice per call, so every row's value is the same either way.
@@ -171,7 +183,8 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
 }  // namespace
 
 // isa: 0 = the best float32 kernel this build has, 1 = the AVX2 one (for A/B measurements).
-// Returns 0, or 1 (shapes not multiples of 16 / top_k <= 0), 2 (no such kernel in this build).
+// Returns 0, or 1 (shapes not multiples of 16 / top_k <= 0), 2 (no such kernel in this build),
+// 3 (order is not a permutation of the num_tokens x top_k rows; starts do not cover them).
 extern "C" int batchgen_fused_moe_silu_f32(const float* x, const float* w13p, const float* w2p,
                                            const float* topk_weights, const int64_t* order,
                                            const int64_t* starts, float* y_slots, float* out,
