@@ -15,8 +15,7 @@ from torch import nn
 
 from batchgen.kernels.rotary_embedding import (
     rotary_embedding_,
-    rotary_embedding_and_cache_,
-    rotary_embedding_and_cache_available,
+    rotary_embedding_and_cache_checked_,
     rotary_embedding_available,
 )
 
@@ -126,10 +125,7 @@ class RotaryEmbedding(nn.Module):
         if q.device.type != "cpu":
             return False
         cos, sin = self._cached_cos_sin(positions, q.dtype, cache)
-        if not rotary_embedding_and_cache_available(q, k, v, cos, sin, kv_cache, slot_mapping):
-            return False
-        rotary_embedding_and_cache_(q, k, v, cos, sin, kv_cache, slot_mapping)
-        return True
+        return rotary_embedding_and_cache_checked_(q, k, v, cos, sin, kv_cache, slot_mapping)
 
     def forward(
         self,
