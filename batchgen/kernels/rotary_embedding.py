@@ -144,6 +144,13 @@ def rotary_embedding_(
             "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU, q and k "
             "sharing no memory"
         )
+    return _run_rotary(q, k, cos, sin)
+
+
+def _run_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel call of `rotary_embedding_` on tensors that passed `_layout_ok`."""
     t, hq, d = q.shape
     if t == 0:
         return q, k
@@ -313,4 +320,15 @@ def rotary_embedding_and_cache_checked_(
     if not rotary_embedding_and_cache_available(q, k, v, cos, sin, kv_cache, slot_mapping):
         return False
     _run_rotary_and_cache(q, k, v, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
+    return True
+
+
+def rotary_embedding_checked_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """`rotary_embedding_` where `rotary_embedding_available` holds, its layout checks run
+    once (a layer's call path); returns False, touching nothing, where it does not."""
+    if not rotary_embedding_available(q, k, cos, sin):
+        return False
+    _run_rotary(q, k, cos, sin)
     return True
