@@ -245,6 +245,10 @@ def rotary_embedding_and_cache_(
     then the rotated ``k`` and ``v [T, Hkv, D]`` written to rows ``slot_mapping [T]`` (int64)
     of ``kv_cache = (k_cache, v_cache)``, each ``[num_slots, Hkv, D]``: one kernel pass instead
     of the rotation and two ``index_copy_`` (vLLM's ``reshape_and_cache`` fused with RoPE).
+    The slots must be distinct (the engine's are: each token its own slot): rows are written
+    from several threads from 64 rows on, so a duplicated slot gets one of its rows, not
+    necessarily the last as ``index_copy_`` in one thread, and may mix two where threads
+    race. Nothing checks for duplicates (a sort per layer call).
 
     Returns:
         ``(q, k)``, the same tensors.
