@@ -182,6 +182,49 @@ def test_onednn_rows_bucketed_give_the_unpadded_call_bit_for_bit(monkeypatch, m)
             assert torch.equal(layer(x.reshape(3, m // 3, 96)), ref.view(3, m // 3, 72))
 
 
+@pytest.mark.skipif(not ol.prepacked_linear_supported(), reason="no oneDNN bf16 path here")
+@pytest.mark.parametrize("m,k", [(511, 2048), (257, 2048), (1899, 1024)])
+def test_onednn_rows_bucketed_are_the_bucket_sized_call_and_within_the_bound(monkeypatch, m, k):
+    """What the bucketing guarantees at any K: the first M rows of oneDNN's call at
+    `onednn_bucket_rows` (M) rows (the zero padding changes nothing), and within one bf16
+    rounding plus float32 summation error (`_bound`) of the exact product."""
+    monkeypatch.setattr(lin, "PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS_ONE_THREAD", 0)
+    layer = _layer(n=64, k=k)
+    w, b = layer.weight, layer.bias
+    x = torch.randn(m, k).to(torch.bfloat16)
+    mp = lin.onednn_bucket_rows(m)
+    x_padded = torch.cat([x, x.new_zeros(mp - m, k)])
+    ref = ol.onednn_linear(x_padded, ol.pack_onednn_weight(w), b)[:m]
+    exact = x.double() @ w.double().T + b.double()
+    with torch.inference_mode():
+        y = layer(x)
+    assert torch.equal(y, ref)
+    assert ((y.double() - exact).abs() <= _bound(x, w, b, exact)).all()
+
+
+@pytest.mark.skipif(not ol.prepacked_linear_supported(), reason="no oneDNN bf16 path here")
+@pytest.mark.xfail(
+    reason="oneDNN picks its K blocking by the row count: at K = 2,048 the call at 512 rows "
+    "(511's bucket) differs from the call at 511 rows in ~1e-4 of the elements by one bf16 "
+    "ulp, one thread or two (torch 2.x's oneDNN, AMX CPU); bit-identity with the unpadded call "
+    "holds only where the blocking does not change (small K, the test above)",
+    strict=False,
+)
+def test_onednn_rows_bucketed_give_the_unpadded_call_bit_for_bit_at_large_k(monkeypatch):
+    monkeypatch.setattr(lin, "PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS", 0)
+    monkeypatch.setattr(lin, "PACKED_LINEAR_MAX_MACS_ONE_THREAD", 0)
+    torch.manual_seed(0)
+    layer = nn.Linear(2048, 512, bias=False).to(torch.bfloat16)
+    assert lin.enable_prepacked_linear(layer) == 1
+    x = torch.randn(511, 2048).to(torch.bfloat16)
+    ref = ol.onednn_linear(x, ol.pack_onednn_weight(layer.weight), None)  # [511, 512]
+    with torch.inference_mode():
+        assert torch.equal(layer(x), ref)
+
+
 def _layer(n=40, k=64, bias=True) -> lin.PrepackedLinear:
     torch.manual_seed(0)
     layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)

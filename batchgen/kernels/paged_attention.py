@@ -238,9 +238,11 @@ def _check(
     for name, t, want in (*dims, ("block_tables", block_tables, 2), ("kv_lens", kv_lens, 1)):
         if t.dim() != want:
             raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
-    if not isinstance(block_size, int) or block_size < 1:
+    # bool is an int: True would run as 1
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    window_ok = isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+    if sliding_window is not None and (not window_ok or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
     if k_cache.shape[0] % block_size:
         raise ValueError(

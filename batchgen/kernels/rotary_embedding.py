@@ -60,6 +60,31 @@ def _heads_ok(x: torch.Tensor, d: int) -> bool:
     )
 
 
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a [T, Ha, D]`` and ``b [T, Hb, D]``, laid out as `_heads_ok` requires, share
+    no element: other storages, disjoint byte spans, or one row stride s with b's rows in the
+    gaps between a's (the q, k, v views of one fused qkv projection) or a's in b's.
+    Conservative: other layouts count as overlapping. The kernel writes q and k in place (and
+    the cache rows) from several threads, so an overlap would rotate an element twice or
+    race. About 1 us where a and b share a storage, 0.3 us where they do not."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    if a.dtype != b.dtype:  # offsets below are in elements of one dtype
+        return False
+    (ta, ha, d), (tb, hb, _) = a.shape, b.shape
+    if ta == 0 or tb == 0 or ha == 0 or hb == 0 or d == 0:
+        return True
+    sa, sb = a.stride(0), b.stride(0)  # elements
+    a0, b0 = a.storage_offset(), b.storage_offset()
+    wa, wb = ha * d, hb * d  # row elements
+    if a0 + (ta - 1) * sa + wa <= b0 or b0 + (tb - 1) * sb + wb <= a0:
+        return True
+    if ta <= 1 or tb <= 1 or sa != sb:
+        return False
+    gap = (b0 - a0) % sa  # b's row start within a's row period
+    return gap >= wa and gap + wb <= sa
+
+
 def _layout_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """The shapes, strides, dtypes and devices the kernel reads as raw memory."""
     d = q.shape[-1] if q.dim() == 3 else -1
@@ -74,6 +99,7 @@ def _layout_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         and cos.shape == sin.shape == (q.shape[0], 1, d)
         and cos.is_contiguous()
         and sin.is_contiguous()
+        and _apart(q, k)
     )
 
 
@@ -82,8 +108,9 @@ def rotary_embedding_available(
 ) -> bool:
     """True when `rotary_embedding_` serves ``q [T, Hq, D]``, ``k [T, Hkv, D]`` and
     ``cos, sin [T, 1, D]``: all on CPU, one dtype (float32 or bfloat16), heads adjacent and
-    contiguous within a row (views of a fused qkv projection qualify), cos/sin contiguous,
-    no gradient needed, the kernel built and enabled."""
+    contiguous within a row (views of a fused qkv projection qualify), q and k sharing no
+    element (`_apart`: rotated in place), cos/sin contiguous, no gradient needed, the kernel
+    built and enabled."""
     return (
         _layout_ok(q, k, cos, sin)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
@@ -114,8 +141,16 @@ def rotary_embedding_(
             f"rotary_embedding_: q {tuple(q.shape)}, k {tuple(k.shape)}, cos "
             f"{tuple(cos.shape)}, sin {tuple(sin.shape)} ({q.dtype}, {cos.dtype}): the kernel "
             "reads q [T, Hq, D] and k [T, Hkv, D] with contiguous heads and cos, sin "
-            "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU"
+            "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU, q and k "
+            "sharing no memory"
         )
+    return _run_rotary(q, k, cos, sin)
+
+
+def _run_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel call of `rotary_embedding_` on tensors that passed `_layout_ok`."""
     t, hq, d = q.shape
     if t == 0:
         return q, k
@@ -135,6 +170,7 @@ def rotary_embedding_(
 
 
 def _cache_layout_ok(
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -142,7 +178,8 @@ def _cache_layout_ok(
     slot_mapping: torch.Tensor,
 ) -> bool:
     """v laid out as k (`_heads_ok`), caches ``[num_slots, Hkv, D]`` contiguous of k's dtype,
-    ``slot_mapping [T]`` contiguous int64, all on the CPU."""
+    ``slot_mapping [T]`` contiguous int64, all on the CPU, the caches sharing no element with
+    q, k or v (`_apart`)."""
     hk, d = k.shape[1], k.shape[2]
     return (
         v.shape == k.shape
@@ -162,7 +199,17 @@ def _cache_layout_ok(
         and slot_mapping.dtype == torch.int64
         and slot_mapping.shape == (k.shape[0],)
         and slot_mapping.is_contiguous()
+        and _caches_apart((k_cache, v_cache), (q, k, v))
     )
+
+
+def _caches_apart(caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...]) -> bool:
+    """`_apart` for every cache against every one of ``rows``; one storage look-up per tensor
+    where the caches have storages of their own (the engine's case)."""
+    cache_storages = {c.untyped_storage().data_ptr() for c in caches}
+    if all(x.untyped_storage().data_ptr() not in cache_storages for x in rows):
+        return True
+    return all(_apart(c, x) for c in caches for x in rows)
 
 
 def rotary_embedding_and_cache_available(
@@ -180,7 +227,7 @@ def rotary_embedding_and_cache_available(
     return (
         rotary_embedding_available(q, k, cos, sin)
         and not (torch.is_grad_enabled() and v.requires_grad)
-        and _cache_layout_ok(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        and _cache_layout_ok(q, k, v, kv_cache[0], kv_cache[1], slot_mapping)
         and (q.dtype, "cache") in _functions()
     )
 
@@ -198,6 +245,10 @@ def rotary_embedding_and_cache_(
     then the rotated ``k`` and ``v [T, Hkv, D]`` written to rows ``slot_mapping [T]`` (int64)
     of ``kv_cache = (k_cache, v_cache)``, each ``[num_slots, Hkv, D]``: one kernel pass instead
     of the rotation and two ``index_copy_`` (vLLM's ``reshape_and_cache`` fused with RoPE).
+    The slots must be distinct (the engine's are: each token its own slot): rows are written
+    from several threads from 64 rows on, so a duplicated slot gets one of its rows, not
+    necessarily the last as ``index_copy_`` in one thread, and may mix two where threads
+    race. Nothing checks for duplicates (a sort per layer call).
 
     Returns:
         ``(q, k)``, the same tensors.
@@ -207,14 +258,32 @@ def rotary_embedding_and_cache_(
         RuntimeError: the kernel rejected the shapes.
     Call only where `rotary_embedding_and_cache_available` is True."""
     k_cache, v_cache = kv_cache
-    if not (_layout_ok(q, k, cos, sin) and _cache_layout_ok(k, v, k_cache, v_cache, slot_mapping)):
+    layout_ok = _layout_ok(q, k, cos, sin)
+    if not (layout_ok and _cache_layout_ok(q, k, v, k_cache, v_cache, slot_mapping)):
         raise ValueError(
             f"rotary_embedding_and_cache_: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
             f"{tuple(v.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
             f"({k_cache.dtype}), slot_mapping {tuple(slot_mapping.shape)} "
             f"{slot_mapping.dtype}: the kernel reads q, k, v as [T, H, D] with contiguous heads, "
-            "caches [num_slots, Hkv, D] contiguous of q's dtype, slot_mapping [T] int64, CPU"
+            "caches [num_slots, Hkv, D] contiguous of q's dtype sharing no memory with q, k, "
+            "v, slot_mapping [T] int64, CPU"
         )
+    return _run_rotary_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _run_rotary_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel call of `rotary_embedding_and_cache_` on tensors that passed its layout
+    checks (`rotary_embedding_and_cache_checked_` after `rotary_embedding_and_cache_available`
+    skips running them twice); the slots are checked by the kernel."""
     t, hq, d = q.shape
     if t == 0:
         return q, k
@@ -237,3 +306,33 @@ def rotary_embedding_and_cache_(
     if rc != 0:
         raise RuntimeError(f"rotary kernel rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
     return q, k
+
+
+def rotary_embedding_and_cache_checked_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """`rotary_embedding_and_cache_` where `rotary_embedding_and_cache_available` holds, its
+    layout checks run once (a layer's call path: about 3 us of Python less); returns False,
+    touching nothing, where it does not. Arguments and errors as `rotary_embedding_and_cache_`
+    (a slot out of range: ValueError, nothing written)."""
+    if not rotary_embedding_and_cache_available(q, k, v, cos, sin, kv_cache, slot_mapping):
+        return False
+    _run_rotary_and_cache(q, k, v, cos, sin, kv_cache[0], kv_cache[1], slot_mapping)
+    return True
+
+
+def rotary_embedding_checked_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """`rotary_embedding_` where `rotary_embedding_available` holds, its layout checks run
+    once (a layer's call path); returns False, touching nothing, where it does not."""
+    if not rotary_embedding_available(q, k, cos, sin):
+        return False
+    _run_rotary(q, k, cos, sin)
+    return True
