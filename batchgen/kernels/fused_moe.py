@@ -104,7 +104,12 @@ def _library():
             return None
         lib.batchgen_fused_moe_silu_f32.argtypes = [_ptr] * 8 + [_i64] * 7
         lib.batchgen_fused_moe_silu_bf16.argtypes = [_ptr] * 8 + [_i64] * 7
-        for fn in (lib.batchgen_fused_moe_silu_f32, lib.batchgen_fused_moe_silu_bf16):
+        lib.batchgen_fused_moe_silu_bf16_out.argtypes = [_ptr] * 8 + [_i64] * 8  # out_is_bf16
+        for fn in (
+            lib.batchgen_fused_moe_silu_f32,
+            lib.batchgen_fused_moe_silu_bf16,
+            lib.batchgen_fused_moe_silu_bf16_out,
+        ):
             fn.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -253,6 +258,7 @@ def fused_moe_silu(
     order: torch.Tensor,
     counts: list[int],
     isa: str = "auto",
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Every expert of a SiLU-gated MoE layer in one kernel call.
 
@@ -267,13 +273,17 @@ def fused_moe_silu(
         isa: ``"auto"`` (the best micro-kernel here, `kernel_isa`); for A/B measurements,
             float32: ``"avx2"`` (the AVX2 one); bfloat16: ``"avx512_bf16"`` (vdpbf16ps) or
             ``"amx"`` (AMX, even when ``BATCHGEN_CPU_AMX=0``).
+        out_dtype: the result's dtype: float32, or (bfloat16 x only) bfloat16, the float32
+            slot sum rounded to nearest even in the kernel's last pass: the same bits as
+            ``.to(torch.bfloat16)`` of the float32 result, without that extra pass over [T, H].
     Returns:
-        ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
-        top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
+        ``[T, H]`` of ``out_dtype``: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over
+        the top-k in slot order in float32. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
         activation is rounded to bfloat16 once, before the down projection.
     Raises:
         ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
-            ``isa`` is not one of `ISAS` for x's dtype.
+            ``isa`` is not one of `ISAS` for x's dtype, or ``out_dtype`` is neither float32
+            nor (for bfloat16 x) bfloat16.
         RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
             CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
@@ -285,8 +295,13 @@ def fused_moe_silu(
     if lib is None or best is None:
         raise RuntimeError(f"the fused MoE CPU kernel is not available for {x.dtype}")
     num_experts, hidden, inter = _check(x, w13_packed, w2_packed, topk_weights, order, counts)
+    if out_dtype != torch.float32 and not (out_dtype == x.dtype == torch.bfloat16):
+        raise ValueError(
+            f"out_dtype must be torch.float32 (or torch.bfloat16 for bfloat16 x), got "
+            f"{out_dtype} for x {x.dtype}"
+        )
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype)
     if num_tokens == 0:
         return out
     x = x.contiguous()
@@ -297,7 +312,7 @@ def fused_moe_silu(
     # layers pay it once each.
     starts = array.array("q", itertools.accumulate(counts, initial=0))
     bf16 = x.dtype == torch.bfloat16
-    fn = lib.batchgen_fused_moe_silu_bf16 if bf16 else lib.batchgen_fused_moe_silu_f32
+    fn = lib.batchgen_fused_moe_silu_bf16_out if bf16 else lib.batchgen_fused_moe_silu_f32
     code = isas[isa]
     if bf16 and isa == "auto" and best != "amx_bf16":
         code = isas["avx512_bf16"]  # BATCHGEN_CPU_AMX=0
@@ -321,6 +336,7 @@ def fused_moe_silu(
             num_experts,
             torch.get_num_threads(),
             code,
+            *((int(out_dtype == torch.bfloat16),) if bf16 else ()),
         )
     if rc == 2:
         raise RuntimeError(f"the fused MoE CPU kernel has no {isa!r} micro-kernel on this CPU")
