@@ -31,9 +31,9 @@ Micro-kernels (`kernel_isa`, logged once per dtype on first use):
   instruction, 12 x 32 like the float32 one). Both read weights packed with pairs of k
   interleaved (an AMX B tile is 16 such rows), accumulate in float32, round the SiLU-gated
   activation once to bf16 (round to nearest even) before the down GEMM, and weight and sum the
-  slots in float32; the result is float32, or bf16 rounded in that last pass
-  (``out_dtype``: the bits of ``.to(torch.bfloat16)``, without the cast). AMX pads an
-  expert's rows to a multiple of 16 with zero rows and needs H and I multiples of 32 (other layers take vdpbf16ps). Same measurement
+  slots in float32; the result is float32, or bf16 rounded in that last pass (``out_dtype``: the
+  bits of ``.to(torch.bfloat16)``, without the cast). AMX pads an expert's rows to a multiple of 16
+  with zero rows and needs H and I multiples of 32 (other layers take vdpbf16ps). Same measurement
   (E 4, top-1, H 512, I 256, one thread, minimum of 30 alternated calls, machine loaded):
   GFLOP/s float32 AVX-512 / vdpbf16ps / AMX at 4 tokens 12.5 / 15.1 / 18.8, 16 tokens 31 /
   37 / 44, 64 tokens 90 / 70 / 150, 256 tokens 101 / 72 / 345, 1,024 tokens 95 / 75 / 335; at
@@ -278,9 +278,9 @@ def fused_moe_silu(
             slot sum rounded to nearest even in the kernel's last pass: the same bits as
             ``.to(torch.bfloat16)`` of the float32 result, without that extra pass over [T, H].
     Returns:
-        ``[T, H]`` of ``out_dtype``: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over
-        the top-k in slot order in float32. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
-        activation is rounded to bfloat16 once, before the down projection.
+        ``[T, H]`` of ``out_dtype``: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
+        top-k in slot order in float32. In bfloat16 the GEMMs accumulate in float32 and the
+        SiLU-gated activation is rounded to bfloat16 once, before the down projection.
     Raises:
         ValueError: when the arguments' shapes or dtypes disagree (named in the message), or
             ``isa`` is not one of `ISAS` for x's dtype, or ``out_dtype`` is neither float32

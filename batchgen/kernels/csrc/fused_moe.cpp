@@ -216,11 +216,11 @@ extern "C" int batchgen_fused_moe_silu_f32(const float* x, const float* w13p, co
 
 extern "C" int batchgen_fused_moe_bf16_supported();
 
-// x, w13p, w2p: bf16 bits (uint16); everything else as for float32, except out: [T, H]
-// float32, or bf16 bits when out_is_bf16 (the float32 slot sum rounded to nearest even).
-// isa: 0 = the best kernel for this CPU and these shapes (AMX where usable and H and I are multiples of 32, else
-// vdpbf16ps), 1 = vdpbf16ps, 2 = AMX (returns 2 where AMX is not usable, 1 where H or I is not
-// a multiple of 32). The choice is per call, never per row count: batch-invariant.
+// x, w13p, w2p: bf16 bits (uint16); everything else as for float32, except out: [T, H] float32, or
+// bf16 bits when out_is_bf16 (the float32 slot sum rounded to nearest even). isa: 0 = the best
+// kernel for this CPU and these shapes (AMX where usable and H and I are multiples of 32, else
+// vdpbf16ps), 1 = vdpbf16ps, 2 = AMX (returns 2 where AMX is not usable, 1 where H or I is not a
+// multiple of 32). The choice is per call, never per row count: batch-invariant.
 extern "C" int batchgen_fused_moe_silu_bf16_out(const uint16_t* x, const uint16_t* w13p,
                                             const uint16_t* w2p, const float* topk_weights,
                                             const int64_t* order, const int64_t* starts,
