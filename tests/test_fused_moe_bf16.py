@@ -297,3 +297,35 @@ def test_bf16_kernel_same_bits_whether_the_slot_buffer_is_streamed_or_cached(isa
     for t in (0, 15, 550, 1099):
         alone = _kernel(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], isa)
         assert torch.equal(alone[0], batch[t]), t
+
+
+@needs_bf16
+@pytest.mark.parametrize("isa", ["avx512_bf16", "amx"])
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 2, 64), (37, 8, 512), (300, 2, 64)])
+def test_bf16_output_is_the_float32_result_cast_to_bf16_bit_for_bit(isa, num_tokens, top_k, hidden):
+    """``out_dtype=torch.bfloat16`` rounds the float32 slot sum in the kernel: the same bits as
+    the float32 result's ``.to(torch.bfloat16)`` (the old path), NaN and infinity included."""
+    if isa == "amx" and fm.kernel_isa(torch.bfloat16) != "amx_bf16":
+        pytest.skip("the AMX bf16 micro-kernel needs amx_bf16 and the OS's tile permission")
+    x, w13, w2, weights, ids = _case(num_tokens, 8, top_k, hidden, 32, seed=11)
+    x[0, 0] = float("nan")  # token 0: NaN everywhere
+    if num_tokens > 1:
+        x[-1] *= 1e30  # the last token: overflows to infinity / NaN
+    order, counts = sort_by_expert(ids, 8)
+    w13p, w2p = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    args = (x, w13p, w2p, weights, order, counts)
+    want = fm.fused_moe_silu(*args, isa=isa).to(torch.bfloat16)
+    got = fm.fused_moe_silu(*args, isa=isa, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got[0].isnan().all()
+    if num_tokens > 2:  # finite rows too, not only NaN
+        assert want[1:-1].isfinite().all()
+
+
+def test_fused_moe_refuses_a_bf16_output_for_float32_x():
+    x, w13, w2, weights, ids = _case(4, 4, 2, 64, 32, seed=12, dtype=torch.float32)
+    order, counts = sort_by_expert(ids, 4)
+    w13p, w2p = fm.pack_expert_weights(w13), fm.pack_expert_weights(w2)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fm.fused_moe_silu(x, w13p, w2p, weights, order, counts, out_dtype=torch.bfloat16)

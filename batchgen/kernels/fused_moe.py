@@ -31,8 +31,9 @@ Micro-kernels (`kernel_isa`, logged once per dtype on first use):
   instruction, 12 x 32 like the float32 one). Both read weights packed with pairs of k
   interleaved (an AMX B tile is 16 such rows), accumulate in float32, round the SiLU-gated
   activation once to bf16 (round to nearest even) before the down GEMM, and weight and sum the
-  slots in float32; the result is float32. AMX pads an expert's rows to a multiple of 16 with
-  zero rows and needs H and I multiples of 32 (other layers take vdpbf16ps). Same measurement
+  slots in float32; the result is float32, or bf16 rounded in that last pass (``out_dtype``: the
+  bits of ``.to(torch.bfloat16)``, without the cast). AMX pads an expert's rows to a multiple of 16
+  with zero rows and needs H and I multiples of 32 (other layers take vdpbf16ps). Same measurement
   (E 4, top-1, H 512, I 256, one thread, minimum of 30 alternated calls, machine loaded):
   GFLOP/s float32 AVX-512 / vdpbf16ps / AMX at 4 tokens 12.5 / 15.1 / 18.8, 16 tokens 31 /
   37 / 44, 64 tokens 90 / 70 / 150, 256 tokens 101 / 72 / 345, 1,024 tokens 95 / 75 / 335; at
@@ -107,7 +108,12 @@ def _library():
             return None
         lib.batchgen_fused_moe_silu_f32.argtypes = [_ptr] * 8 + [_i64] * 7
         lib.batchgen_fused_moe_silu_bf16.argtypes = [_ptr] * 8 + [_i64] * 7
-        for fn in (lib.batchgen_fused_moe_silu_f32, lib.batchgen_fused_moe_silu_bf16):
+        lib.batchgen_fused_moe_silu_bf16_out.argtypes = [_ptr] * 8 + [_i64] * 8  # out_is_bf16
+        for fn in (
+            lib.batchgen_fused_moe_silu_f32,
+            lib.batchgen_fused_moe_silu_bf16,
+            lib.batchgen_fused_moe_silu_bf16_out,
+        ):
             fn.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -269,6 +275,7 @@ def fused_moe_silu(
     order: torch.Tensor,
     counts: list[int],
     isa: str = "auto",
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Every expert of a SiLU-gated MoE layer in one kernel call.
 
@@ -283,15 +290,19 @@ def fused_moe_silu(
         isa: ``"auto"`` (the best micro-kernel here, `kernel_isa`); for A/B measurements,
             float32: ``"avx2"`` (the AVX2 one); bfloat16: ``"avx512_bf16"`` (vdpbf16ps) or
             ``"amx"`` (AMX, even when ``BATCHGEN_CPU_AMX=0``).
+        out_dtype: the result's dtype: float32, or (bfloat16 x only) bfloat16, the float32
+            slot sum rounded to nearest even in the kernel's last pass: the same bits as
+            ``.to(torch.bfloat16)`` of the float32 result, without that extra pass over [T, H].
     Returns:
-        ``[T, H]`` float32: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
-        top-k in slot order. In bfloat16 the GEMMs accumulate in float32 and the SiLU-gated
-        activation is rounded to bfloat16 once, before the down projection.
+        ``[T, H]`` of ``out_dtype``: ``sum_a topk_weights[t, a] * expert(x[t])``, summed over the
+        top-k in slot order in float32. In bfloat16 the GEMMs accumulate in float32 and the
+        SiLU-gated activation is rounded to bfloat16 once, before the down projection.
     Raises:
         ValueError: x neither float32 nor bfloat16; the arguments' shapes, dtypes or
             devices disagree; a packed weight is not contiguous; top_k is 0; ``order`` is
-            not a permutation of the (token, slot) rows (each named in the message); or
-            ``isa`` is not one of `ISAS` for x's dtype.
+            not a permutation of the (token, slot) rows (each named in the message);
+            ``isa`` is not one of `ISAS` for x's dtype; or ``out_dtype`` is neither float32
+            nor (for bfloat16 x) bfloat16.
         RuntimeError: when the kernel is unavailable for this dtype or ``isa`` (``"amx"`` on a
             CPU without AMX), or rejects the shapes (``"amx"`` needs H and I multiples of 32).
     """
@@ -307,8 +318,13 @@ def fused_moe_silu(
     num_experts, hidden, inter = check_fused_moe_args(
         x, w13_packed, w2_packed, topk_weights, order, counts
     )
+    if out_dtype != torch.float32 and not (out_dtype == x.dtype == torch.bfloat16):
+        raise ValueError(
+            f"out_dtype must be torch.float32 (or torch.bfloat16 for bfloat16 x), got "
+            f"{out_dtype} for x {x.dtype}"
+        )
     num_tokens, top_k = x.shape[0], topk_weights.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype)
     if num_tokens == 0:
         return out
     x = x.contiguous()
@@ -319,7 +335,7 @@ def fused_moe_silu(
     # layers pay it once each.
     starts = array.array("q", itertools.accumulate(counts, initial=0))
     bf16 = x.dtype == torch.bfloat16
-    fn = lib.batchgen_fused_moe_silu_bf16 if bf16 else lib.batchgen_fused_moe_silu_f32
+    fn = lib.batchgen_fused_moe_silu_bf16_out if bf16 else lib.batchgen_fused_moe_silu_f32
     code = isas[isa]
     if bf16 and isa == "auto" and best != "amx_bf16":
         code = isas["avx512_bf16"]  # BATCHGEN_CPU_AMX=0
@@ -343,6 +359,7 @@ def fused_moe_silu(
             num_experts,
             torch.get_num_threads(),
             code,
+            *((int(out_dtype == torch.bfloat16),) if bf16 else ()),
         )
     if rc == 3:
         raise ValueError(

@@ -76,8 +76,9 @@ def _library():
         if lib is None:
             return None
         common = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, _i64, _i64]
-        lib.batchgen_paged_decode_attention_f32.argtypes = [*common, _i64]
-        lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64]
+        # + isa, q's row stride
+        lib.batchgen_paged_decode_attention_f32.argtypes = [*common, _i64, _i64]
+        lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64, _i64]
         lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64] * 3
         lib.batchgen_paged_decode_attention_f32_isa.argtypes = [_i64] * 2
         for fn in (
@@ -164,7 +165,10 @@ def paged_decode_attention(
     """One decode token per sequence attends to its cached context; writes ``out``.
 
     Args:
-        q: ``[B, Hq, D]`` float32 or bfloat16 (the new tokens' queries, RoPE applied).
+        q: ``[B, Hq, D]`` float32 or bfloat16 (the new tokens' queries, RoPE applied). Each
+            sequence's ``[Hq, D]`` must be contiguous, the rows may be strided (q a view of
+            the fused QKV projection's ``[B, (Hq + 2 Hkv) * D]`` output is read in place, no
+            copy); another layout is copied first.
         k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]``, q's dtype, contiguous, the
             new tokens' K/V already written. In bfloat16 the scores, softmax and weighted sum
             are float32 and only the output is rounded to bf16 (round to nearest even).
@@ -205,7 +209,8 @@ def paged_decode_attention(
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa)
-    q = q.contiguous()
+    if not rows_strided_ok(q):
+        q = q.contiguous()
     block_tables = block_tables.contiguous()
     kv_lens = kv_lens.contiguous()
     with kernel_scope("batchgen::paged_decode_attention"):  # named for torch.profiler
@@ -226,9 +231,26 @@ def paged_decode_attention(
             sliding_window or 0,
             torch.get_num_threads(),
             ISAS[isa],
+            q.stride(0) if b > 1 else hq * d,  # one row: its stride is never used
         )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
+
+
+def rows_strided_ok(q: torch.Tensor) -> bool:
+    """True when the kernel can read ``q [B, Hq, D]`` in place: each row's ``Hq * D`` elements
+    contiguous and rows at least that far apart (``q.stride(0) >= Hq * D``, which a view of a
+    wider row such as fused QKV has; the kernel reads only ``q.data_ptr() + b * stride(0) +
+    [0, Hq * D)``, inside q's storage for any such view). Size-1 dimensions' strides are
+    free in torch, so those are not compared."""
+    b, hq, d = q.shape
+    return (
+        (d <= 1 or q.stride(2) == 1)
+        and (hq <= 1 or q.stride(1) == d)
+        and (b <= 1 or q.stride(0) >= hq * d)
+        and q.storage_offset() + (b - 1) * q.stride(0) + hq * d <= q.untyped_storage().nbytes()
+        // q.element_size()
+    )
 
 
 def _check(

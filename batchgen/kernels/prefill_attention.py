@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.paged_attention import rows_strided_ok
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
@@ -53,8 +54,8 @@ def _library():
         if lib is None:
             return None
         common = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _i64, _i64]
-        lib.batchgen_prefill_attention_f32.argtypes = common
-        lib.batchgen_prefill_attention_bf16.argtypes = [*common, _i64]
+        lib.batchgen_prefill_attention_f32.argtypes = [*common, _i64]  # q's row stride
+        lib.batchgen_prefill_attention_bf16.argtypes = [*common, _i64, _i64]  # isa, q's
         lib.batchgen_prefill_attention_bf16_isa.argtypes = [_i64]
         for fn in (
             lib.batchgen_prefill_attention_f32,
@@ -215,7 +216,9 @@ def paged_prefill_attention(
     writes the spans' rows of ``out`` (other rows untouched).
 
     Args:
-        q: ``[T, Hq, D]`` float32 or bfloat16, RoPE applied (made contiguous here).
+        q: ``[T, Hq, D]`` float32 or bfloat16, RoPE applied; read in place when only its
+            rows are strided (a view of the fused QKV output,
+            `batchgen.kernels.paged_attention.rows_strided_ok`), else copied contiguous.
         k_cache, v_cache: ``[num_slots, Hkv, D]``, q's dtype, contiguous, the spans' new K/V
             already written (Hq a multiple of Hkv; query head h reads KV head h // (Hq / Hkv)).
         plan: `build_prefill_plan` for these spans and this cache's ``num_slots``.
@@ -245,7 +248,9 @@ def paged_prefill_attention(
         _logged.add(key)
         path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else "forced generic"
         logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
-    q = q.contiguous()
+    if not rows_strided_ok(q):
+        q = q.contiguous()
+    q_stride = q.stride(0) if t > 1 else hq * d  # one row: its stride is never used
     with kernel_scope("batchgen::prefill_attention"):  # named for torch.profiler
         rc = fn(
             q.data_ptr(),
@@ -262,6 +267,7 @@ def paged_prefill_attention(
             sliding_window or 0,
             torch.get_num_threads(),
             *extra,
+            q_stride,
         )
     if rc == 3:
         raise ValueError("prefill attention: a span's kv_len is above 2^31 - 1 positions")

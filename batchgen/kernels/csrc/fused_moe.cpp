@@ -65,12 +65,27 @@
 
 namespace {
 
+// n float32 values -> bf16 bits, round to nearest even; NaN -> 0xFFFF, as torch 2.13's CPU
+// .to(bfloat16) writes it (measured; the test on the bits, as -ffast-math lets the compiler
+// assume there is no NaN).
+inline void store_bf16_rne(const float* src, uint16_t* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t u;
+    std::memcpy(&u, src + j, 4);
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    dst[j] = nan ? uint16_t{0xFFFF} : uint16_t(r);
+  }
+}
+
 // The layer, for one micro-kernel K (Avx2F32, Avx512F32, Avx512Bf16 or AmxBf16).
 template <class K>
 int run_experts(const typename K::In* x, const typename K::In* w13p, const typename K::In* w2p,
                 const float* topk_weights, const int64_t* order, const int64_t* starts,
                 float* y_slots, float* out, int64_t num_tokens, int64_t hidden, int64_t inter,
-                int64_t top_k, int64_t num_experts, int64_t num_threads) {
+                int64_t top_k, int64_t num_experts, int64_t num_threads,
+                uint16_t* out_bf16 = nullptr) {
   using In = typename K::In;
   constexpr int MR = K::kMR;
   constexpr int64_t kRowChunk = K::kRowChunk;
@@ -165,16 +180,21 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         K::gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data(), stream_y);  // [m, H]
       }
     }
-    // Each token's slots, summed in slot order.
+    // Each token's slots, summed in slot order (float32). With out_bf16 the sum goes through a
+    // per-thread row and is rounded once into bf16, the same bits as torch's .to(bfloat16) of
+    // the float32 result (no separate cast pass over [T, H]).
+    thread_local std::vector<float> sum_row;
+    if (out_bf16 != nullptr && sum_row.size() < static_cast<size_t>(h)) sum_row.resize(h);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {
-      float* o = out + t * h;
+      float* o = out_bf16 != nullptr ? sum_row.data() : out + t * h;
       const float* y = y_slots + t * top_k * h;
       std::copy(y, y + h, o);
       for (int64_t a = 1; a < top_k; ++a) {
 #pragma omp simd
         for (int64_t j = 0; j < h; ++j) o[j] += y[a * h + j];
       }
+      if (out_bf16 != nullptr) store_bf16_rne(o, out_bf16 + t * h, h);
     }
   }
   return 0;
@@ -209,10 +229,44 @@ extern "C" int batchgen_fused_moe_silu_f32(const float* x, const float* w13p, co
 
 extern "C" int batchgen_fused_moe_bf16_supported();
 
-// x, w13p, w2p: bf16 bits (uint16); everything else as for float32. isa: 0 = the best kernel
-// for this CPU and these shapes (AMX where usable and H and I are multiples of 32, else
-// vdpbf16ps), 1 = vdpbf16ps, 2 = AMX (returns 2 where AMX is not usable, 1 where H or I is not
-// a multiple of 32). The choice is per call, never per row count: batch-invariant.
+// x, w13p, w2p: bf16 bits (uint16); everything else as for float32, except out: [T, H] float32, or
+// bf16 bits when out_is_bf16 (the float32 slot sum rounded to nearest even). isa: 0 = the best
+// kernel for this CPU and these shapes (AMX where usable and H and I are multiples of 32, else
+// vdpbf16ps), 1 = vdpbf16ps, 2 = AMX (returns 2 where AMX is not usable, 1 where H or I is not a
+// multiple of 32). The choice is per call, never per row count: batch-invariant.
+extern "C" int batchgen_fused_moe_silu_bf16_out(const uint16_t* x, const uint16_t* w13p,
+                                            const uint16_t* w2p, const float* topk_weights,
+                                            const int64_t* order, const int64_t* starts,
+                                            float* y_slots, void* out, int64_t num_tokens,
+                                            int64_t hidden, int64_t inter, int64_t top_k,
+                                            int64_t num_experts, int64_t num_threads,
+                                            int64_t isa, int64_t out_is_bf16) {
+#if BATCHGEN_HAVE_BF16
+  float* out_f32 = out_is_bf16 ? nullptr : static_cast<float*>(out);
+  uint16_t* out_bf16 = out_is_bf16 ? static_cast<uint16_t*>(out) : nullptr;
+  const int supported = batchgen_fused_moe_bf16_supported();
+  if (supported == 0 || isa < 0 || isa > 2 || (isa == 2 && supported != 2)) return 2;
+#if BATCHGEN_HAVE_AMX
+  const bool amx_shapes = AmxBf16::usable(hidden) && AmxBf16::usable(inter);
+  if (isa == 2 && !amx_shapes) return 1;
+  if (supported == 2 && isa != 1 && amx_shapes)
+    return run_experts<AmxBf16>(x, w13p, w2p, topk_weights, order, starts, y_slots, out_f32,
+                                num_tokens, hidden, inter, top_k, num_experts, num_threads,
+                                out_bf16);
+#endif
+  return run_experts<Avx512Bf16>(x, w13p, w2p, topk_weights, order, starts, y_slots, out_f32,
+                                 num_tokens, hidden, inter, top_k, num_experts, num_threads,
+                                 out_bf16);
+#else
+  (void)x, (void)w13p, (void)w2p, (void)topk_weights, (void)order, (void)starts;
+  (void)y_slots, (void)out, (void)num_tokens, (void)hidden, (void)inter, (void)top_k;
+  (void)num_experts, (void)num_threads, (void)isa, (void)out_is_bf16;
+  return 2;
+#endif
+}
+
+// The float32-output entry, its signature unchanged (benchmarks/fused_moe_ab.py builds older
+// revisions and calls both with it).
 extern "C" int batchgen_fused_moe_silu_bf16(const uint16_t* x, const uint16_t* w13p,
                                             const uint16_t* w2p, const float* topk_weights,
                                             const int64_t* order, const int64_t* starts,
@@ -220,24 +274,9 @@ extern "C" int batchgen_fused_moe_silu_bf16(const uint16_t* x, const uint16_t* w
                                             int64_t hidden, int64_t inter, int64_t top_k,
                                             int64_t num_experts, int64_t num_threads,
                                             int64_t isa) {
-#if BATCHGEN_HAVE_BF16
-  const int supported = batchgen_fused_moe_bf16_supported();
-  if (supported == 0 || isa < 0 || isa > 2 || (isa == 2 && supported != 2)) return 2;
-#if BATCHGEN_HAVE_AMX
-  const bool amx_shapes = AmxBf16::usable(hidden) && AmxBf16::usable(inter);
-  if (isa == 2 && !amx_shapes) return 1;
-  if (supported == 2 && isa != 1 && amx_shapes)
-    return run_experts<AmxBf16>(x, w13p, w2p, topk_weights, order, starts, y_slots, out,
-                                num_tokens, hidden, inter, top_k, num_experts, num_threads);
-#endif
-  return run_experts<Avx512Bf16>(x, w13p, w2p, topk_weights, order, starts, y_slots, out,
-                                 num_tokens, hidden, inter, top_k, num_experts, num_threads);
-#else
-  (void)x, (void)w13p, (void)w2p, (void)topk_weights, (void)order, (void)starts;
-  (void)y_slots, (void)out, (void)num_tokens, (void)hidden, (void)inter, (void)top_k;
-  (void)num_experts, (void)num_threads, (void)isa;
-  return 2;
-#endif
+  return batchgen_fused_moe_silu_bf16_out(x, w13p, w2p, topk_weights, order, starts, y_slots,
+                                          out, num_tokens, hidden, inter, top_k, num_experts,
+                                          num_threads, isa, 0);
 }
 
 // Which float32 micro-kernel `isa` = 0 runs: 2 = AVX-512F, 1 = AVX2/FMA, 0 = none (the caller

@@ -78,6 +78,7 @@ struct Args {
   int64_t hq, hkv, d, block_size, max_blocks, sliding_window;
   float scale;
   int64_t isa;
+  int64_t q_stride;  // elements between two sequences' queries (>= hq * d; a view of fused QKV)
 };
 
 // Prefetch the cache row of position p + block_size (the same offset in the next block, which
@@ -162,7 +163,7 @@ bool begin_seq(const Args<T>& a, int64_t b, Scratch& s, int64_t& start, int64_t&
   s.qf.resize(a.hq * a.d);
   s.acc.assign(a.hq * a.d, 0.0f);
   s.inv_sum.resize(a.hq);
-  const T* q = a.q + b * a.hq * a.d;
+  const T* q = a.q + b * a.q_stride;
   for (int64_t i = 0; i < a.hq * a.d; ++i) s.qf[i] = to_f32(q[i]);
   return true;
 }
@@ -276,11 +277,11 @@ extern "C" int batchgen_paged_decode_attention_f32(
     const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
     const int64_t* kv_lens, float* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-    int64_t num_threads, int64_t isa) {
-  if (isa < kAuto || isa > kAmx) return 2;
+    int64_t num_threads, int64_t isa, int64_t q_stride) {
+  if (isa < kAuto || isa > kAmx || q_stride < hq * d) return 2;
   const Args<float> a{q,  k_cache, v_cache, block_tables, kv_lens,        out,
                       hq, hkv,     d,       block_size,   max_blocks,     sliding_window,
-                      scale, isa};
+                      scale, isa, q_stride};
   return run(a, num_seqs, num_threads);
 }
 
@@ -288,11 +289,11 @@ extern "C" int batchgen_paged_decode_attention_bf16(
     const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* block_tables,
     const int64_t* kv_lens, bf16_t* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
     int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-    int64_t num_threads, int64_t isa) {
-  if (isa < kAuto || isa > kAmx) return 2;
+    int64_t num_threads, int64_t isa, int64_t q_stride) {
+  if (isa < kAuto || isa > kAmx || q_stride < hq * d) return 2;
   const Args<bf16_t> a{q,  k_cache, v_cache, block_tables, kv_lens,    out,
                        hq, hkv,     d,       block_size,   max_blocks, sliding_window,
-                       scale, isa};
+                       scale, isa, q_stride};
   return run(a, num_seqs, num_threads);
 }
 

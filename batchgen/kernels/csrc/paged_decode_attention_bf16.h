@@ -266,7 +266,7 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
   s.weights.resize(g * w_len);
   s.inv_sum.resize(g);
   for (int64_t kv = 0; kv < a.hkv; ++kv) {
-    const bf16_t* q = a.q + (b * a.hq + kv * g) * d;
+    const bf16_t* q = a.q + b * a.q_stride + kv * g * d;
     if (amx) {
 #if BATCHGEN_HAVE_AMX
       // qpairs[k][i][h] = q_h's dimensions 32 k + 2 i, 32 k + 2 i + 1 (one word).

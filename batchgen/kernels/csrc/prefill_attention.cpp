@@ -65,6 +65,7 @@ struct Args {
   const int64_t* slots;
   int64_t hq, hkv, d, window;
   float scale;
+  int64_t q_stride;  // elements between two tokens' queries (>= hq * d; a view of fused QKV)
 };
 
 // One task's geometry: tokens i0 .. i0 + nq - 1 of a span, at positions p0 .. p0 + nq - 1,
@@ -136,7 +137,7 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
   s.s.resize(kBK * kTQ);
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
-      const T* qr = a.q + ((tok0 + q) * a.hq + t.kv * g + h) * d;
+      const T* qr = a.q + (tok0 + q) * a.q_stride + (t.kv * g + h) * d;
       for (int64_t dd = 0; dd < d; ++dd) s.qt[(h * d + dd) * kTQ + q] = to_f32(qr[dd]);
     }
   for (int64_t kb = t.lo; kb <= t.hi; kb += kBK) {
@@ -255,8 +256,10 @@ extern "C" int batchgen_prefill_attention_f32(const float* q, const float* k_cac
                                               const int64_t* spans, const int64_t* slots,
                                               int64_t num_spans, int64_t hq, int64_t hkv,
                                               int64_t d, float scale, int64_t window,
-                                              int64_t num_threads) {
-  const Args<float> a{q, k_cache, v_cache, out, spans, slots, hq, hkv, d, window, scale};
+                                              int64_t num_threads, int64_t q_stride) {
+  if (q_stride < hq * d) return 2;
+  const Args<float> a{q,  k_cache, v_cache, out,   spans,   slots,
+                      hq, hkv,     d,       window, scale,  q_stride};
   return run(a, num_spans, num_threads, false);
 }
 
@@ -266,9 +269,11 @@ extern "C" int batchgen_prefill_attention_bf16(const bf16_t* q, const bf16_t* k_
                                                const int64_t* spans, const int64_t* slots,
                                                int64_t num_spans, int64_t hq, int64_t hkv,
                                                int64_t d, float scale, int64_t window,
-                                               int64_t num_threads, int64_t isa) {
-  if (isa < 0 || isa > 1) return 2;
-  const Args<bf16_t> a{q, k_cache, v_cache, out, spans, slots, hq, hkv, d, window, scale};
+                                               int64_t num_threads, int64_t isa,
+                                               int64_t q_stride) {
+  if (isa < 0 || isa > 1 || q_stride < hq * d) return 2;
+  const Args<bf16_t> a{q,  k_cache, v_cache, out,   spans,   slots,
+                       hq, hkv,     d,       window, scale,  q_stride};
   return run(a, num_spans, num_threads, isa == 0 && amx_path_usable(d));
 }
 

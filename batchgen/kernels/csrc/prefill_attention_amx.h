@@ -165,11 +165,11 @@ BATCHGEN_PREFILL_AMX_TARGET inline void pv4(float* ot, const bf16_t* vt, const b
 BATCHGEN_PREFILL_AMX_TARGET inline void pack_q(const Args<bf16_t>& a, const Task& t, int64_t h,
                                                bf16_t* qv) {
   const int64_t g = a.hq / a.hkv, d = a.d;
-  const bf16_t* q0 = a.q + ((a.spans[4 * t.span] + t.i0) * a.hq + t.kv * g + h) * d;
+  const bf16_t* q0 = a.q + (a.spans[4 * t.span] + t.i0) * a.q_stride + (t.kv * g + h) * d;
   for (int64_t c = 0; c < d; c += 32) {
     __m512i r[16];
     for (int64_t q = 0; q < 16; ++q)
-      r[q] = q < t.nq ? _mm512_loadu_si512(q0 + q * a.hq * d + c) : _mm512_setzero_si512();
+      r[q] = q < t.nq ? _mm512_loadu_si512(q0 + q * a.q_stride + c) : _mm512_setzero_si512();
     transpose16x16_epi32(r);
     for (int i = 0; i < 16; ++i) _mm512_storeu_si512(qv + (c + 2 * i) * kTQ, r[i]);
   }

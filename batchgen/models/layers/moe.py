@@ -314,8 +314,14 @@ class SparseMoeBlock(nn.Module):
             if self.stats is not None:
                 self.stats.record(counts)
             w13_packed, w2_packed = self.packed_expert_weights()
-            out = fused_moe_silu(x, w13_packed, w2_packed, topk_weights, order, counts)
-            return out.to(out_dtype or x.dtype)  # [T, H], summed over the slots in float32
+            # [T, H], summed over the slots in float32; a bf16 result is rounded in the
+            # kernel's slot sum (the bits of .to(bfloat16), without the cast's pass).
+            dtype = out_dtype or x.dtype
+            kernel_dtype = dtype if dtype == x.dtype == torch.bfloat16 else torch.float32
+            out = fused_moe_silu(
+                x, w13_packed, w2_packed, topk_weights, order, counts, out_dtype=kernel_dtype
+            )
+            return out.to(dtype)  # no-op unless out_dtype asks for another dtype
         args = (x, w13, w2, topk_weights, topk_ids, self.act, self.stats)
         if path == "grouped_mm":
             return fused_experts_grouped_mm(*args, out_dtype=out_dtype)
