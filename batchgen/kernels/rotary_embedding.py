@@ -116,6 +116,16 @@ def rotary_embedding_(
             "reads q [T, Hq, D] and k [T, Hkv, D] with contiguous heads and cos, sin "
             "[T, 1, D] contiguous, one dtype (float32 or bfloat16), on the CPU"
         )
+    return rotary_embedding_checked_(q, k, cos, sin)
+
+
+def rotary_embedding_checked_(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_` without its layout check, for a caller that has just had
+    `rotary_embedding_available` answer True for these very tensors (the check reads ~20
+    shapes and strides: once per layer call, not twice). Raises RuntimeError when the kernel
+    rejects the shapes."""
     t, hq, d = q.shape
     if t == 0:
         return q, k
@@ -215,6 +225,23 @@ def rotary_embedding_and_cache_(
             f"{slot_mapping.dtype}: the kernel reads q, k, v as [T, H, D] with contiguous heads, "
             "caches [num_slots, Hkv, D] contiguous of q's dtype, slot_mapping [T] int64, CPU"
         )
+    return rotary_embedding_and_cache_checked_(q, k, v, cos, sin, kv_cache, slot_mapping)
+
+
+def rotary_embedding_and_cache_checked_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_and_cache_` without its layout check, for a caller that has just had
+    `rotary_embedding_and_cache_available` answer True for these very tensors. The kernel
+    still checks every slot against the cache's rows. Raises ValueError for a slot outside
+    ``[0, num_slots)`` (nothing written), RuntimeError when the kernel rejects the shapes."""
+    k_cache, v_cache = kv_cache
     t, hq, d = q.shape
     if t == 0:
         return q, k

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from batchgen.kernels.rotary_embedding import (
-    rotary_embedding_,
-    rotary_embedding_and_cache_,
     rotary_embedding_and_cache_available,
+    rotary_embedding_and_cache_checked_,
     rotary_embedding_available,
+    rotary_embedding_checked_,
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -128,7 +128,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cached_cos_sin(positions, q.dtype, cache)
         if not rotary_embedding_and_cache_available(q, k, v, cos, sin, kv_cache, slot_mapping):
             return False
-        rotary_embedding_and_cache_(q, k, v, cos, sin, kv_cache, slot_mapping)
+        # the availability check above read these very tensors' layouts
+        rotary_embedding_and_cache_checked_(q, k, v, cos, sin, kv_cache, slot_mapping)
         return True
 
     def forward(
@@ -146,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         eager result (`batchgen.kernels.rotary_embedding`)."""
         cos, sin = self._cached_cos_sin(positions, q.dtype, cache)
         if inplace and rotary_embedding_available(q, k, cos, sin):
-            return rotary_embedding_(q, k, cos, sin)
+            return rotary_embedding_checked_(q, k, cos, sin)  # layout checked just above
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k
