@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from batchgen.kernels.paged_attention import decode_kernel_available, paged_decode_attention
+from test_paged_attention_f32 import _case as _f32_case
 
 pytestmark = pytest.mark.skipif(
     not decode_kernel_available(torch.device("cpu"), torch.float32), reason="kernel not built"
@@ -21,20 +22,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _case(kv_lens, hq, hkv, d, block_size=16, seed=0):
-    """q ``[B, Hq, D]``, caches ``[rows, Hkv, D]``, scattered block tables, kv_lens."""
-    g = torch.Generator().manual_seed(seed)
-    nbs = [-(-n // block_size) for n in kv_lens]
-    perm = torch.randperm(sum(nbs) + 3, generator=g)
-    tables = torch.zeros(len(kv_lens), max(nbs), dtype=torch.int64)
-    taken = 0
-    for i, nb in enumerate(nbs):
-        tables[i, :nb] = perm[taken : taken + nb]
-        taken += nb
-    rows = (sum(nbs) + 3) * block_size
-    k = torch.randn(rows, hkv, d, generator=g)
-    v = torch.randn(rows, hkv, d, generator=g)
-    q = torch.randn(len(kv_lens), hq, d, generator=g) * 2
-    return q, k, v, tables, torch.tensor(kv_lens)
+    """q ``[B, Hq, D]``, caches ``[rows, Hkv, D]``, scattered block tables, kv_lens: the f32
+    kernel tests' case builder, blocks of 16 by default."""
+    return _f32_case(kv_lens, hq, hkv, d, block_size, seed)
 
 
 def _reference(q, k, v, tables, kv_lens, block_size, scale, window):
