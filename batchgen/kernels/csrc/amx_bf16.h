@@ -53,6 +53,11 @@ BATCHGEN_AMX_TARGET inline void amx_tile_config(int rows_lo = 16, int rows_hi = 
   _tile_loadconfig(&cfg);
 }
 
+// Releases this thread's tile state. A function of its own with the AMX target: a caller
+// compiled without AMX in its target (an OpenMP region under -march=native on a CPU without
+// AMX, e.g. AMD Zen 4) cannot inline the `_tile_release` intrinsic itself.
+BATCHGEN_AMX_TARGET inline void amx_tile_release() { _tile_release(); }
+
 // MT x NT tiles of C = A . B over k_size (a multiple of 32) into cbuf [4][16][16] float32
 // (tile 2 tm + tn at cbuf + 256 (2 tm + tn)): rows a .. a + 16 MT (stride lda elements), panels
 // b0 and b0 + k_size * 16 (packed [K / 2][16][2] each).

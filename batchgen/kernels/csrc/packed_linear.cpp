@@ -185,7 +185,7 @@ extern "C" int batchgen_packed_linear_bf16(const uint16_t* x, int64_t ldx, const
       vnni_task(g, r0, r1, p0, p1, a_buf.data(), c_buf.data());
     }
 #if BATCHGEN_HAVE_AMX
-    if (cfg[0] != 0) _tile_release();
+    if (cfg[0] != 0) amx_tile_release();
 #endif
   }
   return 0;
