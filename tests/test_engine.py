@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -436,53 +437,74 @@ def test_request_metrics_follow_a_request_through_the_engine(checkpoint_dir):
     assert bad.error is not None and bad.metrics is None  # never entered the engine
 
 
-def test_half_precision_on_cpu_is_warned_with_its_reason(checkpoint_dir, caplog, monkeypatch):
-    """On a CPU without AMX-BF16 (forced here): half precision is honoured with a warning and
-    auto is float32 whatever the checkpoint."""
+def _force_bf16_isa(monkeypatch, isa):
+    """Make the fused MoE kernel's bf16 probe (`kernel_isa`) answer ``isa`` for this test."""
+    import torch
+
+    from batchgen.kernels import fused_moe
+
+    real = fused_moe.kernel_isa
+    monkeypatch.setattr(
+        fused_moe, "kernel_isa", lambda dtype: isa if dtype == torch.bfloat16 else real(dtype)
+    )
+
+
+def test_half_precision_on_an_avx2_cpu_is_warned_with_its_reason(
+    checkpoint_dir, caplog, monkeypatch
+):
+    """On a CPU whose fused MoE kernel has no bf16 path (AVX2 only, forced here): half
+    precision is honoured with a warning that names what is slow, and auto is float32
+    whatever the checkpoint."""
     import torch
     from transformers import AutoConfig
 
-    from batchgen.models import loader
-    from batchgen.models.loader import resolve_dtype
+    from batchgen.models.loader import cpu_has_fast_bf16, resolve_dtype
     from batchgen.models.model_config import ModelConfig
 
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: False)
+    _force_bf16_isa(monkeypatch, None)
+    assert not cpu_has_fast_bf16()
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(checkpoint_dir("mixtral")))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
         assert resolve_dtype("bfloat16", cpu, cfg) == torch.bfloat16  # honoured, with a word
         warned = [r.getMessage() for r in caplog.records]
         assert len(warned) == 1
-        assert warned[0].startswith("dtype bfloat16 on CPU is no faster than float32")
-        assert "attention kernel serves float32 and bf16" in warned[0]
+        assert warned[0].startswith("dtype bfloat16 on CPU is no faster than float32 here: ")
+        assert "runs bf16 only where the CPU has avx512_bf16 (vdpbf16ps) or AMX-BF16" in warned[0]
         caplog.clear()
         assert resolve_dtype("float16", cpu, cfg) == torch.float16
-        assert len(caplog.records) == 1 and "dtype float16 on CPU" in caplog.text
+        assert len(caplog.records) == 1
+        assert "dtype float16 on CPU" in caplog.text
+        assert "no CPU kernel serves float16" in caplog.text
         caplog.clear()
+        bf16 = SimpleNamespace(torch_dtype="bfloat16")
         assert resolve_dtype("auto", cpu, cfg) == torch.float32
+        assert resolve_dtype("auto", cpu, bf16) == torch.float32
         assert resolve_dtype("float32", cpu, cfg) == torch.float32
         assert resolve_dtype("bfloat16", cuda, cfg) == torch.bfloat16
+        assert resolve_dtype("auto", cuda, bf16) == torch.bfloat16
         assert not caplog.records
 
 
-def test_auto_dtype_on_an_amx_cpu_follows_a_bf16_checkpoint(caplog, monkeypatch):
-    """With AMX-BF16 (forced here): auto is bfloat16 for a bfloat16 checkpoint, except in the
-    batch-invariant mode (float32 only); float32 checkpoints stay float32; an explicit
-    bfloat16 is not warned about, float16 still is."""
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("isa", ["amx_bf16", "avx512_bf16"])
+def test_auto_dtype_on_a_native_bf16_cpu_follows_a_bf16_checkpoint(isa, caplog, monkeypatch):
+    """Where the fused MoE kernel runs bf16 natively (AMX-BF16 tiles, or vdpbf16ps on a CPU
+    with avx512_bf16 and no AMX such as AMD Zen 4; forced here): auto is bfloat16 for a
+    bfloat16 checkpoint, except in the batch-invariant mode (float32 only); float32
+    checkpoints stay float32; an explicit bfloat16 is not warned about, float16 still is."""
     import torch
 
-    from batchgen.models import loader
-    from batchgen.models.loader import resolve_dtype
+    from batchgen.models.loader import cpu_has_fast_bf16, resolve_dtype
 
-    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+    _force_bf16_isa(monkeypatch, isa)
+    assert cpu_has_fast_bf16()
     cpu = torch.device("cpu")
     bf16, fp32 = SimpleNamespace(torch_dtype="bfloat16"), SimpleNamespace(torch_dtype="float32")
     with caplog.at_level(logging.WARNING, logger="batchgen.models.loader"):
         assert resolve_dtype("auto", cpu, bf16) == torch.bfloat16
         assert resolve_dtype("auto", cpu, bf16, batch_invariant=True) == torch.float32
         assert resolve_dtype("auto", cpu, fp32) == torch.float32
+        assert resolve_dtype("auto", cpu, SimpleNamespace(torch_dtype="float16")) == torch.float32
         assert resolve_dtype("bfloat16", cpu, fp32) == torch.bfloat16
         assert not caplog.records
         assert resolve_dtype("float16", cpu, fp32) == torch.float16

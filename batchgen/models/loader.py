@@ -34,12 +34,22 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_HALF_PRECISION_WARNING = (
-    "dtype %s on CPU is no faster than float32 here: the fused MoE kernel runs bf16 fast only "
-    "on CPUs with AMX-BF16 (with avx512_bf16 alone at about float32's speed; float16 never; "
-    "else the per-expert torch GEMMs, about half float32's speed); the paged decode "
-    "attention kernel serves float32 and bf16 (float16 takes gathered torch attention); keep "
-    "--dtype auto (float32 on such CPUs) unless the weights do not fit in memory otherwise"
+    "dtype %s on CPU is no faster than float32 here: %s; keep --dtype auto (bfloat16 for a "
+    "bfloat16 checkpoint on a CPU with avx512_bf16 or AMX-BF16, else float32) unless the "
+    "weights do not fit in memory otherwise"
 )
+# The reason `CPU_HALF_PRECISION_WARNING` gives, by dtype.
+CPU_HALF_PRECISION_REASONS = {
+    "float16": (
+        "no CPU kernel serves float16 (the MoE experts take the per-expert torch GEMMs, "
+        "decode attention the gathered torch attention)"
+    ),
+    "bfloat16": (
+        "the fused MoE kernel runs bf16 only where the CPU has avx512_bf16 (vdpbf16ps) or "
+        "AMX-BF16 and the CPU kernels are on, so the experts take the per-expert torch GEMMs, "
+        "about half float32's speed"
+    ),
+}
 # Checkpoint tensors that carry no learned state and are ignored on purpose.
 
 
@@ -95,34 +105,37 @@ def _make_model_hint(model: str) -> str:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when this CPU runs bf16 MoE experts on AMX (the fused kernel's `kernel_isa` is
-    ``"amx_bf16"``: amx_bf16, the OS's tile permission, kernels and ``BATCHGEN_CPU_AMX`` on).
-    Builds the kernel library on first use (cached)."""
+    """True when this CPU runs the bf16 MoE experts on native bf16 dot products: the fused
+    kernel's `kernel_isa` is ``"amx_bf16"`` (AMX tiles) or ``"avx512_bf16"`` (vdpbf16ps); False
+    on AVX2-only CPUs and where ``BATCHGEN_CPU_KERNELS`` leaves the kernel out (the per-expert
+    torch GEMMs). Builds the kernel library on first use (cached)."""
     from batchgen.kernels.fused_moe import kernel_isa
 
-    return kernel_isa(torch.bfloat16) == "amx_bf16"
+    return kernel_isa(torch.bfloat16) in ("amx_bf16", "avx512_bf16")
 
 
 def resolve_dtype(
     dtype: str, device: torch.device, cfg: ModelConfig, batch_invariant: bool = False
 ) -> torch.dtype:
-    """ "auto": the checkpoint's dtype on CUDA. On CPU: bfloat16 for a bfloat16 checkpoint on
-    a CPU with AMX-BF16 (`cpu_has_fast_bf16`) outside the batch-invariant mode (which covers
-    float32 only), else float32 (where bf16 matmuls are slow).
+    """ "auto": the checkpoint's dtype on CUDA. On CPU: bfloat16 for a bfloat16 checkpoint
+    where `cpu_has_fast_bf16` (AMX-BF16 or avx512_bf16) outside the batch-invariant mode (which
+    covers float32 only), else float32 (where bf16 matmuls are slow).
 
     Measured for that rule (`batchgen bench --quick --workloads rollouts --modes coalesce`,
-    2-core AMX machine loaded by other jobs, load average 7-12, three alternated rounds):
-    bfloat16 with the AMX MoE kernel 129.9, 127.9, 130.4 useful tok/s; float32 60.4, 70.5,
-    65.6 (bf16 with vdpbf16ps instead of AMX: 100.8, 108.6, 130.9); decode-only bf16 time
-    shares: MoE 0.59-0.65, attention 0.29-0.35. Before the AMX kernel, bf16 on vdpbf16ps had
-    measured 1.15x and 0.96x float32, not a win, and auto stayed float32 on every CPU.
+    alternated, three rounds each). 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX), load average
+    2.3-3.4: bfloat16 on vdpbf16ps 474.4, 412.4, 455.8 useful tok/s, float32 228.8, 249.5,
+    273.2 (1.8x; the 256-request peer bench: 1,565 vs 987 tok/s, 1.59x). 2-core Intel AMX
+    machine, load average 7-12: bfloat16 with the AMX MoE kernel 129.9, 127.9, 130.4, with
+    vdpbf16ps instead of AMX 100.8, 108.6, 130.9, float32 60.4, 70.5, 65.6. (An older
+    vdpbf16ps kernel had measured 1.15x and 0.96x float32 there, when auto stayed float32.)
 
     An explicit half-precision dtype on CPU is honoured, with a logged warning
-    (`CPU_HALF_PRECISION_WARNING`) unless it is bfloat16 on an AMX-BF16 CPU."""
+    (`CPU_HALF_PRECISION_WARNING`, with its `CPU_HALF_PRECISION_REASONS`) for float16, and for
+    bfloat16 where not `cpu_has_fast_bf16`."""
     if dtype != "auto":
         if device.type == "cpu" and dtype in ("bfloat16", "float16"):
             if dtype == "float16" or not cpu_has_fast_bf16():
-                logger.warning(CPU_HALF_PRECISION_WARNING, dtype)
+                logger.warning(CPU_HALF_PRECISION_WARNING, dtype, CPU_HALF_PRECISION_REASONS[dtype])
         return _DTYPES[dtype]
     if device.type == "cpu":
         if cfg.torch_dtype == "bfloat16" and not batch_invariant and cpu_has_fast_bf16():
