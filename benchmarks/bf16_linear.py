@@ -112,7 +112,12 @@ def _converted(layer: nn.Module, packed_kernel: bool) -> nn.Module:
 def bench_projections(model: str, rows: list[int], reps: int) -> None:
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
-    limits = (lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD, lin.PACKED_LINEAR_MAX_MACS)
+    limits = (
+        lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD,
+        lin.PACKED_LINEAR_MAX_MACS,
+        lin.PACKED_LINEAR_MAX_MACS_VNNI,
+    )
+    amx = pk.kernel_isa() == "amx"  # as `PrepackedLinear` reads it
     for label, n, k in MODELS[model][0]:
         plain = nn.Linear(k, n, bias=False).bfloat16()
         with torch.no_grad():
@@ -123,9 +128,11 @@ def bench_projections(model: str, rows: list[int], reps: int) -> None:
         for m in rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             x32 = x.float()
-            picks = "packed" if lin.use_packed_linear(m, n, k, threads) else "onednn"
-            # the packed layer on its kernel at every row count (the limits lifted)
+            picks = "packed" if lin.use_packed_linear(m, n, k, threads, amx) else "onednn"
+            # the packed layer on its kernel at every row count (the limits lifted; the VNNI
+            # one too, else a CPU without AMX would time oneDNN twice)
             lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD = lin.PACKED_LINEAR_MAX_MACS = 2**62
+            lin.PACKED_LINEAR_MAX_MACS_VNNI = 2**62
             try:
                 t = _best_times(
                     {
@@ -138,7 +145,11 @@ def bench_projections(model: str, rows: list[int], reps: int) -> None:
                 )
                 y_packed = packed(x)
             finally:
-                lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD, lin.PACKED_LINEAR_MAX_MACS = limits
+                (
+                    lin.PACKED_LINEAR_MAX_MACS_ONE_THREAD,
+                    lin.PACKED_LINEAR_MAX_MACS,
+                    lin.PACKED_LINEAR_MAX_MACS_VNNI,
+                ) = limits
             gflop = 2 * m * n * k / 1e9
             ref = F.linear(x, w)
             print(
