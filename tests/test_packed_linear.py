@@ -149,9 +149,25 @@ def test_use_packed_linear_follows_the_measured_limits():
     assert not lin.use_packed_linear(16, 3072, 2048, 1)  # 101 M
     assert lin.use_packed_linear(8, 2048, 2048, 2) and not lin.use_packed_linear(64, 2048, 2048, 2)
     assert lin.packed_linear_max_macs(4) == lin.PACKED_LINEAR_MAX_MACS
-    # without AMX (vdpbf16ps) only small calls, whatever the weight
+
+
+
+@pytest.mark.parametrize("amx_cpu", [True, False], ids=["amx_cpu", "no_amx_cpu"])
+def test_use_packed_linear_without_amx_follows_the_cpu_kind(amx_cpu, monkeypatch):
+    # without AMX (vdpbf16ps) only small calls, whatever the weight: on a CPU that has AMX-BF16
+    # (tiles not granted) up to 2^21 multiply-adds, on one without (AMD Zen 4) up to 2^25
+    monkeypatch.setattr(lin, "cpu_has_amx_bf16", lambda: amx_cpu)
     assert lin.use_packed_linear(16, 64, 512, 2, amx=False)
-    assert not lin.use_packed_linear(16, 768, 512, 1, amx=False)
+    assert lin.use_packed_linear(4, 768, 512, 1, amx=False)  # 1.6 M
+    assert lin.use_packed_linear(70, 768, 512, 2, amx=False) is not amx_cpu  # 27.5 M
+    assert lin.use_packed_linear(70, 64, 512, 2, amx=False) is not amx_cpu  # 2.3 M
+    assert lin.use_packed_linear(1024, 64, 512, 1, amx=False) is not amx_cpu  # 2^25
+    assert not lin.use_packed_linear(1025, 64, 512, 1, amx=False)
+    assert not lin.use_packed_linear(256, 768, 512, 2, amx=False)  # 100 M
+    limit = lin.PACKED_LINEAR_MAX_MACS_VNNI if amx_cpu else lin.PACKED_LINEAR_MAX_MACS_NO_AMX_CPU
+    assert lin.packed_linear_max_macs(1, amx=False) == lin.packed_linear_max_macs(4, False) == limit
+    # with AMX the CPU kind is not read
+    assert lin.use_packed_linear(4096, 512, 512, 2) and lin.use_packed_linear(8, 3072, 2048, 1)
 
 
 def test_onednn_bucket_rows_bounds_the_padding_and_the_row_counts():
@@ -291,7 +307,11 @@ def test_a_float32_bias_keeps_the_plain_layer():
 
 
 @needs_kernel
-def test_amx_switch_off_runs_vdpbf16ps_under_its_own_limit(monkeypatch):
+@pytest.mark.parametrize("amx_cpu", [True, False], ids=["amx_cpu", "no_amx_cpu"])
+def test_amx_switch_off_runs_vdpbf16ps_under_its_own_limit(amx_cpu, monkeypatch):
+    # the limit by the CPU kind (`cpu_has_amx_bf16`): 2^21 multiply-adds where the CPU has
+    # AMX-BF16 (the switch off, or no tile state), 2^25 where it has none
+    monkeypatch.setattr(lin, "cpu_has_amx_bf16", lambda: amx_cpu)
     monkeypatch.setenv("BATCHGEN_CPU_AMX", "0")
     assert pk.kernel_isa() == "avx512_bf16"
     layer = _layer()
@@ -307,9 +327,13 @@ def test_amx_switch_off_runs_vdpbf16ps_under_its_own_limit(monkeypatch):
         assert seen == [pk.ISAS["avx512_bf16"]]
         layer(torch.randn(200, 64).to(torch.bfloat16))  # 512,000 multiply-adds: still below
         assert len(seen) == 2
-        if ol.prepacked_linear_supported():  # 1,000 rows: 2.56 M, above 2^21: oneDNN
-            layer(torch.randn(1000, 64).to(torch.bfloat16))
-            assert len(seen) == 2
+        limit = lin.packed_linear_max_macs(2, amx=False)
+        assert limit == (2**21 if amx_cpu else 2**25)
+        layer(torch.randn(limit // (40 * 64), 64).to(torch.bfloat16))  # at the limit: the kernel
+        assert len(seen) == 3
+        if ol.prepacked_linear_supported():  # one row more: above the limit, oneDNN
+            layer(torch.randn(limit // (40 * 64) + 1, 64).to(torch.bfloat16))
+            assert len(seen) == 3
 
 
 @needs_kernel

@@ -4,7 +4,8 @@ On a CPU with avx512_bf16, a bfloat16 model's ``nn.Linear`` layers (attention q/
 projections, dense MLPs, shared experts, the router gate, the LM head) run on weights packed
 once instead of ``F.linear``, which repacks the weight on every call: the `packed_linear`
 kernel (AMX / vdpbf16ps, `batchgen.kernels.packed_linear`) for weights of at most 1 MiB at any
-row count and for other calls of at most `packed_linear_max_macs` multiply-adds (decode steps:
+row count (with AMX) and for other calls of at most `packed_linear_max_macs` multiply-adds (by
+threads, AMX or not and the CPU kind; decode steps:
 a fixed cost of a few microseconds where oneDNN's is 15-20), oneDNN's inner product
 (`batchgen.kernels.onednn_linear`) for larger ones, its rows rounded up to
 `onednn_bucket_rows` so that oneDNN does not build a primitive for every new row count.
@@ -22,11 +23,14 @@ Float32 models and the batch-invariant mode (float32 only) keep their ``nn.Linea
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels import packed_linear as pk
+from batchgen.kernels.cpu_build import cpu_flags
 from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_supported
 
 # Largest M * N * K (multiply-adds per call) that `packed_linear` serves, by torch threads;
@@ -40,12 +44,23 @@ from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_
 # measured: the two-thread limit is used.
 PACKED_LINEAR_MAX_MACS_ONE_THREAD = 2**26
 PACKED_LINEAR_MAX_MACS = 3 * 2**26
-# Where the OS grants no AMX the kernel runs vdpbf16ps. Emulated here with oneDNN limited to
-# AVX512-BF16 (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, one thread, process CPU time): the
-# kernel was 1.13-1.76x at one row, 1.0-1.3x at 16-70 rows of the router, 0.83-0.92x from 16
-# rows of qkv (768 x 512); so only calls up to 2^21 multiply-adds. Not measured on a CPU that
-# lacks AMX, nor at two threads.
+# Where the CPU has AMX-BF16 but the OS grants no tile state (or ``BATCHGEN_CPU_AMX=0``) the
+# kernel runs vdpbf16ps. Emulated on the AMX machine with oneDNN limited to AVX512-BF16
+# (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, one thread, process CPU time): the kernel was
+# 1.13-1.76x at one row, 1.0-1.3x at 16-70 rows of the router, 0.83-0.92x from 16 rows of qkv
+# (768 x 512); so only calls up to 2^21 multiply-adds.
 PACKED_LINEAR_MAX_MACS_VNNI = 2**21
+# On a CPU without AMX-BF16 at all (AMD EPYC Zen 4: avx512_bf16, no AMX; 2 cores, load average
+# 7-10, process CPU time, 2026-12-02) vdpbf16ps won against oneDNN's bucketed path further:
+# with a new row count per call drawn from (M/2, M] as decode steps and prefill chunks have
+# (``benchmarks/packed_linear_vary.py``, 1 and 2 threads, three runs) on the bench model's qkv
+# 768 x 512 1.12-1.21x at M 70, 0.95-1.01x at 128, 0.88-0.92x from 256; o and lm_head
+# 512 x 512 1.07-1.24x at 70, 0.99-1.16x at 128, 0.87-1.04x from 256; the router 64 x 512
+# 1.2-3.6x up to M 1,024. Hidden
+# 2048 (``benchmarks/bf16_linear.py --models 2048 --threads 2 --clock cpu``, fixed rows): 1.1-1.5x
+# at 1-2 rows, 0.97-1.08x at 4-8, 0.82-0.95x at 16. So calls up to 2^25 multiply-adds there:
+# a decode step's (~70 rows) qkv, o, router and bench lm_head, the router up to 1,024 rows.
+PACKED_LINEAR_MAX_MACS_NO_AMX_CPU = 2**25
 # Weights of at most this many elements (1 MiB of bf16; vLLM's CPU backend sends weights up to
 # 1 MiB to SGLang's ``weight_packed_linear`` on the same grounds) run on the AMX kernel at any
 # row count. The limits above were measured calling one row count again and again; an engine's
@@ -70,11 +85,21 @@ def onednn_bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether ``/proc/cpuinfo`` lists ``amx_bf16`` (whether or not the OS grants the tiles)."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def packed_linear_max_macs(num_threads: int, amx: bool = True) -> int:
-    """`PACKED_LINEAR_MAX_MACS_ONE_THREAD` for one thread, else `PACKED_LINEAR_MAX_MACS`;
-    `PACKED_LINEAR_MAX_MACS_VNNI` whatever the threads when the kernel runs without AMX."""
+    """`PACKED_LINEAR_MAX_MACS_ONE_THREAD` for one thread, else `PACKED_LINEAR_MAX_MACS`. When
+    the kernel runs without AMX (vdpbf16ps), whatever the threads:
+    `PACKED_LINEAR_MAX_MACS_VNNI` on a CPU that has AMX-BF16 (tiles not granted or switched
+    off), `PACKED_LINEAR_MAX_MACS_NO_AMX_CPU` on one without (measured on AMD Zen 4)."""
     if not amx:
-        return PACKED_LINEAR_MAX_MACS_VNNI
+        if cpu_has_amx_bf16():
+            return PACKED_LINEAR_MAX_MACS_VNNI
+        return PACKED_LINEAR_MAX_MACS_NO_AMX_CPU
     return PACKED_LINEAR_MAX_MACS_ONE_THREAD if num_threads <= 1 else PACKED_LINEAR_MAX_MACS
 
 
