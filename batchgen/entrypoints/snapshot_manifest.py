@@ -202,7 +202,8 @@ def resolved_settings(
     setting spelled out as its default is the same job as the default:
 
     - ``dtype`` "auto": what `resolve_dtype` makes of it on this machine's device (float32 on
-      CPU, or a bfloat16 checkpoint's bfloat16 on an AMX-BF16 CPU; the checkpoint's dtype on
+      CPU, or a bfloat16 checkpoint's bfloat16 on a CPU with AMX-BF16 or avx512_bf16,
+      `cpu_has_fast_bf16`; the checkpoint's dtype on
       CUDA). Left "auto" where the device is not this machine's to know (Ray ranks with
       ``device`` "auto" and no CUDA here), or the checkpoint's dtype decides and its config
       is not at hand.
