@@ -124,7 +124,7 @@ def resolve_dtype(
     Measured for that rule (`batchgen bench --quick --workloads rollouts --modes coalesce`,
     alternated, three rounds each). 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX), load average
     2.3-3.4: bfloat16 on vdpbf16ps 474.4, 412.4, 455.8 useful tok/s, float32 228.8, 249.5,
-    273.2 (1.8x; the 256-request peer bench: 1,565 vs 987 tok/s, 1.59x). 2-core Intel AMX
+    273.2 (1.8x; the 256-request peer bench: 1,566 vs 987 tok/s, 1.59x). 2-core Intel AMX
     machine, load average 7-12: bfloat16 with the AMX MoE kernel 129.9, 127.9, 130.4, with
     vdpbf16ps instead of AMX 100.8, 108.6, 130.9, float32 60.4, 70.5, 65.6. (An older
     vdpbf16ps kernel had measured 1.15x and 0.96x float32 there, when auto stayed float32.)
