@@ -70,30 +70,37 @@ inline void prefetch_rows(const bf16_t* const* rows, int64_t j0, int64_t n16, in
   }
 }
 
-// s[j] = scale * <q, k_rows[j][off : off + d]> for j < n16 (a multiple of 16); d % 32 == 0.
-// With `prefetch` (the first head of the first KV head: the rows are not in cache yet), whole
-// K rows `kPrefetchAhead` chunks of 16 ahead go to L1 and the V rows of this chunk to L2 (the
-// rows of a sequence sit in blocks anywhere in the cache: the hardware prefetcher follows a
-// block's rows but cannot guess the next block).
+// The AMX path's prefetch distances (paged_decode_attention_amx.h): whole K rows
+// kPrefetchAhead chunks of 16 ahead to L1, the V rows of a chunk to L2 during the scores.
 constexpr int64_t kPrefetchAhead = 2;
-// Value rows prefetched to L1 ahead of P @ V. The rows' L2 prefetch during the scores does not
+// Value rows prefetched to L1 ahead of P @ V (AMX path; measured on the vdpbf16ps path on an
+// Intel AMX machine). The rows' L2 prefetch during the scores does not
 // keep them there in time: perf put 45% of the stalls on the value loads; from memory (1
 // thread, 4 caches of 13.5 MB cycled) this took P @ V + scores from 2.7 to 2.0 ms (16 rows:
 // 2.2, 64: 2.1).
 constexpr int64_t kValueAhead = 32;
+// The vdpbf16ps path's distances (the AMX path keeps the two above): whole K rows kVecKAhead
+// chunks ahead and value rows kVecVAhead positions ahead, both into L2 (`prefetcht1`), the
+// value rows only during the P @ V of the KV head that reads them (the first kVecVAhead
+// during its last head's softmax). On AMD Zen 4 (no AMX;
+// benchmarks/peers/decode_attention.py shapes, 1 thread, from memory) 0.85-0.9x the time of the
+// AMX path's distances and L1 hints with the value rows prefetched during the scores.
+constexpr int64_t kVecKAhead = 4;
+constexpr int64_t kVecVAhead = 64;
+// s[j] = scale * <q, k_rows[j][off : off + d]> for j < n16 (a multiple of 16); d % 32 == 0.
+// With `prefetch` (the first head of the first KV head: the rows are not in cache yet), whole
+// K rows `kVecKAhead` chunks of 16 ahead go to L2 (the rows of a sequence sit in blocks
+// anywhere in the cache: the hardware prefetcher follows a block's rows but cannot guess the
+// next block).
 BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t* const* k_rows,
                                                   int64_t off, int64_t d, int64_t n16,
-                                                  float scale, float* s,
-                                                  const bf16_t* const* v_rows,
+                                                  float scale, float* s, bool prefetch,
                                                   int64_t row_bytes) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  if (v_rows != nullptr)
-    for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_rows<3>(k_rows, 16 * a, n16, row_bytes);
+  if (prefetch)
+    for (int64_t a = 0; a < kVecKAhead; ++a) prefetch_rows<2>(k_rows, 16 * a, n16, row_bytes);
   for (int64_t j0 = 0; j0 < n16; j0 += 16) {
-    if (v_rows != nullptr) {
-      prefetch_rows<3>(k_rows, j0 + 16 * kPrefetchAhead, n16, row_bytes);
-      prefetch_rows<2>(v_rows, j0, n16, row_bytes);
-    }
+    if (prefetch) prefetch_rows<2>(k_rows, j0 + 16 * kVecKAhead, n16, row_bytes);
     __m512 acc[16];
     for (int p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
     const bf16_t* const* rows = k_rows + j0;
@@ -153,10 +160,10 @@ BATCHGEN_ATTN_BF16_TARGET void pv_bf16(const bf16_t* w0, int64_t w_stride,
   for (int64_t j = 0; j < n2; j += 2) {
     const bf16_t* r0 = v_rows[j] + off;
     const bf16_t* r1 = v_rows[j + 1] + off;
-    if (j + kValueAhead < n2)
+    if (j + kVecVAhead < n2)
       for (int r = 0; r < 2; ++r)
         for (int c = 0; c < NC; ++c)
-          __builtin_prefetch(v_rows[j + kValueAhead + r] + off + 32 * c, 0, 3);
+          __builtin_prefetch(v_rows[j + kVecVAhead + r] + off + 32 * c, 0, 2);
     __m512bh lo[NC], hi[NC];
     for (int c = 0; c < NC; ++c) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
@@ -282,9 +289,11 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
     for (int64_t h = 0; h < g; ++h) {
       float* sh = s.scores.data() + h * s_stride;
       if (!amx) {
-        const bool first = kv == 0 && h == 0;
-        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
-                    first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
+        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh, kv == 0 && h == 0,
+                    row * int64_t(sizeof(bf16_t)));
+        if (h == g - 1)  // P @ V's first value rows (this KV head's part) into L2
+          for (int64_t j = 0; j < std::min(n, kVecVAhead); ++j)
+            for (int64_t c = 0; c < d; c += 32) __builtin_prefetch(s.v_rows[j] + kv * d + c, 0, 2);
       }
       s.inv_sum[h] = softmax_bf16(sh + lead, n, w_len, s.weights.data() + h * w_len);
     }
