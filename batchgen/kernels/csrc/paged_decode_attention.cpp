@@ -231,10 +231,12 @@ inline bool amx_scores(int64_t isa, int64_t d, int64_t g, int64_t block_size) {
 }
 
 template <class T>
-void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows) {
+void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows, int64_t next) {
   if constexpr (std::is_same_v<T, bf16_t>)
     if (bf16_path(a.isa, a.d))
-      return run_seq_bf16(a, b, rows.bf16, amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size));
+      return run_seq_bf16(a, b, rows.bf16, amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size),
+                          next);
+  (void)next;
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
@@ -274,7 +276,12 @@ int run(const Args<T>& a, int64_t num_seqs, int64_t num_threads) {
     Rows<T> rows;
     if (amx) AmxTiles::configure(a.hq / a.hkv);  // this thread's tiles, for all its sequences
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_seqs; ++i) run_seq(a, order.empty() ? i : order[i], s, rows);
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      // The sequence this thread probably takes next: num_threads further down the order.
+      const int64_t j = i + num_threads;
+      const int64_t next = j >= num_seqs ? -1 : order.empty() ? j : order[j];
+      run_seq(a, order.empty() ? i : order[i], s, rows, next);
+    }
     if (amx) AmxTiles::release();
   }
   return 0;
