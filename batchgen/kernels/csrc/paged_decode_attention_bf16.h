@@ -70,30 +70,55 @@ inline void prefetch_rows(const bf16_t* const* rows, int64_t j0, int64_t n16, in
   }
 }
 
-// s[j] = scale * <q, k_rows[j][off : off + d]> for j < n16 (a multiple of 16); d % 32 == 0.
-// With `prefetch` (the first head of the first KV head: the rows are not in cache yet), whole
-// K rows `kPrefetchAhead` chunks of 16 ahead go to L1 and the V rows of this chunk to L2 (the
-// rows of a sequence sit in blocks anywhere in the cache: the hardware prefetcher follows a
-// block's rows but cannot guess the next block).
+// The AMX path's prefetch distances (paged_decode_attention_amx.h): whole K rows
+// kPrefetchAhead chunks of 16 ahead to L1, the V rows of a chunk to L2 during the scores.
 constexpr int64_t kPrefetchAhead = 2;
-// Value rows prefetched to L1 ahead of P @ V. The rows' L2 prefetch during the scores does not
+// Value rows prefetched to L1 ahead of P @ V (AMX path; measured on the vdpbf16ps path on an
+// Intel AMX machine). The rows' L2 prefetch during the scores does not
 // keep them there in time: perf put 45% of the stalls on the value loads; from memory (1
 // thread, 4 caches of 13.5 MB cycled) this took P @ V + scores from 2.7 to 2.0 ms (16 rows:
 // 2.2, 64: 2.1).
 constexpr int64_t kValueAhead = 32;
+// The vdpbf16ps path's distances (the AMX path keeps the two above): whole K rows kVecKAhead
+// chunks ahead and value rows kVecVAhead positions ahead, both into L2 (`prefetcht1`), the
+// value rows only during the P @ V of the KV head that reads them (the first kVecVAhead
+// during its last head's softmax). On AMD Zen 4 (no AMX;
+// benchmarks/peers/decode_attention.py shapes, 1 thread, from memory) 0.85-0.9x the time of the
+// AMX path's distances and L1 hints with the value rows prefetched during the scores.
+constexpr int64_t kVecKAhead = 4;
+constexpr int64_t kVecVAhead = 64;
+// The next sequence's whole K and V rows (`rows`, K's first), prefetched into L2 a few at a
+// time (`step`, `rate` rows a step on average) during the current sequence's last KV head,
+// whose passes read the current rows from L2: the next sequence's first pass then finds its
+// rows in cache instead of waiting on memory with no work to overlap.
+struct NextRows {
+  std::vector<const bf16_t*> rows;
+  int64_t done = 0, row_bytes = 0;
+  float due = 0.0f, rate = 0.0f;
+  inline void step() {
+    due += rate;
+    const int64_t end = std::min<int64_t>(int64_t(due), int64_t(rows.size()));
+    for (; done < end; ++done)
+      for (int64_t off = 0; off < row_bytes; off += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[done]) + off, 0, 2);
+  }
+};
+
+// s[j] = scale * <q, k_rows[j][off : off + d]> for j < n16 (a multiple of 16); d % 32 == 0.
+// With `prefetch` (the first head of the first KV head: the rows are not in cache yet), whole
+// K rows `kVecKAhead` chunks of 16 ahead go to L2 (the rows of a sequence sit in blocks
+// anywhere in the cache: the hardware prefetcher follows a block's rows but cannot guess the
+// next block).
 BATCHGEN_ATTN_BF16_TARGET inline void scores_bf16(const bf16_t* q, const bf16_t* const* k_rows,
                                                   int64_t off, int64_t d, int64_t n16,
-                                                  float scale, float* s,
-                                                  const bf16_t* const* v_rows,
-                                                  int64_t row_bytes) {
+                                                  float scale, float* s, bool prefetch,
+                                                  int64_t row_bytes, NextRows* ahead) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  if (v_rows != nullptr)
-    for (int64_t a = 0; a < kPrefetchAhead; ++a) prefetch_rows<3>(k_rows, 16 * a, n16, row_bytes);
+  if (prefetch)
+    for (int64_t a = 0; a < kVecKAhead; ++a) prefetch_rows<2>(k_rows, 16 * a, n16, row_bytes);
   for (int64_t j0 = 0; j0 < n16; j0 += 16) {
-    if (v_rows != nullptr) {
-      prefetch_rows<3>(k_rows, j0 + 16 * kPrefetchAhead, n16, row_bytes);
-      prefetch_rows<2>(v_rows, j0, n16, row_bytes);
-    }
+    if (prefetch) prefetch_rows<2>(k_rows, j0 + 16 * kVecKAhead, n16, row_bytes);
+    if (ahead != nullptr) ahead->step();
     __m512 acc[16];
     for (int p = 0; p < 16; ++p) acc[p] = _mm512_setzero_ps();
     const bf16_t* const* rows = k_rows + j0;
@@ -144,7 +169,8 @@ BATCHGEN_ATTN_BF16_TARGET inline float softmax_bf16(const float* s, int64_t n, i
 template <int GB, int NC>
 BATCHGEN_ATTN_BF16_TARGET void pv_bf16(const bf16_t* w0, int64_t w_stride,
                                        const bf16_t* const* v_rows, int64_t off, int64_t n2,
-                                       const float* inv_sum, bf16_t* out0, int64_t d) {
+                                       const float* inv_sum, bf16_t* out0, int64_t d,
+                                       NextRows* ahead) {
   __m512 acc[GB][2 * NC];
   for (int i = 0; i < GB; ++i)
     for (int c = 0; c < 2 * NC; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -153,10 +179,11 @@ BATCHGEN_ATTN_BF16_TARGET void pv_bf16(const bf16_t* w0, int64_t w_stride,
   for (int64_t j = 0; j < n2; j += 2) {
     const bf16_t* r0 = v_rows[j] + off;
     const bf16_t* r1 = v_rows[j + 1] + off;
-    if (j + kValueAhead < n2)
+    if (j + kVecVAhead < n2)
       for (int r = 0; r < 2; ++r)
         for (int c = 0; c < NC; ++c)
-          __builtin_prefetch(v_rows[j + kValueAhead + r] + off + 32 * c, 0, 3);
+          __builtin_prefetch(v_rows[j + kVecVAhead + r] + off + 32 * c, 0, 2);
+    if (ahead != nullptr && j % 16 == 0) ahead->step();
     __m512bh lo[NC], hi[NC];
     for (int c = 0; c < NC; ++c) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
@@ -190,12 +217,12 @@ BATCHGEN_ATTN_BF16_TARGET void pv_bf16(const bf16_t* w0, int64_t w_stride,
 
 template <int GB>
 void pv_bf16_dims(const bf16_t* w0, int64_t w_stride, const bf16_t* const* v_rows, int64_t off,
-                  int64_t n2, const float* inv_sum, bf16_t* out0, int64_t d) {
+                  int64_t n2, const float* inv_sum, bf16_t* out0, int64_t d, NextRows* ahead) {
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     if (d - c0 >= 64)
-      pv_bf16<GB, 2>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d);
+      pv_bf16<GB, 2>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d, ahead);
     else
-      pv_bf16<GB, 1>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d);
+      pv_bf16<GB, 1>(w0, w_stride, v_rows, off + c0, n2, inv_sum, out0 + c0, d, ahead);
   }
 }
 
@@ -206,6 +233,7 @@ struct Bf16Scratch {
   std::vector<float> scores, inv_sum;         // [G, n16 + 16], [G]
   std::vector<bf16_t> weights;                // [G, n16]
   std::vector<uint32_t> qpairs;               // AMX: [D / 32][16][G]
+  NextRows next;                              // the next sequence's rows (vdpbf16ps path)
   alignas(64) float cbuf[4 * 16 * 16];        // AMX: tiles C
   alignas(64) bf16_t vbuf[4 * 512];           // AMX P @ V: tiles B
 };
@@ -226,7 +254,10 @@ inline void slot_rows(const bf16_t* cache, const int64_t* table, int64_t block_s
 
 // The sequence b on the AVX512-BF16 path; a.d % 32 == 0. `amx`: the scores and P @ V by AMX
 // (AmxTiles::usable; the calling thread has run AmxTiles::configure).
-inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx) {
+// `next`: the sequence this thread probably runs next (-1: none), whose rows the last KV head's
+// passes prefetch (NextRows).
+inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool amx,
+                         int64_t next) {
   const int64_t len = a.kv_lens[b], d = a.d, g = a.hq / a.hkv, row = a.hkv * d;
   const int64_t start = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
   const int64_t n = len - start;
@@ -265,8 +296,28 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
   s.scores.resize(g * s_stride);
   s.weights.resize(g * w_len);
   s.inv_sum.resize(g);
+  NextRows* ahead = nullptr;
   for (int64_t kv = 0; kv < a.hkv; ++kv) {
     const bf16_t* q = a.q + b * a.q_stride + kv * g * d;
+    if (!amx && kv == a.hkv - 1 && next >= 0) {
+      // The next sequence's K rows, then its V rows, over this KV head's steps: g score passes
+      // of n16 / 16 chunks and P @ V passes (per 4 heads, per 64 dimensions) of n2 / 16 steps.
+      const int64_t nlen = a.kv_lens[next];
+      const int64_t nstart =
+          a.sliding_window > 0 ? std::max<int64_t>(0, nlen - a.sliding_window) : 0;
+      const int64_t nn = std::max<int64_t>(0, nlen - nstart);
+      NextRows& nr = s.next;
+      nr.rows.resize(2 * nn);
+      const int64_t* ntable = a.block_tables + next * a.max_blocks;
+      slot_rows(a.k_cache, ntable, a.block_size, row, nstart, nn, nr.rows.data());
+      slot_rows(a.v_cache, ntable, a.block_size, row, nstart, nn, nr.rows.data() + nn);
+      const int64_t steps = g * (n16 / 16) + (g + 3) / 4 * ((d + 63) / 64) * ((n2 + 15) / 16);
+      nr.done = 0;
+      nr.due = 0.0f;
+      nr.rate = float(2 * nn) / float(std::max<int64_t>(1, steps));
+      nr.row_bytes = row * int64_t(sizeof(bf16_t));
+      ahead = &nr;
+    }
     if (amx) {
 #if BATCHGEN_HAVE_AMX
       // qpairs[k][i][h] = q_h's dimensions 32 k + 2 i, 32 k + 2 i + 1 (one word).
@@ -282,9 +333,11 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
     for (int64_t h = 0; h < g; ++h) {
       float* sh = s.scores.data() + h * s_stride;
       if (!amx) {
-        const bool first = kv == 0 && h == 0;
-        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh,
-                    first ? s.v_rows.data() : nullptr, row * int64_t(sizeof(bf16_t)));
+        scores_bf16(q + h * d, s.k_rows.data(), kv * d, d, n16, a.scale, sh, kv == 0 && h == 0,
+                    row * int64_t(sizeof(bf16_t)), ahead);
+        if (h == g - 1)  // P @ V's first value rows (this KV head's part) into L2
+          for (int64_t j = 0; j < std::min(n, kVecVAhead); ++j)
+            for (int64_t c = 0; c < d; c += 32) __builtin_prefetch(s.v_rows[j] + kv * d + c, 0, 2);
       }
       s.inv_sum[h] = softmax_bf16(sh + lead, n, w_len, s.weights.data() + h * w_len);
     }
@@ -301,10 +354,10 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
       const float* inv = s.inv_sum.data() + h;
       const bf16_t* const* v = s.v_rows.data();
       switch (std::min<int64_t>(4, g - h)) {
-        case 1: pv_bf16_dims<1>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
-        case 2: pv_bf16_dims<2>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
-        case 3: pv_bf16_dims<3>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
-        default: pv_bf16_dims<4>(w, w_len, v, kv * d, n2, inv, o + h * d, d); break;
+        case 1: pv_bf16_dims<1>(w, w_len, v, kv * d, n2, inv, o + h * d, d, ahead); break;
+        case 2: pv_bf16_dims<2>(w, w_len, v, kv * d, n2, inv, o + h * d, d, ahead); break;
+        case 3: pv_bf16_dims<3>(w, w_len, v, kv * d, n2, inv, o + h * d, d, ahead); break;
+        default: pv_bf16_dims<4>(w, w_len, v, kv * d, n2, inv, o + h * d, d, ahead); break;
       }
     }
   }
@@ -315,7 +368,7 @@ inline void run_seq_bf16(const Args<bf16_t>& a, int64_t b, Bf16Scratch& s, bool 
 namespace {
 inline bool avx512_bf16_usable() { return false; }
 struct Bf16Scratch {};
-inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&, bool) {}
+inline void run_seq_bf16(const Args<bf16_t>&, int64_t, Bf16Scratch&, bool, int64_t) {}
 #endif
 
 }  // namespace
