@@ -201,7 +201,9 @@ def test_bf16_engine_runs_every_dense_projection_prepacked(checkpoint_dir):
     _tokens(llm)
 
 
-def test_float32_and_batch_invariant_engines_keep_their_linear_layers(checkpoint_dir, monkeypatch):
+def test_float32_and_batch_invariant_engines_keep_their_linear_layers(
+    checkpoint_dir, monkeypatch
+):
     monkeypatch.setenv(ol.ONEDNN_LINEAR_F32_ENV, "linear")
     path = checkpoint_dir("mixtral")
     fp32 = _llm(path, dtype="float32")

@@ -58,8 +58,8 @@ def check_kernel_switches() -> None:
     """Read every kernel and path switch once, so that a bad value fails at engine start:
     ``BATCHGEN_CPU_KERNELS``, ``BATCHGEN_CPU_AMX``, ``BATCHGEN_PACKED_LINEAR``,
     ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_ONEDNN_LINEAR_F32``, ``BATCHGEN_PAGED_ATTENTION_ISA``,
-    ``BATCHGEN_MOE_PATH``, ``BATCHGEN_ATTENTION_BACKEND``, ``BATCHGEN_PREFILL_ATTENTION`` and ``BATCHGEN_HUGE_PAGES``.
-    Builds and loads nothing.
+    ``BATCHGEN_MOE_PATH``, ``BATCHGEN_ATTENTION_BACKEND``, ``BATCHGEN_PREFILL_ATTENTION`` and
+    ``BATCHGEN_HUGE_PAGES``. Builds and loads nothing.
 
     Raises:
         ValueError: the first bad value, naming the variable and the allowed values; or

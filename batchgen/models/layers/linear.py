@@ -208,10 +208,11 @@ def _onednn_bucketed(
     """oneDNN's prepacked inner product of ``x [..., K]`` (any strides) at
     `onednn_bucket_rows` rows: the rows copied into a zero-padded ``[Mp, K]`` buffer when M is
     not a bucket size, the result ``[..., N]`` a view of the first M rows. Float32
-    accumulation, rounded once to bf16 (bfloat16 ``x``; float32 ``x``: float32 out). The rows are those of oneDNN's call at Mp rows: bit
-    for bit the unpadded call's only where oneDNN keeps its K blocking between M and Mp (it
-    picks it by row count: at K = 2,048 a few elements of 511 rows differ by one bf16 ulp
-    from the 512-row call); within one bf16 rounding of the exact product either way."""
+    accumulation, rounded once to bf16 (a float32 ``x``: float32 out). The rows are those of
+    oneDNN's call at Mp rows: bit for bit the unpadded call's only where oneDNN keeps its K
+    blocking between M and Mp (it picks it by row count: at K = 2,048 a few elements of 511
+    rows differ by one bf16 ulp from the 512-row call); within one bf16 rounding of the exact
+    product either way (float32: within float32 summation error)."""
     rows = x.reshape(-1, k)  # [M, K]
     m = rows.shape[0]
     mp = onednn_bucket_rows(m)
