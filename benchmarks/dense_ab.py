@@ -4,7 +4,12 @@ earlier behaviour (``before``: oneDNN at the exact row count above the multiply-
 every weight, RoPE then two ``index_copy_``), alternated on fresh requests.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dense_ab.py [--requests 32] [--rounds 3]
-        [--max-tokens 64] [--threads 2]
+        [--max-tokens 64] [--threads 2] [--dtype bfloat16|float32]
+
+``--dtype float32`` (the float32 dense round; run with ``BATCHGEN_ONEDNN_LINEAR_F32`` unset
+on a CPU where its ``auto`` picks oneDNN, or ``=onednn``): ``after`` is the engine as it is
+(oneDNN's prepacked path above `use_onednn_f32`'s thresholds), ``before`` every float32
+projection on ``F.linear`` (the thresholds lifted); greedy tokens compared the same way.
 
 The bench checkpoint in bfloat16; rollouts-style requests (`batchgen.bench.workloads`, the
 bench's generator) cut into ``2 * --rounds`` slices of ``--requests``: round r runs slice 2r
@@ -33,7 +38,11 @@ BENCH = "/root/.cache/batchgen/bench-mixtral-e64-top8-h512-l4-v1"
 
 
 def _set_before(before: bool, saved: dict) -> None:
-    """Switch the two changes off (``before``) or back on."""
+    """Switch the two changes off (``before``) or back on (float32: the oneDNN path)."""
+    if saved["dtype"] == "float32":
+        lin.ONEDNN_F32_MIN_MACS = 2**62 if before else saved["f32"]
+        lin.ONEDNN_F32_NARROW_MIN_MACS = 2**62 if before else saved["f32_narrow"]
+        return
     if before:
         lin.PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT = 0
         lin.ONEDNN_ROW_BUCKETS_PER_OCTAVE = 2**40  # step 1: the exact row count
@@ -51,16 +60,20 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default=BENCH)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     saved = {
+        "dtype": args.dtype,
+        "f32": lin.ONEDNN_F32_MIN_MACS,
+        "f32_narrow": lin.ONEDNN_F32_NARROW_MIN_MACS,
         "weight": lin.PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT,
         "buckets": lin.ONEDNN_ROW_BUCKETS_PER_OCTAVE,
         "rope": RotaryEmbedding.rotate_and_cache_,
     }
     llm = LLM(
         args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
         kv_cache_memory_gb=4.0,
         max_model_len=4096,
         seed=0,
@@ -90,7 +103,11 @@ def main() -> None:
 
     totals = {"before": [0.0, 0.0], "after": [0.0, 0.0]}
     same = total = 0
-    print(f"{args.threads} threads, {args.requests} requests a slice, max_tokens {args.max_tokens}")
+    packed = sum(type(m) is lin.PrepackedLinear for m in llm.llm_engine.runner.model.modules())
+    print(
+        f"{args.dtype}, {args.threads} threads, {args.requests} requests a slice, "
+        f"max_tokens {args.max_tokens}, {packed} PrepackedLinear layers"
+    )
     for s in range(slices):
         part = reqs[s * args.requests : (s + 1) * args.requests]
         order = ["before", "after"] if s % 2 == 0 else ["after", "before"]

@@ -75,8 +75,10 @@ def test_onednn_linear_rejects_bad_inputs_by_name():
         ol.onednn_linear(torch.zeros(2, 16, dtype=torch.bfloat16), packed)
     with pytest.raises(ValueError, match="bfloat16"):
         ol.onednn_linear(torch.zeros(2, 32), packed)
-    with pytest.raises(ValueError, match="weight must be a 2-D bfloat16 CPU tensor"):
-        ol.pack_onednn_weight(torch.zeros(16, 32))
+    with pytest.raises(ValueError, match="weight must be a 2-D bfloat16 or float32 CPU tensor"):
+        ol.pack_onednn_weight(torch.zeros(16, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="weight must be a 2-D bfloat16 or float32 CPU tensor"):
+        ol.pack_onednn_weight(torch.zeros(2, 16, 32, dtype=torch.bfloat16))
 
 
 def _layer(n=40, k=64, bias=True) -> PrepackedLinear:
@@ -140,6 +142,7 @@ def test_prepacked_linear_runs_f_linear_for_float32_and_autograd(monkeypatch):
 
 
 def test_enable_prepacked_linear_converts_only_bf16_plain_linear_layers(monkeypatch):
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_F32_ENV, "linear")  # float32: tests below
     model = nn.Sequential(
         nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8), BatchInvariantLinear(8, 8).bfloat16()
     )
@@ -198,7 +201,10 @@ def test_bf16_engine_runs_every_dense_projection_prepacked(checkpoint_dir):
     _tokens(llm)
 
 
-def test_float32_and_batch_invariant_engines_keep_their_linear_layers(checkpoint_dir):
+def test_float32_and_batch_invariant_engines_keep_their_linear_layers(
+    checkpoint_dir, monkeypatch
+):
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_F32_ENV, "linear")
     path = checkpoint_dir("mixtral")
     fp32 = _llm(path, dtype="float32")
     assert _linears(fp32, nn.Linear) and not _linears(fp32, PrepackedLinear)

@@ -43,15 +43,16 @@ def load_engine_model(
 ) -> torch.nn.Module:
     """The model at ``path`` on ``device`` in ``dtype`` (``held``: the routed experts this
     expert-parallel rank loads, None for all), with its dense layers in the engine's form:
-    batch-invariant kernels under ``batch_invariant``, else oneDNN-prepacked weights for bf16
-    on the CPU (`enable_prepacked_linear`, where the CPU has avx512_bf16). Raises what
-    `load_model` raises (missing or mismatched tensors, name the tensor)."""
+    batch-invariant kernels under ``batch_invariant``, else prepacked weights on the CPU
+    (`enable_prepacked_linear`: bf16 where the CPU has avx512_bf16, float32 where
+    `onednn_f32_mode` picks oneDNN). Raises what `load_model` raises (missing or mismatched
+    tensors, name the tensor)."""
     t0 = time.perf_counter()
     model = load_model(path, cfg, device, dtype, held)
     if batch_invariant:
         enable_batch_invariant(model)
-    elif device.type == "cpu" and dtype == torch.bfloat16:
-        enable_prepacked_linear(model)  # oneDNN-packed dense weights where avx512_bf16
+    elif device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        enable_prepacked_linear(model)  # packed dense weights where the CPU gains from them
     logger.info(
         "loaded %s (%s) on %s in %.1f s", path, cfg.architecture, device, time.perf_counter() - t0
     )

@@ -24,7 +24,16 @@ avx512_bf16 (without it oneDNN emulates bfloat16 and nothing was measured), and
 runs). The fused-MoE micro-kernels as a one-expert dense MLP (candidate (b) of issue 19) were
 0.9-1.35x ``F.linear`` below 64 rows and 0.65-0.98x from 256 rows, so a library path it is.
 
-Cost: the packed weight is a second copy of the weight (N x K bfloat16 per layer).
+Float32 (issue 19's dense round, on a CPU that is not Intel's): ``F.linear`` runs MKL's sgemm,
+which on AMD Zen 4 (avx512f, 2 cores) reached 65-78 GFLOP/s at one thread on the bench
+model's projections against oneDNN's 83-107 from 70 rows (``benchmarks/f32_linear.py``,
+docs/performance.md); vLLM's ``onednn_mm`` is the same oneDNN inner product. `onednn_f32_mode`
+says where float32 layers take the prepacked path (`use_onednn_f32` then picks per call);
+on Intel CPUs, where MKL has its own AVX-512 code and nothing was measured, ``F.linear`` stays.
+The result there is not bit-identical to ``F.linear`` (another summation order), within a
+few float32 ulps of the exact product.
+
+Cost: the packed weight is a second copy of the weight (N x K per layer).
 """
 
 from __future__ import annotations
@@ -35,11 +44,14 @@ import logging
 import torch
 
 from batchgen.kernels.cpu_build import cpu_flags
-from batchgen.kernels.switches import env_flag
+from batchgen.kernels.switches import env_choice, env_flag
 
 logger = logging.getLogger(__name__)
 
 ONEDNN_LINEAR_ENV = "BATCHGEN_ONEDNN_LINEAR"  # "0" turns the prepacked path off (A/B runs)
+# float32 layers: "auto" (oneDNN where the CPU is not Intel's), "onednn", "linear" (F.linear)
+ONEDNN_LINEAR_F32_ENV = "BATCHGEN_ONEDNN_LINEAR_F32"
+ONEDNN_LINEAR_F32_CHOICES = ("auto", "onednn", "linear")
 
 
 @functools.cache
@@ -63,6 +75,42 @@ def _onednn_bf16_fast() -> bool:
             "and a CPU with avx512_bf16)"
         )
     return ok
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The ``vendor_id`` of ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``), ``""``
+    where it cannot be read (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def onednn_f32_mode() -> str:
+    """``BATCHGEN_ONEDNN_LINEAR_F32``: ``"onednn"`` or ``"linear"``, ``"auto"`` resolved to
+    ``"onednn"`` on an x86 CPU with avx512f that is not Intel's (MKL's sgemm there measured
+    0.65-0.8x oneDNN's, module docstring) and ``"linear"`` elsewhere; ``"linear"`` also where
+    torch lacks oneDNN's prepacked ops. Read when a model is converted, not per call.
+
+    Raises:
+        ValueError: a value other than ``auto``/``onednn``/``linear`` (`switches.env_choice`).
+    """
+    mode = env_choice(ONEDNN_LINEAR_F32_ENV, ONEDNN_LINEAR_F32_CHOICES)
+    ops_ok = (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+    if mode == "auto":
+        vendor = cpu_vendor()
+        fast = "avx512f" in cpu_flags().split() and vendor not in ("", "GenuineIntel")
+        mode = "onednn" if fast else "linear"
+    return mode if ops_ok else "linear"
 
 
 def prepacked_linear_enabled() -> bool:
@@ -95,15 +143,19 @@ def prepacked_linear_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` bfloat16 -> oneDNN's packed copy (an opaque MKLDNN tensor of the same
-    logical shape), laid out for any number of rows (no batch-size hint).
+    """``weight [N, K]`` bfloat16 or float32 -> oneDNN's packed copy (an opaque MKLDNN tensor
+    of the same logical shape and dtype), laid out for any number of rows (no batch-size hint).
 
     Raises:
-        ValueError: ``weight`` is not a 2-D bfloat16 CPU tensor.
+        ValueError: ``weight`` is not a 2-D bfloat16 or float32 CPU tensor.
     """
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    if (
+        weight.dim() != 2
+        or weight.dtype not in (torch.bfloat16, torch.float32)
+        or weight.device.type != "cpu"
+    ):
         raise ValueError(
-            f"weight must be a 2-D bfloat16 CPU tensor, got {tuple(weight.shape)} "
+            f"weight must be a 2-D bfloat16 or float32 CPU tensor, got {tuple(weight.shape)} "
             f"{weight.dtype} on {weight.device}"
         )
     with torch.no_grad():

@@ -57,9 +57,9 @@ def env_choice(name: str, choices, default: str = "auto") -> str:
 def check_kernel_switches() -> None:
     """Read every kernel and path switch once, so that a bad value fails at engine start:
     ``BATCHGEN_CPU_KERNELS``, ``BATCHGEN_CPU_AMX``, ``BATCHGEN_PACKED_LINEAR``,
-    ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_PAGED_ATTENTION_ISA``, ``BATCHGEN_MOE_PATH``,
-    ``BATCHGEN_ATTENTION_BACKEND``, ``BATCHGEN_PREFILL_ATTENTION`` and ``BATCHGEN_HUGE_PAGES``.
-    Builds and loads nothing.
+    ``BATCHGEN_ONEDNN_LINEAR``, ``BATCHGEN_ONEDNN_LINEAR_F32``, ``BATCHGEN_PAGED_ATTENTION_ISA``,
+    ``BATCHGEN_MOE_PATH``, ``BATCHGEN_ATTENTION_BACKEND``, ``BATCHGEN_PREFILL_ATTENTION`` and
+    ``BATCHGEN_HUGE_PAGES``. Builds and loads nothing.
 
     Raises:
         ValueError: the first bad value, naming the variable and the allowed values; or
@@ -70,7 +70,7 @@ def check_kernel_switches() -> None:
     from batchgen.engine.host_allocator import huge_pages_enabled
     from batchgen.kernels.cpu_build import kernels_enabled
     from batchgen.kernels.fused_moe import amx_enabled
-    from batchgen.kernels.onednn_linear import prepacked_linear_enabled
+    from batchgen.kernels.onednn_linear import onednn_f32_mode, prepacked_linear_enabled
     from batchgen.kernels.packed_linear import packed_linear_enabled
     from batchgen.kernels.paged_attention import default_isa
     from batchgen.kernels.prefill_attention import prefill_attention_mode
@@ -82,6 +82,7 @@ def check_kernel_switches() -> None:
     huge_pages_enabled()
     packed_linear_enabled()
     prepacked_linear_enabled()
+    onednn_f32_mode()
     default_isa()
     moe_path_override()
     attention_backend_override()

@@ -17,8 +17,11 @@ copies are keyed on the weight's storage and version counter, and is dropped by
 `invalidate_packed_weights` (called by the loader and by `update_weights`, whose writes go
 through ``.data`` or inference-mode tensors that the version counter does not see).
 
-Float32 models and the batch-invariant mode (float32 only) keep their ``nn.Linear`` /
-`BatchInvariantLinear` as they were.
+Float32 layers become `PrepackedLinear` too where `onednn_f32_mode` is ``"onednn"`` (by
+default a CPU with avx512f that is not Intel's: MKL's sgemm there lost to oneDNN by 1.2-1.5x
+from 70 rows): oneDNN's prepacked inner product for calls above `ONEDNN_F32_MIN_MACS`,
+``F.linear`` below (`use_onednn_f32`). Elsewhere, and in the batch-invariant mode (float32
+only, `BatchInvariantLinear`), float32 layers stay as they were.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from torch import nn
 
 from batchgen.kernels import packed_linear as pk
 from batchgen.kernels.cpu_build import cpu_flags
-from batchgen.kernels.onednn_linear import pack_onednn_weight, prepacked_linear_supported
+from batchgen.kernels.onednn_linear import (
+    onednn_f32_mode,
+    pack_onednn_weight,
+    prepacked_linear_supported,
+)
 
 # Largest M * N * K (multiply-adds per call) that `packed_linear` serves, by torch threads;
 # above it oneDNN's prepacked inner product is as fast or faster. Measured with
@@ -75,6 +82,27 @@ PACKED_LINEAR_ANY_ROWS_MAX_WEIGHT = 2**19
 # 1/8 of the rows), so a run meets a few dozen row counts per weight shape instead of
 # thousands, and oneDNN's primitive cache (1,024 entries by default) keeps them.
 ONEDNN_ROW_BUCKETS_PER_OCTAVE = 8
+
+
+# float32 calls of at most this many multiply-adds (M * N * K) run ``F.linear`` (MKL): below
+# it oneDNN's fixed cost per call through torch's op (15-30 us) loses. Measured on AMD Zen 4
+# (``benchmarks/f32_linear.py --threads 1``, process CPU time, loaded machine,
+# docs/performance.md): on qkv (768 x 512), o and lm_head (512 x 512) oneDNN was 0.55-0.8x at
+# one row, 1.0-1.3x at 8-32 rows, 1.05-1.25x at 70-257 rows (with `onednn_bucket_rows`'
+# padding 1.0-1.2x) and 1.35-1.5x at 1,024-2,048; 2^23 is 22 rows of qkv, 32 of o.
+ONEDNN_F32_MIN_MACS = 2**23
+# Narrower weights (N below this, the router's 64 experts) need more rows: on the router
+# (64 x 512) oneDNN was 0.3-0.8x up to 257 rows and 1.1-1.4x from 1,024 (2^25 = 1,024 rows).
+ONEDNN_F32_NARROW_N = 256
+ONEDNN_F32_NARROW_MIN_MACS = 2**25
+
+
+def use_onednn_f32(m: int, n: int, k: int) -> bool:
+    """Whether a float32 call of ``[m, k] @ [n, k].T`` on a layer with a oneDNN-packed weight
+    runs there (True) or on ``F.linear`` (False): above `ONEDNN_F32_MIN_MACS` multiply-adds,
+    `ONEDNN_F32_NARROW_MIN_MACS` for fewer than `ONEDNN_F32_NARROW_N` outputs."""
+    macs = m * n * k
+    return macs > (ONEDNN_F32_MIN_MACS if n >= ONEDNN_F32_NARROW_N else ONEDNN_F32_NARROW_MIN_MACS)
 
 
 def onednn_bucket_rows(m: int) -> int:
@@ -123,9 +151,11 @@ def _version(t: torch.Tensor) -> int | None:
 class PrepackedLinear(nn.Linear):
     """``nn.Linear`` whose bfloat16 CPU forward runs on packed copies of the weight: the
     `packed_linear` kernel for calls `use_packed_linear` picks, oneDNN's prepacked path for
-    the rest (each where supported; ``F.linear`` where neither is); other inputs (float32,
-    CUDA, autograd) take ``F.linear``. Made by `enable_prepacked_linear`, which converts only
-    bfloat16 layers and only where one of the two paths is supported.
+    the rest (each where supported; ``F.linear`` where neither is). A float32 layer runs
+    oneDNN's prepacked path for the calls `use_onednn_f32` picks, ``F.linear`` for the rest.
+    Other inputs (a dtype other than the weight's, CUDA, autograd) take ``F.linear``. Made by
+    `enable_prepacked_linear`, which converts bfloat16 layers where one of the two bf16 paths
+    is supported and float32 layers where `onednn_f32_mode` is ``"onednn"``.
 
     The packed weights (a second and a third copy) are built at conversion and again when the
     weight is replaced or changed through autograd-visible ops (keyed on its storage and
@@ -149,8 +179,12 @@ class PrepackedLinear(nn.Linear):
         key = (w.data_ptr(), _version(w))
         if self._packed is None or self._packed[0] != key:
             with torch.no_grad():
-                onednn = pack_onednn_weight(w) if prepacked_linear_supported() else None
-                amx = pk.pack_packed_linear_weight(w) if pk.packed_linear_supported() else None
+                if w.dtype == torch.float32:
+                    onednn = pack_onednn_weight(w) if onednn_f32_mode() == "onednn" else None
+                    amx = None
+                else:
+                    onednn = pack_onednn_weight(w) if prepacked_linear_supported() else None
+                    amx = pk.pack_packed_linear_weight(w) if pk.packed_linear_supported() else None
                 fn = pk.kernel_function() if amx is not None else None
                 self._packed = (key, onednn, amx, fn, pk.kernel_isa() == "amx")
         return self._packed[1]
@@ -160,8 +194,10 @@ class PrepackedLinear(nn.Linear):
         # nn.Module.__getattr__, about 0.45 us each, 5-10% of a one-row call of the kernel.
         params = self._parameters
         w, bias = params["weight"], params["bias"]
+        dtype = x.dtype
         if (
-            x.dtype is not torch.bfloat16
+            dtype is not w.dtype
+            or (dtype is not torch.bfloat16 and dtype is not torch.float32)
             or not x.is_cpu
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
@@ -173,6 +209,10 @@ class PrepackedLinear(nn.Linear):
         k = self.in_features
         if x.shape[-1] != k:
             raise ValueError(f"x must be [..., {k}], got {tuple(x.shape)}")
+        if dtype is torch.float32:
+            if packed[1] is None or not use_onednn_f32(x.numel() // k, self.out_features, k):
+                return F.linear(x, w, bias)
+            return _onednn_bucketed(x, packed[1], bias, k)
         if packed[2] is not None:
             n = self.out_features
             threads = torch.get_num_threads()
@@ -193,10 +233,11 @@ def _onednn_bucketed(
     """oneDNN's prepacked inner product of ``x [..., K]`` (any strides) at
     `onednn_bucket_rows` rows: the rows copied into a zero-padded ``[Mp, K]`` buffer when M is
     not a bucket size, the result ``[..., N]`` a view of the first M rows. Float32
-    accumulation, rounded once to bf16. The rows are those of oneDNN's call at Mp rows: bit
-    for bit the unpadded call's only where oneDNN keeps its K blocking between M and Mp (it
-    picks it by row count: at K = 2,048 a few elements of 511 rows differ by one bf16 ulp
-    from the 512-row call); within one bf16 rounding of the exact product either way."""
+    accumulation, rounded once to bf16 (a float32 ``x``: float32 out). The rows are those of
+    oneDNN's call at Mp rows: bit for bit the unpadded call's only where oneDNN keeps its K
+    blocking between M and Mp (it picks it by row count: at K = 2,048 a few elements of 511
+    rows differ by one bf16 ulp from the 512-row call); within one bf16 rounding of the exact
+    product either way (float32: within float32 summation error)."""
     rows = x.reshape(-1, k)  # [M, K]
     m = rows.shape[0]
     mp = onednn_bucket_rows(m)
@@ -212,15 +253,24 @@ def _onednn_bucketed(
 
 
 def enable_prepacked_linear(model: nn.Module) -> int:
-    """Where `prepacked_linear_supported` (oneDNN, avx512_bf16, ``BATCHGEN_ONEDNN_LINEAR`` not
-    ``0``) or `batchgen.kernels.packed_linear.packed_linear_supported` (the kernel built,
-    avx512_bf16, ``BATCHGEN_PACKED_LINEAR`` not ``0``), turn every plain ``nn.Linear`` of
-    ``model`` with a bfloat16 CPU weight (and bias) into a `PrepackedLinear` in place (class
-    changed, parameters kept) and pack its weight now, so the first step does not pay for it.
-    Other layers (float32 ones such as DeepSeek's router gate, a bf16 weight with a float32
-    bias, subclasses such as `BatchInvariantLinear`) are left alone. Returns the number
-    converted (0 where neither path is supported: the model is unchanged)."""
-    if not (prepacked_linear_supported() or pk.packed_linear_supported()):
+    """Turn plain ``nn.Linear`` layers of ``model`` on the CPU into `PrepackedLinear` in place
+    (class changed, parameters kept) and pack their weights now, so the first step does not
+    pay for it: those with a bfloat16 weight (and bias) where `prepacked_linear_supported`
+    (oneDNN, avx512_bf16, ``BATCHGEN_ONEDNN_LINEAR`` not ``0``) or
+    `batchgen.kernels.packed_linear.packed_linear_supported` (the kernel built, avx512_bf16,
+    ``BATCHGEN_PACKED_LINEAR`` not ``0``); those with a float32 weight (and bias) where
+    `onednn_f32_mode` is ``"onednn"``. Other layers (a weight and bias of two dtypes,
+    subclasses such as `BatchInvariantLinear`) are left alone. Returns the number converted
+    (0 where no path is supported: the model is unchanged).
+
+    Raises:
+        ValueError: a bad ``BATCHGEN_ONEDNN_LINEAR_F32`` (`onednn_f32_mode`)."""
+    dtypes = []
+    if prepacked_linear_supported() or pk.packed_linear_supported():
+        dtypes.append(torch.bfloat16)
+    if onednn_f32_mode() == "onednn":
+        dtypes.append(torch.float32)
+    if not dtypes:
         return 0
     converted = 0
     for module in model.modules():
@@ -228,9 +278,9 @@ def enable_prepacked_linear(model: nn.Module) -> int:
         bias = getattr(module, "bias", None)
         if (
             type(module) is nn.Linear
-            and w.dtype == torch.bfloat16
+            and w.dtype in dtypes
             and w.is_cpu
-            and (bias is None or bias.dtype == torch.bfloat16)
+            and (bias is None or bias.dtype == w.dtype)
         ):
             module.__class__ = PrepackedLinear
             module.packed_weight()
