@@ -108,6 +108,8 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
   // Non-temporal stores into y_slots only when it outgrows the caches (the bf16 kernels'
   // StoreRows says why); a choice per call, so every row's value is the same either way.
   const bool stream_y = num_tokens * top_k * h * int64_t{sizeof(float)} > kStreamMinBytes;
+  // The weight prefetch of this CPU (WeightPrefetch, fused_moe_common.h): also one per call.
+  const WeightPrefetch pf = K::moe_prefetch();
 #pragma omp parallel num_threads(num_threads)
   {
     // Per-thread scratch kept across calls (OpenMP reuses its threads): no fresh pages per call.
@@ -156,7 +158,7 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         if constexpr (K::kFusedSilu) {  // [m, I] bf16 straight from the GEMM's tiles
           K::gemm_silu(a_buf.data(), m, h, w13, inter, act.data());
         } else {
-          K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr, false);  // [m, 2I]
+          K::gemm(a_buf.data(), m, h, w13, i2, g_rows.data(), nullptr, false, pf);  // [m, 2I]
           for (int64_t r = 0; r < m; ++r) {
             const float* g = g_buf.data() + r * i2;
             In* o = act.data() + K::row_offset(r, inter);
@@ -177,7 +179,7 @@ int run_experts(const typename K::In* x, const typename K::In* w13p, const typen
         }
         if constexpr (K::kZeroPadRows)
           std::fill(act.data() + m * inter, act.data() + m_pad * inter, In{0});
-        K::gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data(), stream_y);  // [m, H]
+        K::gemm(act.data(), m, inter, w2, h, y_rows.data(), scale.data(), stream_y, pf);  // [m, H]
       }
     }
     // Each token's slots, summed in slot order (float32). With out_bf16 the sum goes through a

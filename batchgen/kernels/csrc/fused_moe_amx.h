@@ -36,6 +36,7 @@ namespace {
 
 struct AmxBf16 {
   using In = uint16_t;  // bf16 bits
+  static WeightPrefetch moe_prefetch() { return WeightPrefetch::kNone; }  // for_each_block's own
   static constexpr int kMR = 16;
   static constexpr int64_t kRowChunk = 128;
   static constexpr int64_t kStep = 1;  // row-major: consecutive k pairs are adjacent words
@@ -202,7 +203,9 @@ struct AmxBf16 {
   // with non-temporal stores when scale and stream (StoreRows).
   BATCHGEN_AMX_MOE_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                            const uint16_t* packed, int64_t n, float* const* c_rows,
-                                           const float* scale, bool stream) {
+                                           const float* scale, bool stream,
+                                           WeightPrefetch /*its own: for_each_block*/ =
+                                               WeightPrefetch::kNone) {
     amx_tile_config();
     const int64_t num_panels = n / kPanel, panel = k_size * kPanel;
     StoreRows store{m, c_rows, scale, stream && scale != nullptr};

@@ -53,9 +53,12 @@ BATCHGEN_BF16_ACT_TARGET inline void silu_mul_to_bf16_pairs(const float* gate, c
 #define BATCHGEN_BF16_TARGET __attribute__((target("avx512f,avx512bf16")))
 struct Avx512Bf16 : MicroPanelLayout<12, 2> {
   using In = uint16_t;  // bf16 bits
+  // The fused MoE's weight prefetch (WeightPrefetch): kL2Far on AMD, none elsewhere (no
+  // measurement on Intel, where the AMX kernel runs); the dense packed_linear.cpp passes none.
+  static WeightPrefetch moe_prefetch() { return cpu_weight_prefetch(WeightPrefetch::kNone); }
 
   // a: one micro-panel [K / 2][MR][2] bf16, read as 32-bit pairs; panel: [K / 2][16][2].
-  template <int MR, int NP>
+  template <int MR, int NP, WeightPrefetch kPrefetch>
   BATCHGEN_BF16_TARGET static void micro(const uint16_t* a, const uint16_t* panel,
                                          int64_t k_size, float* const* c_rows, int64_t col,
                                          const float* scale, bool stream) {
@@ -65,6 +68,8 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
     const uint16_t* p1 = panel + k_size * kPanel;
     const uint32_t* a32 = reinterpret_cast<const uint32_t*>(a);
     for (int64_t kp = 0; kp < k_size / 2; ++kp) {
+      prefetch_weights<kPrefetch>(panel + kp * 2 * kPanel);
+      if constexpr (NP == 2) prefetch_weights<kPrefetch>(p1 + kp * 2 * kPanel);
       __m512bh b[NP];
       b[0] = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
       if constexpr (NP == 2) b[1] = (__m512bh)_mm512_loadu_si512(p1 + kp * 2 * kPanel);
@@ -87,39 +92,65 @@ struct Avx512Bf16 : MicroPanelLayout<12, 2> {
       }
     }
   }
-  template <int NP>
+  template <int NP, WeightPrefetch kPrefetch>
   struct Tail {
     template <int R>
     BATCHGEN_BF16_TARGET static void run(const uint16_t* a, const uint16_t* panel, int64_t k,
                                          float* const* c, int64_t col, const float* s,
                                          bool stream) {
-      micro<R, NP>(a, panel, k, c, col, s, stream);
+      micro<R, NP, kPrefetch>(a, panel, k, c, col, s, stream);
     }
   };
-  template <int NP>
+  // The first row block prefetches the panels' next lines as P says (Avx512F32::panels).
+  template <int NP, WeightPrefetch P>
   BATCHGEN_BF16_TARGET static void panels(const uint16_t* a, int64_t m, int64_t k_size,
                                           const uint16_t* panel, float* const* c_rows,
                                           int64_t col, const float* scale, bool stream) {
+    constexpr WeightPrefetch kNone = WeightPrefetch::kNone;
     int64_t i = 0;
+    if (m >= kMR) {
+      micro<kMR, NP, P>(a, panel, k_size, c_rows, col, scale, stream);
+      i = kMR;
+    }
     for (; i + kMR <= m; i += kMR)
-      micro<kMR, NP>(a + i * k_size, panel, k_size, c_rows + i, col, scale ? scale + i : nullptr,
-                     stream);
-    if (i < m)
-      dispatch_rows<Tail<NP>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i, col,
-                                   scale ? scale + i : nullptr, stream);
+      micro<kMR, NP, kNone>(a + i * k_size, panel, k_size, c_rows + i, col,
+                            scale ? scale + i : nullptr, stream);
+    if (i < m) {
+      if (i == 0)
+        dispatch_rows<Tail<NP, P>, kMR>(m, a, panel, k_size, c_rows, col, scale, stream);
+      else
+        dispatch_rows<Tail<NP, kNone>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i,
+                                            col, scale ? scale + i : nullptr, stream);
+    }
   }
   // stream: non-temporal stores of scaled rows (the fused MoE's y_slots of a large call);
-  // the dense packed_linear.cpp passes no scale and keeps the default.
+  // pf: the weight prefetch (the fused MoE passes moe_prefetch()). The dense
+  // packed_linear.cpp passes no scale and keeps the defaults.
   BATCHGEN_BF16_TARGET static void gemm(const uint16_t* a, int64_t m, int64_t k_size,
                                         const uint16_t* packed, int64_t n, float* const* c_rows,
-                                        const float* scale, bool stream = false) {
+                                        const float* scale, bool stream = false,
+                                        WeightPrefetch pf = WeightPrefetch::kNone) {
+    if (pf == WeightPrefetch::kL2Far)
+      gemm_with<WeightPrefetch::kL2Far>(a, m, k_size, packed, n, c_rows, scale, stream);
+    else if (pf == WeightPrefetch::kL1Near)
+      gemm_with<WeightPrefetch::kL1Near>(a, m, k_size, packed, n, c_rows, scale, stream);
+    else
+      gemm_with<WeightPrefetch::kNone>(a, m, k_size, packed, n, c_rows, scale, stream);
+  }
+  template <WeightPrefetch P>
+  BATCHGEN_BF16_TARGET static void gemm_with(const uint16_t* a, int64_t m, int64_t k_size,
+                                             const uint16_t* packed, int64_t n,
+                                             float* const* c_rows, const float* scale,
+                                             bool stream) {
     stream = stream && scale != nullptr;
     const int64_t num_panels = n / kPanel;
     int64_t p = 0;
     for (; p + 2 <= num_panels; p += 2)
-      panels<2>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
+      panels<2, P>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale,
+                   stream);
     if (p < num_panels)
-      panels<1>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
+      panels<1, P>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale,
+                   stream);
     if (stream) _mm_sfence();
   }
 };

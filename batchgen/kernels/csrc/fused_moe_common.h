@@ -56,6 +56,44 @@ constexpr int64_t kPanel = 16;  // output columns per packed panel
 // stores (measured faster at 128 and 256 tokens, slower at 512: fused_moe_amx.h).
 constexpr int64_t kStreamMinBytes = int64_t{4} << 20;
 
+// Software prefetch of the weight panels a micro-kernel streams, for the first row block of a
+// panel (later row blocks find it in the caches): at decode (a few rows per expert) every
+// panel is read once per step from memory by a micro-kernel whose FMAs leave the loads
+// waiting, and the hardware streamer stops at every 4 KiB page. Per CPU vendor, chosen at run
+// time (`cpu_weight_prefetch`; never per row count, so a row's bits do not depend on it):
+//   kL1Near: 2 KiB ahead into L1 (_MM_HINT_T0), the choice measured on an Intel AMX machine
+//            (Avx512F32::gemm's note); Intel keeps it.
+//   kL2Far:  4 KiB ahead into L2 (_MM_HINT_T1) on AMD. Zen 4 (2 cores, L2 1 MiB), bench layer,
+//            one thread, process CPU time, against the Intel choice: float32 0.78-0.84 of
+//            the time at 16 and 70 tokens, 0.92 at 160, 0.98 at 512 (T0 into L1 at 1, 2 or
+//            4 KiB: 0.83-1.01; none: 0.79-1.06; T1 at 3/6/8 KiB: close, 4 KiB best); the
+//            vdpbf16ps kernel (no prefetch before) 0.88, 0.80 and 0.90 at 16, 70, 160 (T0 at
+//            2 KiB: 1.12, 1.05, 0.95). The numbers and commands: docs/performance.md.
+//   kNone:   no software prefetch.
+enum class WeightPrefetch { kNone, kL1Near, kL2Far };
+
+// kL2Far on AMD CPUs, else `other` (the kernel's choice elsewhere).
+inline WeightPrefetch cpu_weight_prefetch(WeightPrefetch other) {
+#if defined(__x86_64__)
+  static const bool amd = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  return amd ? WeightPrefetch::kL2Far : other;
+#else
+  return other;
+#endif
+}
+
+// Prefetches the weight line `ahead` of the one at `line`, as P says (kNone: nothing).
+template <WeightPrefetch P>
+inline void prefetch_weights(const void* line) {
+#if defined(__x86_64__)
+  const char* p = static_cast<const char*>(line);
+  if constexpr (P == WeightPrefetch::kL1Near) _mm_prefetch(p + 2048, _MM_HINT_T0);
+  if constexpr (P == WeightPrefetch::kL2Far) _mm_prefetch(p + 4096, _MM_HINT_T1);
+#else
+  (void)line;
+#endif
+}
+
 // A std::vector allocator aligned to cache lines. The bf16 kernels' scratch (the gathered
 // rows, the activation) is read by AMX tile loads, 64 bytes per row: from a buffer malloc
 // aligned to 16 bytes (a 128 KiB vector is mmap'ed at a page + 16) every row of every tile

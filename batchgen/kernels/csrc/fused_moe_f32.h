@@ -10,6 +10,7 @@ namespace {
 // ---- AVX2 / FMA, float32: 6 rows x 16 columns -------------------------------------------
 struct Avx2F32 : MicroPanelLayout<6, 1> {
   using In = float;
+  static WeightPrefetch moe_prefetch() { return WeightPrefetch::kNone; }
 
   // c_rows[r][col : col + 16] = scale[r] * (A[r, :K] . panel) for r < MR; A is one packed
   // micro-panel ([K][6], rows past MR unused).
@@ -48,7 +49,8 @@ struct Avx2F32 : MicroPanelLayout<6, 1> {
   // C = A [m, K] @ W^T, A in micro-panels, W packed [N / 16][K][16]; row r of C at c_rows[r],
   // scaled by scale[r] when scale is not null.
   static void gemm(const float* a, int64_t m, int64_t k_size, const float* packed, int64_t n,
-                   float* const* c_rows, const float* scale, bool /*stream: bf16 kernels only*/) {
+                   float* const* c_rows, const float* scale, bool /*stream: bf16 kernels only*/,
+                   WeightPrefetch /*none here*/ = WeightPrefetch::kNone) {
     for (int64_t p = 0; p < n / kPanel; ++p) {
       const float* panel = packed + p * k_size * kPanel;
       const int64_t col = p * kPanel;
@@ -70,18 +72,16 @@ struct Avx2F32 : MicroPanelLayout<6, 1> {
 struct Avx512F32 : MicroPanelLayout<12, 1> {
   using In = float;
 
-  // Software prefetch distance along each weight panel (bytes), for the first row block of a
-  // panel pair only (later row blocks find the pair in L2). At decode a panel pair is read
-  // once per step, from DRAM, by a micro-kernel of a few rows whose FMAs leave the loads
-  // waiting; the hardware streamer stops at every 4 KiB page.
-  // Measured (bench layer, one thread, loaded machine) at 70 tokens: 1, 2 and 4 KiB ran
-  // 0.89, 0.85 and 0.85 of the time without prefetch.
-  static constexpr int64_t kPrefetchBytes = 2048;
+  // Software prefetch along each weight panel for the first row block of a panel pair
+  // (WeightPrefetch, fused_moe_common.h). On the Intel AMX machine (bench layer, one thread,
+  // loaded machine) at 70 tokens, T0 at 1, 2 and 4 KiB ahead ran 0.89, 0.85 and 0.85 of the
+  // time without prefetch: kL1Near there; kL2Far on AMD.
+  static WeightPrefetch moe_prefetch() { return cpu_weight_prefetch(WeightPrefetch::kL1Near); }
 
   // c_rows[r][col : col + 16 NP] = scale[r] * (A[r, :K] . panels) for r < MR. With `stream`
   // (a scaled down GEMM into y_slots rows of a large call) the rows are written with
   // non-temporal stores where 64-byte aligned (AmxBf16::StoreRows says why); gemm fences them.
-  template <int MR, int NP, bool kPrefetch>
+  template <int MR, int NP, WeightPrefetch kPrefetch>
   static void micro(const float* a, const float* panel, int64_t k_size, float* const* c_rows,
                     int64_t col, const float* scale, bool stream) {
     __m512 c[NP][MR];
@@ -89,13 +89,8 @@ struct Avx512F32 : MicroPanelLayout<12, 1> {
       for (int r = 0; r < MR; ++r) c[q][r] = _mm512_setzero_ps();
     const float* p1 = panel + k_size * kPanel;  // the next panel (NP = 2)
     for (int64_t k = 0; k < k_size; ++k) {
-      if constexpr (kPrefetch && kPrefetchBytes > 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes,
-                     _MM_HINT_T0);
-        if constexpr (NP == 2)
-          _mm_prefetch(reinterpret_cast<const char*>(p1 + k * kPanel) + kPrefetchBytes,
-                       _MM_HINT_T0);
-      }
+      prefetch_weights<kPrefetch>(panel + k * kPanel);
+      if constexpr (NP == 2) prefetch_weights<kPrefetch>(p1 + k * kPanel);
       __m512 b[NP];
       b[0] = _mm512_loadu_ps(panel + k * kPanel);
       if constexpr (NP == 2) b[1] = _mm512_loadu_ps(p1 + k * kPanel);
@@ -115,7 +110,7 @@ struct Avx512F32 : MicroPanelLayout<12, 1> {
       }
     }
   }
-  template <int NP, bool kPrefetch>
+  template <int NP, WeightPrefetch kPrefetch>
   struct Tail {
     template <int R>
     static void run(const float* a, const float* panel, int64_t k, float* const* c, int64_t col,
@@ -123,35 +118,52 @@ struct Avx512F32 : MicroPanelLayout<12, 1> {
       micro<R, NP, kPrefetch>(a, panel, k, c, col, s, stream);
     }
   };
-  template <int NP>
+  template <int NP, WeightPrefetch P>
   static void panels(const float* a, int64_t m, int64_t k_size, const float* panel,
                      float* const* c_rows, int64_t col, const float* scale, bool stream) {
+    constexpr WeightPrefetch kNone = WeightPrefetch::kNone;
     int64_t i = 0;
     if (m >= kMR) {  // the first row block prefetches the panels' next lines
-      micro<kMR, NP, true>(a, panel, k_size, c_rows, col, scale, stream);
+      micro<kMR, NP, P>(a, panel, k_size, c_rows, col, scale, stream);
       i = kMR;
     }
     for (; i + kMR <= m; i += kMR)
-      micro<kMR, NP, false>(a + i * k_size, panel, k_size, c_rows + i, col,
+      micro<kMR, NP, kNone>(a + i * k_size, panel, k_size, c_rows + i, col,
                             scale ? scale + i : nullptr, stream);
     if (i < m) {
       if (i == 0)
-        dispatch_rows<Tail<NP, true>, kMR>(m, a, panel, k_size, c_rows, col, scale, stream);
+        dispatch_rows<Tail<NP, P>, kMR>(m, a, panel, k_size, c_rows, col, scale, stream);
       else
-        dispatch_rows<Tail<NP, false>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i,
+        dispatch_rows<Tail<NP, kNone>, kMR>(m - i, a + i * k_size, panel, k_size, c_rows + i,
                                             col, scale ? scale + i : nullptr, stream);
     }
   }
-  // stream: non-temporal stores of scaled rows (the driver's choice for a large call).
+  // stream: non-temporal stores of scaled rows (the driver's choice for a large call);
+  // pf: the weight prefetch (the driver passes moe_prefetch()).
   static void gemm(const float* a, int64_t m, int64_t k_size, const float* packed, int64_t n,
-                   float* const* c_rows, const float* scale, bool stream) {
+                   float* const* c_rows, const float* scale, bool stream,
+                   WeightPrefetch pf = WeightPrefetch::kL1Near) {
+    switch (pf) {
+      case WeightPrefetch::kNone:
+        return gemm_with<WeightPrefetch::kNone>(a, m, k_size, packed, n, c_rows, scale, stream);
+      case WeightPrefetch::kL1Near:
+        return gemm_with<WeightPrefetch::kL1Near>(a, m, k_size, packed, n, c_rows, scale, stream);
+      case WeightPrefetch::kL2Far:
+        return gemm_with<WeightPrefetch::kL2Far>(a, m, k_size, packed, n, c_rows, scale, stream);
+    }
+  }
+  template <WeightPrefetch P>
+  static void gemm_with(const float* a, int64_t m, int64_t k_size, const float* packed,
+                        int64_t n, float* const* c_rows, const float* scale, bool stream) {
     stream = stream && scale != nullptr;
     const int64_t num_panels = n / kPanel;
     int64_t p = 0;
     for (; p + 2 <= num_panels; p += 2)
-      panels<2>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
+      panels<2, P>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale,
+                   stream);
     if (p < num_panels)
-      panels<1>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale, stream);
+      panels<1, P>(a, m, k_size, packed + p * k_size * kPanel, c_rows, p * kPanel, scale,
+                   stream);
     if (stream) _mm_sfence();
   }
 };
