@@ -21,6 +21,7 @@ from batchgen.models.layers.attention_backend import decode_attention_backend, m
 from batchgen.models.layers.expert_path import expert_path
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.layers.moe_sort import sort_by_expert
+from gemm_probe import REASON, fp32_gemm_bits_vary
 from sync_guard import HostSync, no_host_sync_from_batchgen
 
 pytestmark = pytest.mark.timeout(300)
@@ -168,7 +169,16 @@ def _decode_step(engine: LLMEngine, prompts: list[list[int]]):
     return sched
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        # GQA's claim is bit for bit, which rests on the float32 GEMM's row-count invariance
+        pytest.param(
+            "mixtral", marks=pytest.mark.xfail(fp32_gemm_bits_vary(), reason=REASON, strict=False)
+        ),
+        "deepseek_v3",
+    ],
+)
 def test_padded_step_is_bit_identical_and_the_dummy_block_absorbs_padding(
     checkpoint_dir, monkeypatch, name
 ):

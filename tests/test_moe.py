@@ -8,6 +8,7 @@ import torch
 
 from batchgen.engine.metrics import ExpertGemmStats
 from batchgen.models.layers.moe import fused_experts_per_expert, fused_experts_reference
+from gemm_probe import REASON, fp32_gemm_bits_vary
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
@@ -31,6 +32,7 @@ def test_per_expert_path_matches_the_reference(num_tokens, dtype):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.xfail(fp32_gemm_bits_vary(), reason=REASON, strict=False)
 def test_core_parallel_experts_match_one_thread(workers):
     torch.manual_seed(5)
     e, h, i, a, t = 16, 32, 24, 4, 9
