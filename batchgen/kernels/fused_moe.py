@@ -133,8 +133,10 @@ def kernel_isa(dtype: torch.dtype) -> str | None:
     ``"avx512f"`` or ``"avx2"`` (float32, chosen when the library is compiled for this CPU);
     for bfloat16, chosen at run time, ``"amx_bf16"`` (the CPU has amx_bf16, the OS grants the
     tile state, `amx_enabled`; layers whose H or I is not a multiple of 32 still take
-    vdpbf16ps) or ``"avx512_bf16"`` (vdpbf16ps); or None (the torch path serves ``dtype``)."""
-    lib = _library()
+    vdpbf16ps) or ``"avx512_bf16"`` (vdpbf16ps); or None (the torch path serves ``dtype``:
+    also where ``BATCHGEN_CPU_KERNELS`` leaves ``fused_moe`` out, read on every call, since
+    the library stays loaded once a call has loaded it)."""
+    lib = _library() if kernels_enabled("fused_moe") else None
     if lib is None:
         return None
     if dtype == torch.float32:
