@@ -35,7 +35,10 @@ _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
 # The dtypes ``auto`` runs it for: float32 stays on SDPA (the vectorised float32 loops measured
 # 0.4-0.6x torch's float32 SDPA at the bench shapes, benchmarks/prefill_attention.py).
 AUTO_DTYPES = (torch.bfloat16,)
-ISAS = {"auto": 0, "generic": 1}  # bf16 paths (``isa``): auto = AMX where usable
+# Paths (``isa``): auto = AMX (bf16) where usable, else AVX-512 (float32: AVX-512F; bf16:
+# AVX512-BF16), else the generic loops; the others force one (refused where the CPU lacks it).
+ISAS = {"auto": 0, "generic": 1, "avx512": 2, "amx": 3}
+_PATHS = ("generic", "avx512", "amx")  # batchgen_prefill_attention_isa's answers
 PREFILL_ATTENTION_ENV = "BATCHGEN_PREFILL_ATTENTION"
 MODES = ("auto", "kernel", "sdpa")
 
@@ -54,13 +57,13 @@ def _library():
         if lib is None:
             return None
         common = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _i64, _i64]
-        lib.batchgen_prefill_attention_f32.argtypes = [*common, _i64]  # q's row stride
-        lib.batchgen_prefill_attention_bf16.argtypes = [*common, _i64, _i64]  # isa, q's
-        lib.batchgen_prefill_attention_bf16_isa.argtypes = [_i64]
+        for fn in (lib.batchgen_prefill_attention_f32, lib.batchgen_prefill_attention_bf16):
+            fn.argtypes = [*common, _i64, _i64]  # isa, q's row stride
+        lib.batchgen_prefill_attention_isa.argtypes = [_i64, _i64]
         for fn in (
             lib.batchgen_prefill_attention_f32,
             lib.batchgen_prefill_attention_bf16,
-            lib.batchgen_prefill_attention_bf16_isa,
+            lib.batchgen_prefill_attention_isa,
         ):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -77,15 +80,15 @@ def prefill_attention_mode() -> str:
 
 
 def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
-    """The path the kernel runs for ``dtype`` and ``head_size`` on this CPU: ``"amx"`` (bf16,
-    head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16 usable), ``"generic"``
-    (vectorised loops), or None when the kernel is unavailable or does not serve ``dtype``."""
+    """The path the kernel runs under ``isa="auto"`` for ``dtype`` and ``head_size`` on this
+    CPU: ``"amx"`` (bf16, head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16
+    usable), else ``"avx512"`` (float32: head size a multiple of 16 and AVX-512F/BW/DQ; bf16: a
+    multiple of 32 and avx512_bf16 too), else ``"generic"`` (loops the compiler vectorises), or
+    None when the kernel is unavailable or does not serve ``dtype``."""
     lib = _library()
     if lib is None or dtype not in _DTYPES:
         return None
-    if dtype == torch.bfloat16 and lib.batchgen_prefill_attention_bf16_isa(head_size):
-        return "amx"
-    return "generic"
+    return _PATHS[lib.batchgen_prefill_attention_isa(int(dtype == torch.bfloat16), head_size)]
 
 
 def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -225,11 +228,13 @@ def paged_prefill_attention(
         scale: softmax scale; sliding_window: HF's rule (key j visible to the query at
             position i iff ``j <= i`` and ``i - j < window``) or None.
         out: ``[T, Hq, D]``, q's dtype, contiguous.
-        isa: bf16 only: ``"auto"`` (AMX where `prefill_kernel_isa` says so) or ``"generic"``.
+        isa: ``"auto"`` (the path `prefill_kernel_isa` names), or one of `ISAS` to force a
+            path (``"amx"`` bf16 only).
     Numerics: scores, softmax and sums in float32; bf16 rounds the unnormalised softmax weights
     and the output to bf16 (round to nearest even), as torch's CPU SDPA does in bf16.
     Raises:
-        RuntimeError: the kernel is unavailable or rejects the head counts.
+        RuntimeError: the kernel is unavailable, rejects the head counts, or a forced ``isa``
+            is not usable on this CPU for the dtype and head size.
         ValueError: naming the argument, for a wrong dtype, device, shape or layout, or a plan
             built for another cache size.
     """
@@ -240,13 +245,13 @@ def paged_prefill_attention(
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if q.dtype == torch.bfloat16:
-        fn, extra = lib.batchgen_prefill_attention_bf16, (ISAS[isa],)
+        fn = lib.batchgen_prefill_attention_bf16
     else:
-        fn, extra = lib.batchgen_prefill_attention_f32, ()
+        fn = lib.batchgen_prefill_attention_f32
     key = (q.dtype, d, hq // max(1, hkv), isa)
     if key not in _logged:
         _logged.add(key)
-        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else "forced generic"
+        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else f"forced {isa}"
         logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
     if not rows_strided_ok(q):
         q = q.contiguous()
@@ -266,8 +271,13 @@ def paged_prefill_attention(
             scale,
             sliding_window or 0,
             torch.get_num_threads(),
-            *extra,
+            ISAS[isa],
             q_stride,
+        )
+    if rc == 4:
+        raise RuntimeError(
+            f"prefill attention: isa {isa!r} is not usable on this CPU for {q.dtype}, head "
+            f"size {d} (prefill_kernel_isa gives {prefill_kernel_isa(q.dtype, d)!r})"
         )
     if rc == 3:
         raise ValueError("prefill attention: a span's kv_len is above 2^31 - 1 positions")
@@ -302,5 +312,5 @@ def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
         or sliding_window < 1
     ):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
-        raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
+    if isa not in ISAS or (isa == "amx" and q.dtype != torch.bfloat16):
+        raise ValueError(f"isa must be one of {sorted(ISAS)} ('amx' bf16 only), got {isa!r}")
