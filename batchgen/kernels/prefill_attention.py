@@ -6,35 +6,33 @@ The torch prefill path runs one SDPA call per prefill chunk; a chunk after a seq
 order, Dao 2023 Sec. 3.1): per block of 16 query tokens (32 on the AMX path) and the query
 heads that share one KV head, it walks the visible keys in blocks of 32 straight from their
 cache slots with an online softmax (causal, grouped-query, sliding window; no copy of the
-context, no mask tensor). bf16 runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32
-accumulation and softmax) where the CPU has it; float32, and bf16 elsewhere, runs loops the
-compiler vectorises (AVX-512 FMA with ``-march=native`` on these machines). See the source's
-header for the layouts and numerics.
+context, no mask tensor). Paths (`prefill_kernel_isa`): bf16 on AMX-BF16 (``tdpbf16ps`` for
+Q K^T and P V, float32 accumulation and softmax) where the CPU has it; else AVX-512 (float32
+FMAs; bf16 ``vdpbf16ps`` where the CPU has avx512_bf16: AMD Zen 4, Intel Cooper Lake); else
+loops the compiler vectorises. See the sources' headers for the layouts and numerics.
 
-``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel in
-bfloat16 where its AMX path serves the head size, else SDPA), ``kernel`` (the kernel for every
-dtype it serves, float32 and the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
+``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel where
+`auto_runs_kernel` says it measured faster than SDPA, else SDPA), ``kernel`` (the kernel for
+every dtype it serves, the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
 oracle).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.cpu_build import cpu_flags, kernels_enabled, load_library
 from batchgen.kernels.paged_attention import rows_strided_ok
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
-# The dtypes ``auto`` runs it for: float32 stays on SDPA (the vectorised float32 loops measured
-# 0.4-0.6x torch's float32 SDPA at the bench shapes, benchmarks/prefill_attention.py).
-AUTO_DTYPES = (torch.bfloat16,)
 # Paths (``isa``): auto = AMX (bf16) where usable, else AVX-512 (float32: AVX-512F; bf16:
 # AVX512-BF16), else the generic loops; the others force one (refused where the CPU lacks it).
 ISAS = {"auto": 0, "generic": 1, "avx512": 2, "amx": 3}
@@ -93,9 +91,8 @@ def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
 
 def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `paged_attention`'s prefill chunks run this kernel: on CPU, per
-    `prefill_attention_mode` (``auto``: dtypes in `AUTO_DTYPES` where the AMX path serves the
-    head size, `prefill_kernel_isa`; ``kernel``: every dtype the kernel serves, any path;
-    ``sdpa``: never) and the library built.
+    `prefill_attention_mode` (``auto``: where `auto_runs_kernel` says so; ``kernel``: every
+    dtype the kernel serves, any path; ``sdpa``: never) and the library built.
 
     Raises:
         ValueError: a bad ``BATCHGEN_PREFILL_ATTENTION``.
@@ -111,9 +108,30 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int)
                 "available (BATCHGEN_CPU_KERNELS, or no C++ compiler: see the log)"
             )
         return False
-    if mode == "auto":  # the generic loops measured slower than SDPA: AMX only
-        return dtype in AUTO_DTYPES and prefill_kernel_isa(dtype, head_size) == "amx"
+    if mode == "auto":
+        return auto_runs_kernel(dtype, head_size)
     return True
+
+
+def auto_runs_kernel(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether ``BATCHGEN_PREFILL_ATTENTION=auto`` runs the kernel for ``dtype`` and
+    ``head_size`` on this CPU: where its path measured faster than torch's SDPA
+    (benchmarks/prefill_attention.py, bench shapes, one thread; docs/performance.md):
+
+    - ``amx`` (bf16): 1.2-2.2x SDPA on Intel AMX machines;
+    - ``avx512`` on a CPU without AMX: 1.9-2.9x SDPA in bf16, 1.5-2.3x in float32 (AMD Zen 4).
+      On an AMX CPU float32 stays on SDPA until measured there (bf16 runs AMX there);
+    - ``generic``: never (0.4-0.9x SDPA on both kinds of machine).
+    """
+    path = prefill_kernel_isa(dtype, head_size)
+    if path == "amx":
+        return True
+    return path == "avx512" and (dtype == torch.bfloat16 or not _cpu_has_amx())
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return "amx_bf16" in cpu_flags().split()
 
 
 @dataclass(frozen=True)
