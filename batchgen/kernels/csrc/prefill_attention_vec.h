@@ -59,7 +59,8 @@ inline void pack_q_vec(const Args<T>& a, const Task& t, Scratch& s) {
     for (int64_t h = 0; h < g; ++h)
       for (int64_t q = 0; q < t.nq; ++q) {
         const bf16_t* qr = a.q + (tok0 + q) * a.q_stride + (t.kv * g + h) * d;
-        for (int64_t i = 0; i < d / 2; ++i) std::memcpy(&qv[(h * d / 2 + i) * kTQ + q], qr + 2 * i, 4);
+        for (int64_t i = 0; i < d / 2; ++i)
+          std::memcpy(&qv[(h * d / 2 + i) * kTQ + q], qr + 2 * i, 4);
       }
   }
 }
@@ -202,10 +203,11 @@ inline void pv_head(float* o, int64_t d, int64_t nq, Src src, int64_t n, const v
     const int64_t nc = std::min<int64_t>(4, (d - c) / 16);
     for (int64_t q0 = 0; q0 < nq; q0 += 4) {
       auto pass = [&](auto nq_c, auto nc_c) {
+        constexpr int kQ = decltype(nq_c)::value, kC = decltype(nc_c)::value;
         if constexpr (std::is_same_v<T, float>)
-          pv_f32<decltype(nq_c)::value, decltype(nc_c)::value>(o, d, q0, c, src, n, static_cast<const float*>(p));
+          pv_f32<kQ, kC>(o, d, q0, c, src, n, static_cast<const float*>(p));
         else
-          pv_bf16<decltype(nq_c)::value, decltype(nc_c)::value>(o, d, q0, c, src, n, static_cast<const bf16_t*>(p));
+          pv_bf16<kQ, kC>(o, d, q0, c, src, n, static_cast<const bf16_t*>(p));
       };
       auto by_nc = [&](auto nq_c) {
         switch (nc) {
@@ -233,7 +235,8 @@ BATCHGEN_ATTN_BF16_TARGET inline void pairs_bf16(const float* pt, int64_t live, 
                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i pairs = _mm512_load_si512(kPairs);
   for (int64_t kp = 0; kp < live / 2; ++kp) {
-    const __m512 p0 = _mm512_load_ps(pt + 2 * kp * kTQ), p1 = _mm512_load_ps(pt + (2 * kp + 1) * kTQ);
+    const __m512 p0 = _mm512_load_ps(pt + 2 * kp * kTQ);
+    const __m512 p1 = _mm512_load_ps(pt + (2 * kp + 1) * kTQ);
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 x 16, p1 x 16]
     _mm512_store_si512(pv + kp * 32, _mm512_permutexvar_epi16(pairs, both));
   }
