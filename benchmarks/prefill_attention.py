@@ -4,17 +4,17 @@
 ``index_select``s its cached context and masks it), alternating in one process.
 
     .venv/bin/python benchmarks/prefill_attention.py [--chunks 512,2048] [--contexts 0,1024]
-        [--dtypes bfloat16,float32] [--rounds 7] [--threads 1] [--spans N]
+        [--dtypes bfloat16,float32] [--rounds 7] [--threads 1] [--spans N] [--head-size 64]
 
 Each case is one prefill span of ``chunk`` new tokens after ``context`` cached ones, bench-model
-shapes (8 query heads, 2 KV heads of 64, blocks of 16 shuffled over the cache), through
-`paged_attention` (cache write included). The metadata is built once per case and reused by
-every round, as the layers of one step share it (the SDPA path's mask and the kernel's plan are
-built in the first round, outside the timing). ``--spans N`` adds a step of N first chunks
-of 32-1,024 tokens (log-uniform, seeded: the rollouts workload's prompts) in one call. Times
-are process CPU time (``time.process_time``: with ``--threads 1`` immune to other processes
-taking the core; with more threads it counts OpenMP's spinning too); prints
-the median and fastest of the rounds, the speed-up of the kernel, and the largest difference.
+shapes (8 query heads, 2 KV heads of 64 or ``--head-size``, blocks of 16 shuffled over the
+cache), through `paged_attention` (cache write included). The metadata is built once per case
+and reused by every round, as the layers of one step share it (the SDPA path's mask and the
+kernel's plan are built in the first round, outside the timing). ``--spans N`` adds a step of N
+first chunks of 32-1,024 tokens (log-uniform, seeded: the rollouts workload's prompts) in one
+call. Times are process CPU time (``time.process_time``: with ``--threads 1`` immune to other
+processes taking the core; with more threads it counts OpenMP's spinning too); prints the median
+and fastest of the rounds, the speed-up of the kernel, and the largest difference.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ from batchgen.models.layers.attention import AttentionMetadata, PrefillSpan, pag
 HQ, HKV, D, BLOCK = 8, 2, 64, 16
 
 
-def _case(chunks: list[int], context: int, dtype: torch.dtype, seed: int = 0):
+def _case(chunks: list[int], context: int, dtype: torch.dtype, seed: int = 0, d: int = D):
     """One step: a span per entry of ``chunks``, each after ``context`` cached tokens."""
     g = torch.Generator().manual_seed(seed)
     per_seq = [-(-(n + context) // BLOCK) for n in chunks]
     nblocks = sum(per_seq) + 8
     table = torch.randperm(nblocks, generator=g)
-    kc = torch.randn(nblocks * BLOCK, HKV, D, generator=g).to(dtype)
-    vc = torch.randn(nblocks * BLOCK, HKV, D, generator=g).to(dtype)
+    kc = torch.randn(nblocks * BLOCK, HKV, d, generator=g).to(dtype)
+    vc = torch.randn(nblocks * BLOCK, HKV, d, generator=g).to(dtype)
     total = sum(chunks)
-    q = torch.randn(total, HQ, D, generator=g).to(dtype)
-    k = torch.randn(total, HKV, D, generator=g).to(dtype)
-    v = torch.randn(total, HKV, D, generator=g).to(dtype)
+    q = torch.randn(total, HQ, d, generator=g).to(dtype)
+    k = torch.randn(total, HKV, d, generator=g).to(dtype)
+    v = torch.randn(total, HKV, d, generator=g).to(dtype)
     spans, positions, slot_mapping, start, used = [], [], [], 0, 0
     for n, nb in zip(chunks, per_seq):
         pos = torch.arange(n + context)
@@ -71,9 +71,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--spans", type=int, default=0)
+    ap.add_argument("--head-size", type=int, default=D)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, process CPU time, median (min) ms over {args.rounds} rounds")
+    print(
+        f"threads {args.threads}, head size {args.head_size}, process CPU time, median (min) ms "
+        f"over {args.rounds} rounds"
+    )
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         contexts = [int(c) for c in args.contexts.split(",")]
@@ -84,14 +88,14 @@ def main() -> None:
             cases.append(([int(math.exp(x)) for x in logs], 0))
         for chunks, context in cases:
             chunk = sum(chunks)
-            q, k, v, cache, meta = _case(chunks, context, dtype)
+            q, k, v, cache, meta = _case(chunks, context, dtype, d=args.head_size)
             times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
             outs = {}
             for r in range(args.rounds + 1):
                 for mode in ("sdpa", "kernel") if r % 2 else ("kernel", "sdpa"):
                     os.environ["BATCHGEN_PREFILL_ATTENTION"] = mode
                     t0 = time.process_time()
-                    outs[mode] = paged_attention(q, k, v, cache, meta, D**-0.5)
+                    outs[mode] = paged_attention(q, k, v, cache, meta, args.head_size**-0.5)
                     if r:  # round 0 builds the mask / plan and warms up
                         times[mode].append(time.process_time() - t0)
             diff = (outs["kernel"].double() - outs["sdpa"].double()).abs().max().item()

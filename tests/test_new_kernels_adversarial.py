@@ -38,16 +38,23 @@ from batchgen.kernels.rotary_embedding import rotary_embedding_, rotary_embeddin
 from batchgen.models.layers.attention import PrefillSpan
 from batchgen.models.make_model import make_model
 from tests.conftest import TINY
-from tests.test_prefill_attention import U_BF16, make_case, reference, run_kernel
+from tests.test_prefill_attention import (
+    U_BF16,
+    make_case,
+    reference,
+    run_kernel,
+    skip_unless_usable,
+)
 
 pytestmark = pytest.mark.skipif(
     not shutil.which(cpu_build.cxx_command()[0]), reason="no C++ compiler to build the kernels"
 )
 
 
-@pytest.mark.parametrize("isa", ["auto", "generic"])
+@pytest.mark.parametrize("isa", ["auto", "generic", "avx512", "amx"])
 @pytest.mark.parametrize("window", [2**31, 10**12, 2**31 - 1, 1])
 def test_prefill_huge_or_unit_sliding_window_is_exact(window, isa):
+    skip_unless_usable(isa, torch.bfloat16, 64)
     # a window at least as long as every context is no window at all
     q, kc, vc, spans = make_case([(33, 64), (1, 0), (17, 5)], 4, 2, 64, torch.bfloat16, seed=3)
     scale = 64**-0.5

@@ -1,7 +1,8 @@
 """The CPU prefill attention kernel (`batchgen.kernels.prefill_attention`) against SDPA and a
 float64 reference on random paged caches: spans of 1-513 tokens, cached context 0 and several
 blocks deep through a shuffled block table, GQA groups 1/4/8, head sizes 64 and 128, a sliding
-window, several spans per call, float32 and bf16 (the AMX path and the generic loops).
+window, several spans per call, float32 and bf16, every path forced in turn (AMX, AVX-512, the
+generic loops; a path this CPU lacks is skipped, naming it).
 
 Tolerances. float32: the kernel's scores, softmax and sums are float32 in another order than
 SDPA's (blocks of 32 keys, an online softmax; a vector exp of 1.7e-7 relative error), checked
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels import cpu_build
 from batchgen.kernels.prefill_attention import (
+    auto_runs_kernel,
     build_prefill_plan,
     paged_prefill_attention,
     prefill_attention_mode,
@@ -81,6 +83,24 @@ def reference(q, k_cache, v_cache, spans, scale, window, dtype=torch.float64):
     return out, abs_out
 
 
+def isa_usable(isa: str, dtype: torch.dtype, d: int) -> bool:
+    """Whether this CPU runs the forced path ``isa`` for ``dtype`` and head size ``d`` (the
+    kernel refuses it otherwise), from /proc/cpuinfo's flags."""
+    flags = set(cpu_build.cpu_flags().split())
+    avx512 = {"avx512f", "avx512bw", "avx512dq"} <= flags
+    bf16 = dtype == torch.bfloat16
+    if isa == "avx512":
+        return avx512 and (d % 32 == 0 and "avx512_bf16" in flags if bf16 else d % 16 == 0)
+    if isa == "amx":
+        return bf16 and {"amx_bf16", "avx512_bf16"} <= flags and d % 32 == 0 and d <= 512
+    return True
+
+
+def skip_unless_usable(isa: str, dtype: torch.dtype, d: int) -> None:
+    if not isa_usable(isa, dtype, d):
+        pytest.skip(f"this CPU lacks the instructions of the {isa} path ({dtype}, head size {d})")
+
+
 def run_kernel(q, k_cache, v_cache, spans, scale, window, isa="auto"):
     out = torch.full_like(q, float("nan"))
     plan = build_prefill_plan(spans, q.shape[0], k_cache.shape[0])
@@ -99,20 +119,23 @@ CASES = [  # (spans as (num_tokens, context), Hq, Hkv, D, sliding window)
 ]
 
 
+@pytest.mark.parametrize("isa", ["auto", "generic", "avx512"])
 @pytest.mark.parametrize("specs, hq, hkv, d, window", CASES)
-def test_float32_matches_sdpa(specs, hq, hkv, d, window):
+def test_float32_matches_sdpa(specs, hq, hkv, d, window, isa):
+    skip_unless_usable(isa, torch.float32, d)
     q, kc, vc, spans = make_case(specs, hq, hkv, d, torch.float32, seed=len(specs) + d)
     scale = d**-0.5
-    ours = run_kernel(q, kc, vc, spans, scale, window)
+    ours = run_kernel(q, kc, vc, spans, scale, window, isa=isa)
     sdpa, _ = reference(q, kc, vc, spans, scale, window, torch.float32)
     exact, _ = reference(q, kc, vc, spans, scale, window)
     torch.testing.assert_close(ours, sdpa, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(ours.double(), exact, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("isa", ["auto", "generic"])
+@pytest.mark.parametrize("isa", ["auto", "generic", "avx512", "amx"])
 @pytest.mark.parametrize("specs, hq, hkv, d, window", CASES)
 def test_bf16_within_its_rounding_of_float64(specs, hq, hkv, d, window, isa):
+    skip_unless_usable(isa, torch.bfloat16, d)
     q, kc, vc, spans = make_case(specs, hq, hkv, d, torch.bfloat16, seed=7 * len(specs) + d)
     scale = d**-0.5
     ours = run_kernel(q, kc, vc, spans, scale, window, isa=isa).double()
@@ -126,12 +149,29 @@ def test_bf16_within_its_rounding_of_float64(specs, hq, hkv, d, window, isa):
     assert ((ours - sdpa.double()).abs() <= 2 * bound).all()
 
 
-def test_the_amx_path_is_chosen_where_the_cpu_has_it():
-    flags = cpu_build.cpu_flags()
-    want = "amx" if "amx_bf16" in flags and "avx512_bf16" in flags else "generic"
-    assert prefill_kernel_isa(torch.bfloat16, 64) == want
-    assert prefill_kernel_isa(torch.bfloat16, 48) == "generic"
-    assert prefill_kernel_isa(torch.float32, 64) == "generic"
+def test_the_fastest_path_is_chosen_for_the_cpu():
+    flags = set(cpu_build.cpu_flags().split())
+    amx = {"amx_bf16", "avx512_bf16"} <= flags
+    for dtype, d in ((torch.bfloat16, 64), (torch.bfloat16, 48), (torch.float32, 64),
+                     (torch.float32, 48), (torch.float32, 7)):
+        want = next(p for p in ("amx", "avx512", "generic") if isa_usable(p, dtype, d))
+        assert prefill_kernel_isa(dtype, d) == want, (dtype, d)
+        # auto runs the kernel where its path beat SDPA: AMX, or AVX-512 (float32 on a CPU
+        # without AMX); never the generic loops
+        expect = want == "amx" or (want == "avx512" and (dtype == torch.bfloat16 or not amx))
+        assert auto_runs_kernel(dtype, d) == expect, (dtype, d)
+
+
+@pytest.mark.parametrize("isa, dtype, d", [("avx512", torch.bfloat16, 48),
+                                           ("avx512", torch.float32, 7),
+                                           ("amx", torch.bfloat16, 48)])
+def test_a_forced_path_the_cpu_cannot_run_is_refused(isa, dtype, d):
+    q, kc, vc, spans = make_case([(5, 3)], 4, 2, d, dtype)
+    with pytest.raises(RuntimeError, match=f"isa '{isa}' is not usable on this CPU"):
+        run_kernel(q, kc, vc, spans, 0.1, None, isa=isa)
+    q, kc, vc, spans = make_case([(5, 3)], 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="'amx' bf16 only"):
+        run_kernel(q, kc, vc, spans, 0.1, None, isa="amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,36 +6,37 @@ The torch prefill path runs one SDPA call per prefill chunk; a chunk after a seq
 order, Dao 2023 Sec. 3.1): per block of 16 query tokens (32 on the AMX path) and the query
 heads that share one KV head, it walks the visible keys in blocks of 32 straight from their
 cache slots with an online softmax (causal, grouped-query, sliding window; no copy of the
-context, no mask tensor). bf16 runs on AMX-BF16 (``tdpbf16ps`` for Q K^T and P V, float32
-accumulation and softmax) where the CPU has it; float32, and bf16 elsewhere, runs loops the
-compiler vectorises (AVX-512 FMA with ``-march=native`` on these machines). See the source's
-header for the layouts and numerics.
+context, no mask tensor). Paths (`prefill_kernel_isa`): bf16 on AMX-BF16 (``tdpbf16ps`` for
+Q K^T and P V, float32 accumulation and softmax) where the CPU has it; else AVX-512 (float32
+FMAs; bf16 ``vdpbf16ps`` where the CPU has avx512_bf16: AMD Zen 4, Intel Cooper Lake); else
+loops the compiler vectorises. See the sources' headers for the layouts and numerics.
 
-``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel in
-bfloat16 where its AMX path serves the head size, else SDPA), ``kernel`` (the kernel for every
-dtype it serves, float32 and the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
+``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel where
+`auto_runs_kernel` says it measured faster than SDPA, else SDPA), ``kernel`` (the kernel for
+every dtype it serves, the generic loops included), ``sdpa`` (torch's SDPA per chunk, the
 oracle).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.cpu_build import cpu_flags, kernels_enabled, load_library
 from batchgen.kernels.paged_attention import rows_strided_ok
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
-# The dtypes ``auto`` runs it for: float32 stays on SDPA (the vectorised float32 loops measured
-# 0.4-0.6x torch's float32 SDPA at the bench shapes, benchmarks/prefill_attention.py).
-AUTO_DTYPES = (torch.bfloat16,)
-ISAS = {"auto": 0, "generic": 1}  # bf16 paths (``isa``): auto = AMX where usable
+# Paths (``isa``): auto = AMX (bf16) where usable, else AVX-512 (float32: AVX-512F; bf16:
+# AVX512-BF16), else the generic loops; the others force one (refused where the CPU lacks it).
+ISAS = {"auto": 0, "generic": 1, "avx512": 2, "amx": 3}
+_PATHS = ("generic", "avx512", "amx")  # batchgen_prefill_attention_isa's answers
 PREFILL_ATTENTION_ENV = "BATCHGEN_PREFILL_ATTENTION"
 MODES = ("auto", "kernel", "sdpa")
 
@@ -54,13 +55,13 @@ def _library():
         if lib is None:
             return None
         common = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _i64, _i64]
-        lib.batchgen_prefill_attention_f32.argtypes = [*common, _i64]  # q's row stride
-        lib.batchgen_prefill_attention_bf16.argtypes = [*common, _i64, _i64]  # isa, q's
-        lib.batchgen_prefill_attention_bf16_isa.argtypes = [_i64]
+        for fn in (lib.batchgen_prefill_attention_f32, lib.batchgen_prefill_attention_bf16):
+            fn.argtypes = [*common, _i64, _i64]  # isa, q's row stride
+        lib.batchgen_prefill_attention_isa.argtypes = [_i64, _i64]
         for fn in (
             lib.batchgen_prefill_attention_f32,
             lib.batchgen_prefill_attention_bf16,
-            lib.batchgen_prefill_attention_bf16_isa,
+            lib.batchgen_prefill_attention_isa,
         ):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -77,22 +78,21 @@ def prefill_attention_mode() -> str:
 
 
 def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
-    """The path the kernel runs for ``dtype`` and ``head_size`` on this CPU: ``"amx"`` (bf16,
-    head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16 usable), ``"generic"``
-    (vectorised loops), or None when the kernel is unavailable or does not serve ``dtype``."""
+    """The path the kernel runs under ``isa="auto"`` for ``dtype`` and ``head_size`` on this
+    CPU: ``"amx"`` (bf16, head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16
+    usable), else ``"avx512"`` (float32: head size a multiple of 16 and AVX-512F/BW/DQ; bf16: a
+    multiple of 32 and avx512_bf16 too), else ``"generic"`` (loops the compiler vectorises), or
+    None when the kernel is unavailable or does not serve ``dtype``."""
     lib = _library()
     if lib is None or dtype not in _DTYPES:
         return None
-    if dtype == torch.bfloat16 and lib.batchgen_prefill_attention_bf16_isa(head_size):
-        return "amx"
-    return "generic"
+    return _PATHS[lib.batchgen_prefill_attention_isa(int(dtype == torch.bfloat16), head_size)]
 
 
 def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
     """Whether `paged_attention`'s prefill chunks run this kernel: on CPU, per
-    `prefill_attention_mode` (``auto``: dtypes in `AUTO_DTYPES` where the AMX path serves the
-    head size, `prefill_kernel_isa`; ``kernel``: every dtype the kernel serves, any path;
-    ``sdpa``: never) and the library built.
+    `prefill_attention_mode` (``auto``: where `auto_runs_kernel` says so; ``kernel``: every
+    dtype the kernel serves, any path; ``sdpa``: never) and the library built.
 
     Raises:
         ValueError: a bad ``BATCHGEN_PREFILL_ATTENTION``.
@@ -108,9 +108,30 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int)
                 "available (BATCHGEN_CPU_KERNELS, or no C++ compiler: see the log)"
             )
         return False
-    if mode == "auto":  # the generic loops measured slower than SDPA: AMX only
-        return dtype in AUTO_DTYPES and prefill_kernel_isa(dtype, head_size) == "amx"
+    if mode == "auto":
+        return auto_runs_kernel(dtype, head_size)
     return True
+
+
+def auto_runs_kernel(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether ``BATCHGEN_PREFILL_ATTENTION=auto`` runs the kernel for ``dtype`` and
+    ``head_size`` on this CPU: where its path measured faster than torch's SDPA
+    (benchmarks/prefill_attention.py, bench shapes, one thread; docs/performance.md):
+
+    - ``amx`` (bf16): 1.2-2.2x SDPA on Intel AMX machines;
+    - ``avx512`` on a CPU without AMX: 1.9-2.9x SDPA in bf16, 1.5-2.3x in float32 (AMD Zen 4).
+      On an AMX CPU float32 stays on SDPA until measured there (bf16 runs AMX there);
+    - ``generic``: never (0.4-0.9x SDPA on both kinds of machine).
+    """
+    path = prefill_kernel_isa(dtype, head_size)
+    if path == "amx":
+        return True
+    return path == "avx512" and (dtype == torch.bfloat16 or not _cpu_has_amx())
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return "amx_bf16" in cpu_flags().split()
 
 
 @dataclass(frozen=True)
@@ -225,11 +246,13 @@ def paged_prefill_attention(
         scale: softmax scale; sliding_window: HF's rule (key j visible to the query at
             position i iff ``j <= i`` and ``i - j < window``) or None.
         out: ``[T, Hq, D]``, q's dtype, contiguous.
-        isa: bf16 only: ``"auto"`` (AMX where `prefill_kernel_isa` says so) or ``"generic"``.
+        isa: ``"auto"`` (the path `prefill_kernel_isa` names), or one of `ISAS` to force a
+            path (``"amx"`` bf16 only).
     Numerics: scores, softmax and sums in float32; bf16 rounds the unnormalised softmax weights
     and the output to bf16 (round to nearest even), as torch's CPU SDPA does in bf16.
     Raises:
-        RuntimeError: the kernel is unavailable or rejects the head counts.
+        RuntimeError: the kernel is unavailable, rejects the head counts, or a forced ``isa``
+            is not usable on this CPU for the dtype and head size.
         ValueError: naming the argument, for a wrong dtype, device, shape or layout, or a plan
             built for another cache size.
     """
@@ -240,13 +263,13 @@ def paged_prefill_attention(
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if q.dtype == torch.bfloat16:
-        fn, extra = lib.batchgen_prefill_attention_bf16, (ISAS[isa],)
+        fn = lib.batchgen_prefill_attention_bf16
     else:
-        fn, extra = lib.batchgen_prefill_attention_f32, ()
+        fn = lib.batchgen_prefill_attention_f32
     key = (q.dtype, d, hq // max(1, hkv), isa)
     if key not in _logged:
         _logged.add(key)
-        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else "forced generic"
+        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else f"forced {isa}"
         logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
     if not rows_strided_ok(q):
         q = q.contiguous()
@@ -266,8 +289,13 @@ def paged_prefill_attention(
             scale,
             sliding_window or 0,
             torch.get_num_threads(),
-            *extra,
+            ISAS[isa],
             q_stride,
+        )
+    if rc == 4:
+        raise RuntimeError(
+            f"prefill attention: isa {isa!r} is not usable on this CPU for {q.dtype}, head "
+            f"size {d} (prefill_kernel_isa gives {prefill_kernel_isa(q.dtype, d)!r})"
         )
     if rc == 3:
         raise ValueError("prefill attention: a span's kv_len is above 2^31 - 1 positions")
@@ -302,5 +330,5 @@ def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
         or sliding_window < 1
     ):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if isa not in ISAS or (isa != "auto" and q.dtype != torch.bfloat16):
-        raise ValueError(f"isa must be one of {sorted(ISAS)} ('auto' for float32), got {isa!r}")
+    if isa not in ISAS or (isa == "amx" and q.dtype != torch.bfloat16):
+        raise ValueError(f"isa must be one of {sorted(ISAS)} ('amx' bf16 only), got {isa!r}")

@@ -23,10 +23,12 @@
 // Paths: bf16 with AMX-BF16 where the CPU has it and Linux grants the tile state, D % 32 == 0
 // (S^T by `tdpbf16ps` with A = 16 key rows x 32 dims copied from the cache, B = Q^T in pairs;
 // O^T by `tdpbf16ps` with A = V^T [16 dims][32 keys], B = P^T in pairs; softmax with the decode
-// kernel's `exp_ps`); else loops the compiler vectorises (float32, bf16 widened exactly to
-// float32), AVX-512 FMA under -march=native on these machines. Numerics: products and sums in
-// float32; bf16 rounds the unnormalised weights P to bf16 before P V (the sum l stays float32)
-// and the output once, as torch's CPU SDPA does in bf16.
+// kernel's `exp_ps`); else AVX-512 where the CPU has it (prefill_attention_vec.h: float32
+// FMAs, D % 16 == 0; bf16 `vdpbf16ps`, D % 32 == 0 and avx512_bf16; the AMX path's layout for
+// S^T, O not transposed); else loops the compiler vectorises (float32, bf16 widened exactly to
+// float32). Numerics: products and sums in float32; bf16 rounds the unnormalised weights P to
+// bf16 before P V (the sum l stays float32) and the output once, as torch's CPU SDPA does in
+// bf16.
 //
 // Tasks (span, KV head, query block) are spread over OpenMP threads (dynamic: the later blocks
 // of a span see more keys), in torch's OpenMP runtime (see paged_decode_attention.cpp).
@@ -202,10 +204,27 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
 
 }  // namespace
 #include "prefill_attention_amx.h"  // run_tiles_amx, amx_path_usable
+#include "prefill_attention_vec.h"  // run_task_vec, vec_path_usable
 namespace {
 
+enum Path : int64_t { kGeneric = 0, kVec = 1, kAmx = 2 };
+
+// The path for isa (0 auto: AMX, else AVX-512, else generic; 1 generic; 2 AVX-512; 3 AMX) on
+// this CPU, or -1 where a forced path is unusable here.
+inline int64_t pick_path(bool bf16, int64_t d, int64_t isa) {
+  const bool amx = bf16 && amx_path_usable(d), vec = vec_path_usable(bf16, d);
+  switch (isa) {
+    case 0: return amx ? kAmx : vec ? kVec : kGeneric;
+    case 1: return kGeneric;
+    case 2: return vec ? kVec : -1;
+    case 3: return amx ? kAmx : -1;
+    default: return -1;
+  }
+}
+
 template <class T>
-int run(Args<T> a, int64_t num_spans, int64_t num_threads, bool amx) {
+int run(Args<T> a, int64_t num_spans, int64_t num_threads, int64_t path) {
+  const bool amx = path == kAmx;
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0) return 1;
   // A window at least as long as every context hides nothing: run it as none, so the AMX
   // path's int32 position compares never see a window above 2^31 - 1 (it wrapped negative).
@@ -243,7 +262,10 @@ int run(Args<T> a, int64_t num_spans, int64_t num_threads, bool amx) {
           run_tiles_amx(a, tiles, b.second + kTQ < n ? 2 : 1, s);
           continue;
         }
-      run_task_generic(a, t, s);
+      if (path == kVec)
+        run_task_vec(a, t, s);
+      else
+        run_task_generic(a, t, s);
     }
   }
   return 0;
@@ -256,14 +278,19 @@ extern "C" int batchgen_prefill_attention_f32(const float* q, const float* k_cac
                                               const int64_t* spans, const int64_t* slots,
                                               int64_t num_spans, int64_t hq, int64_t hkv,
                                               int64_t d, float scale, int64_t window,
-                                              int64_t num_threads, int64_t q_stride) {
+                                              int64_t num_threads, int64_t isa,
+                                              int64_t q_stride) {
   if (q_stride < hq * d) return 2;
+  const int64_t path = pick_path(false, d, isa);
+  if (path < 0 || path == kAmx) return 4;
   const Args<float> a{q,  k_cache, v_cache, out,   spans,   slots,
                       hq, hkv,     d,       window, scale,  q_stride};
-  return run(a, num_spans, num_threads, false);
+  return run(a, num_spans, num_threads, path);
 }
 
-// isa: 0 auto (AMX where `batchgen_prefill_attention_bf16_isa` says so), 1 the generic loops.
+// isa (both dtypes): 0 auto (`batchgen_prefill_attention_isa`), 1 the generic loops, 2 AVX-512
+// (AVX-512F for float32, AVX512-BF16 for bf16), 3 AMX (bf16); returns 4 where a forced path is
+// unusable on this CPU for head size d.
 extern "C" int batchgen_prefill_attention_bf16(const bf16_t* q, const bf16_t* k_cache,
                                                const bf16_t* v_cache, bf16_t* out,
                                                const int64_t* spans, const int64_t* slots,
@@ -271,11 +298,15 @@ extern "C" int batchgen_prefill_attention_bf16(const bf16_t* q, const bf16_t* k_
                                                int64_t d, float scale, int64_t window,
                                                int64_t num_threads, int64_t isa,
                                                int64_t q_stride) {
-  if (isa < 0 || isa > 1 || q_stride < hq * d) return 2;
+  if (q_stride < hq * d) return 2;
+  const int64_t path = pick_path(true, d, isa);
+  if (path < 0) return 4;
   const Args<bf16_t> a{q,  k_cache, v_cache, out,   spans,   slots,
                        hq, hkv,     d,       window, scale,  q_stride};
-  return run(a, num_spans, num_threads, isa == 0 && amx_path_usable(d));
+  return run(a, num_spans, num_threads, path);
 }
 
-// The bf16 path under isa 0 for head size d: 1 AMX, 0 the generic loops.
-extern "C" int batchgen_prefill_attention_bf16_isa(int64_t d) { return amx_path_usable(d); }
+// The path under isa 0 for bf16 (or float32) and head size d: 2 AMX, 1 AVX-512, 0 generic.
+extern "C" int batchgen_prefill_attention_isa(int64_t bf16, int64_t d) {
+  return int(pick_path(bf16 != 0, d, 0));
+}
