@@ -64,6 +64,11 @@ def test_an_eager_step_through_the_model_runner_never_syncs(
     _needs_triton()
     monkeypatch.setenv("BATCHGEN_MOE_PATH", moe_path)
     monkeypatch.setenv("BATCHGEN_ATTENTION_BACKEND", "triton")
+    # The CPU prefill attention kernel runs on CPU tensors only (never in a CUDA step) and
+    # builds its span plan on the host; this test stands in for a device step, so prefill
+    # takes SDPA as it would on CUDA (auto now runs the kernel in float32 on AVX-512 CPUs
+    # without AMX too).
+    monkeypatch.setenv("BATCHGEN_PREFILL_ATTENTION", "sdpa")
     config = EngineConfig(model=str(checkpoint_dir(name)), device="cpu", dtype=dtype,
                           max_num_batched_tokens=8)  # fmt: skip
     engine = LLMEngine(config)
