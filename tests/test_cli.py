@@ -85,6 +85,37 @@ def test_a_subcommand_error_prints_that_subcommands_usage(argv, usage, capsys):
     assert f"batchgen {argv[0]}: error: " in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("--dtype", "bf16", "'auto', 'float32', 'bfloat16', 'float16'"),
+        ("--device", "gpu", "'auto', 'cpu', 'cuda'"),
+        ("--scheduler-policy", "fifo", "'coalesce', 'lockstep'"),
+        ("--prefill-strategy", "x", "'expert_parallel', 'data_parallel_offload'"),
+        ("--decode-strategy", "x", "'dp_attention_ep_moe', 'data_parallel'"),
+        ("--distributed-executor-backend", "slurm", "'mp', 'ray'"),
+        ("--load-balance-method", "random", "'minimum_tokens', 'round_robin'"),
+    ],
+)
+@pytest.mark.parametrize("subcommand", ["run", "serve"])
+def test_a_bad_enumerated_flag_is_a_usage_error_before_the_engine_starts(
+    subcommand, flag, value, allowed, tmp_path, monkeypatch, capsys
+):
+    """Before: "cannot start the engine: dtype must be one of ..." from the engine config."""
+    started = []
+    monkeypatch.setattr(cli_flags, "start_engine", started.append)
+    files = ["-i", "a", "-o", "b"] if subcommand == "run" else ["--state-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        cli.main([subcommand, *files, flag, value])
+    assert info.value.code == 2 and started == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: batchgen {subcommand} ")
+    last = err.splitlines()[-1]
+    assert last.startswith(f"batchgen {subcommand}: error: argument {flag}: invalid choice: ")
+    # argparse quotes the choices or not depending on the Python version
+    assert last.replace("'", "").endswith(f"(choose from {allowed.replace(chr(39), '')})")
+
+
 def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
