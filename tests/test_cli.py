@@ -5,6 +5,7 @@ defaults that follow the engine's running-sequence limit."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -142,6 +143,36 @@ def test_run_keeps_at_most_max_num_seqs_requests_in_flight(tmp_path, monkeypatch
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
     assert cli.main([*argv, "--max-num-seqs", "3"]) == 0
     assert engine.max_unfinished == 3  # the engine's limit, not a fixed 1024
+
+
+def test_resume_with_every_result_present_does_not_load_the_model(tmp_path, monkeypatch, capsys):
+    lines = [completion_line("a"), "{not json", completion_line("a"), completion_line("b")]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "o.jsonl"
+    argv = ["run", "-i", str(src), "-o", str(out), "--no-progress", "--resume"]
+    started = []
+
+    def start(kwargs):
+        started.append(kwargs)
+        return FakeEngine()
+
+    monkeypatch.setattr(cli_flags, "start_engine", start)
+    assert cli.main(argv) == 0 and len(started) == 1  # no output yet: runs
+    full = out.read_text()
+    assert len(full.splitlines()) == 4
+    capsys.readouterr()
+    assert cli.main(argv) == 0 and len(started) == 1  # nothing left: no engine
+    assert out.read_text() == full
+    assert capsys.readouterr().err == (
+        f"batchgen run: nothing to do: all 4 requests of {src} already have a result in "
+        f"{out} (--resume); the model was not loaded\n"
+    )
+    # One result missing (the duplicate's, keyed by its line): the engine starts again.
+    kept = [r for r in full.splitlines() if (json.loads(r)["error"] or {}).get("line") != 3]
+    assert len(kept) == 3
+    out.write_text("\n".join(kept) + "\n")
+    assert cli.main(argv) == 0 and len(started) == 2
+    assert len(out.read_text().splitlines()) == 4
 
 
 def test_the_cli_module_does_not_load_torch():
