@@ -62,8 +62,10 @@ class EngineConfig:
             "name, not its path, or the hub id)"
         ),
     )
-    dtype: str = field(default="auto", metadata=meta(f"weights/activations dtype, one of {DTYPES}"))
-    device: str = field(default="auto", metadata=meta(f"one of {DEVICES}"))
+    dtype: str = field(
+        default="auto", metadata=meta(f"weights/activations dtype, one of {DTYPES}", choices=DTYPES)
+    )
+    device: str = field(default="auto", metadata=meta(f"one of {DEVICES}", choices=DEVICES))
     seed: int = field(
         default=0,
         metadata=meta(
@@ -103,6 +105,7 @@ class EngineConfig:
             f"step executor policy, one of {POLICIES}: coalesce merges MoE layers "
             "across attention micro-batches; lockstep is classic continuous batching",
             section=SCHED,
+            choices=POLICIES,
         ),
     )
     max_active_coroutines: int | None = field(

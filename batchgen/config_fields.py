@@ -37,8 +37,16 @@ def given_text(name: str, value: object) -> str:
     return f"{flag} {value}"
 
 
-def meta(help: str, *, section: str | None = None, short: str | None = None) -> dict:
-    """A field's metadata: its help text, and where given its YAML section and short flag."""
+def meta(
+    help: str,
+    *,
+    section: str | None = None,
+    short: str | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> dict:
+    """A field's metadata: its help text, and where given its YAML section, short flag and
+    allowed values (``choices``: the flag refuses any other value as a usage error, before
+    anything loads)."""
     if section is not None and section != TOP_LEVEL and section not in SECTIONS:
         raise ValueError(f"unknown cluster YAML section {section!r}; one of {SECTIONS}")
     out: dict = {"help": help}
@@ -46,6 +54,8 @@ def meta(help: str, *, section: str | None = None, short: str | None = None) -> 
         out["section"] = section
     if short is not None:
         out["short"] = short
+    if choices is not None:
+        out["choices"] = choices
     return out
 
 

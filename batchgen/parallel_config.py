@@ -78,7 +78,8 @@ class ParallelConfig:
         metadata=meta(
             f"one of {PREFILL_STRATEGIES}: expert_parallel dispatches prefill tokens like "
             "decode tokens; data_parallel_offload runs a large prefill's experts on its own "
-            "rank, streaming the experts it does not hold from the checkpoint, layer by layer"
+            "rank, streaming the experts it does not hold from the checkpoint, layer by layer",
+            choices=PREFILL_STRATEGIES,
         ),
     )
     decode_strategy: str | None = field(
@@ -86,7 +87,8 @@ class ParallelConfig:
         metadata=meta(
             f"one of {DECODE_STRATEGIES}: data-parallel attention with expert-parallel MoE, "
             "or pure data parallelism with replicated experts (default: dp_attention_ep_moe "
-            "with expert parallelism, else data_parallel)"
+            "with expert parallelism, else data_parallel)",
+            choices=DECODE_STRATEGIES,
         ),
     )
     prefill_stream_min_tokens: int | None = field(
@@ -131,7 +133,8 @@ class ParallelConfig:
         metadata=meta(
             f"one of {EXECUTOR_BACKENDS} (vLLM's flag): mp starts the ranks as processes on "
             "this machine; ray starts every rank as a Ray actor in a placement group, on the "
-            "Ray cluster at $RAY_ADDRESS or, without it, on a local Ray instance"
+            "Ray cluster at $RAY_ADDRESS or, without it, on a local Ray instance",
+            choices=EXECUTOR_BACKENDS,
         ),
     )
     load_balance_method: str = field(
@@ -139,7 +142,8 @@ class ParallelConfig:
         metadata=meta(
             f"one of {LOAD_BALANCE_METHODS} (SGLang's option): how the frontend assigns a "
             "request to a rank: the rank with the fewest estimated tokens in flight (prompt + "
-            "max_tokens, times n), or each rank in turn"
+            "max_tokens, times n), or each rank in turn",
+            choices=LOAD_BALANCE_METHODS,
         ),
     )
     straggler_rebalance_interval_steps: int | None = field(

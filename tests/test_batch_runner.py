@@ -198,7 +198,8 @@ def test_mixed_file_runs_every_good_line(tmp_path):
     assert by_id(results)["too-long"]["error"]["param"] == "prompt"
     assert all(e["message"].startswith(f"line {e['line']}: ") for e in errors)
     dup = next(r for r in results if r["error"] and r["error"]["code"] == "duplicate_custom_id")
-    assert dup["custom_id"] == "ok-1" and "duplicate custom_id 'ok-1'" in dup["error"]["message"]
+    assert dup["custom_id"] == "ok-1"
+    assert dup["error"]["message"] == 'line 6: custom_id "ok-1" already used on line 1'
     # the first "ok-1" succeeded with its own prompt
     first = next(r for r in results if r["custom_id"] == "ok-1" and r["error"] is None)
     assert first["response"]["body"]["usage"] == {
@@ -405,6 +406,7 @@ def test_an_invalid_json_line_keeps_the_custom_id_its_text_names_and_resume_skip
     assert no_id["custom_id"] is None
     dup = next(r for r in first if r["error"] and r["error"]["line"] == 5)
     assert (dup["custom_id"], dup["error"]["code"]) == ("bad-json", "duplicate_custom_id")
+    assert dup["error"]["message"] == 'line 5: custom_id "bad-json" already used on line 2'
 
     summary = run(FakeEngine(), src, dst, resume=True)
     assert summary.skipped == len(first) and summary.failed == 0

@@ -5,6 +5,7 @@ defaults that follow the engine's running-sequence limit."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -85,6 +86,37 @@ def test_a_subcommand_error_prints_that_subcommands_usage(argv, usage, capsys):
     assert f"batchgen {argv[0]}: error: " in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("--dtype", "bf16", "'auto', 'float32', 'bfloat16', 'float16'"),
+        ("--device", "gpu", "'auto', 'cpu', 'cuda'"),
+        ("--scheduler-policy", "fifo", "'coalesce', 'lockstep'"),
+        ("--prefill-strategy", "x", "'expert_parallel', 'data_parallel_offload'"),
+        ("--decode-strategy", "x", "'dp_attention_ep_moe', 'data_parallel'"),
+        ("--distributed-executor-backend", "slurm", "'mp', 'ray'"),
+        ("--load-balance-method", "random", "'minimum_tokens', 'round_robin'"),
+    ],
+)
+@pytest.mark.parametrize("subcommand", ["run", "serve"])
+def test_a_bad_enumerated_flag_is_a_usage_error_before_the_engine_starts(
+    subcommand, flag, value, allowed, tmp_path, monkeypatch, capsys
+):
+    """Before: "cannot start the engine: dtype must be one of ..." from the engine config."""
+    started = []
+    monkeypatch.setattr(cli_flags, "start_engine", started.append)
+    files = ["-i", "a", "-o", "b"] if subcommand == "run" else ["--state-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        cli.main([subcommand, *files, flag, value])
+    assert info.value.code == 2 and started == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: batchgen {subcommand} ")
+    last = err.splitlines()[-1]
+    assert last.startswith(f"batchgen {subcommand}: error: argument {flag}: invalid choice: ")
+    # argparse quotes the choices or not depending on the Python version
+    assert last.replace("'", "").endswith(f"(choose from {allowed.replace(chr(39), '')})")
+
+
 def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
@@ -111,6 +143,36 @@ def test_run_keeps_at_most_max_num_seqs_requests_in_flight(tmp_path, monkeypatch
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--no-progress"]
     assert cli.main([*argv, "--max-num-seqs", "3"]) == 0
     assert engine.max_unfinished == 3  # the engine's limit, not a fixed 1024
+
+
+def test_resume_with_every_result_present_does_not_load_the_model(tmp_path, monkeypatch, capsys):
+    lines = [completion_line("a"), "{not json", completion_line("a"), completion_line("b")]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "o.jsonl"
+    argv = ["run", "-i", str(src), "-o", str(out), "--no-progress", "--resume"]
+    started = []
+
+    def start(kwargs):
+        started.append(kwargs)
+        return FakeEngine()
+
+    monkeypatch.setattr(cli_flags, "start_engine", start)
+    assert cli.main(argv) == 0 and len(started) == 1  # no output yet: runs
+    full = out.read_text()
+    assert len(full.splitlines()) == 4
+    capsys.readouterr()
+    assert cli.main(argv) == 0 and len(started) == 1  # nothing left: no engine
+    assert out.read_text() == full
+    assert capsys.readouterr().err == (
+        f"batchgen run: nothing to do: all 4 requests of {src} already have a result in "
+        f"{out} (--resume); the model was not loaded\n"
+    )
+    # One result missing (the duplicate's, keyed by its line): the engine starts again.
+    kept = [r for r in full.splitlines() if (json.loads(r)["error"] or {}).get("line") != 3]
+    assert len(kept) == 3
+    out.write_text("\n".join(kept) + "\n")
+    assert cli.main(argv) == 0 and len(started) == 2
+    assert len(out.read_text().splitlines()) == 4
 
 
 def test_the_cli_module_does_not_load_torch():

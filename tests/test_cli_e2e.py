@@ -175,7 +175,7 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
         "line 2",
         "line 3",
         "custom_id",
-        "duplicate",
+        'line 5: custom_id "ok-1" already used on line 1',
         "/v1/embeddings",
         "temperature",
         "top_p",

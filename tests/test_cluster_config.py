@@ -693,6 +693,46 @@ def test_config_check_prints_the_seed_layout_without_the_model():
     assert "the same as flags: --model deepseek-ai/DeepSeek-V3 --data-parallel-size 128" in out
 
 
+def test_config_check_says_where_the_ranks_start(tmp_path, monkeypatch):
+    """Before: "ranks started on this machine: all 128" on a 2-CPU machine, and the same under
+    Ray (which places the ranks itself)."""
+    import torch
+
+    import batchgen.engine.cpu_threads as cpu_threads
+    from batchgen.entrypoints.config_check import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_threads, "available_cpus", lambda: 2)
+
+    def started(text: str) -> str:
+        lines = report(load_cluster_config(_write(tmp_path, text)))
+        (line,) = [x for x in lines if x.startswith("ranks started on this machine: ")]
+        return line.removeprefix("ranks started on this machine: ")
+
+    assert started(SEED_TEXT) == (
+        "all 128, as processes sharing this machine's 2 CPUs (128 > 2); for a job across "
+        "machines set parallelism.data_parallel_size_local to this machine's ranks "
+        "(docs/distributed.md)"
+    )
+    local = "    data_parallel_size: 8\n    data_parallel_size_local: {}\n"
+    assert started(_seed("    data_parallel_size: 8\n", local.format(16))) == (
+        "16 of 128 (data_parallel_size_local); the other 112 connect from other machines "
+        "(python -m batchgen.distributed.launch, or torchrun)"
+    )
+    assert started(_seed("    data_parallel_size: 8\n", local.format(0))).startswith(
+        "0 of 128 (data_parallel_size_local); the other 128 connect"
+    )
+    ray = "    data_parallel_size: 8\n    distributed_executor_backend: 'ray'\n"
+    assert started(_seed("    data_parallel_size: 8\n", ray)) == (
+        "none as processes: Ray places all 128 ranks as actors on its cluster"
+    )
+    two = "batchgen_cluster:\n  model: 'deepseek-ai/DeepSeek-V3'\n  world_size: 2\n"
+    assert started(two) == "all 2"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # devices checked instead
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert started(two) == "all 2"
+
+
 def test_config_check_exits_2_with_the_errors(tmp_path):
     bad = _write(tmp_path, _seed("world_size: 128", "world_size: 100"))
     r = subprocess.run(

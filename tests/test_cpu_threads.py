@@ -55,9 +55,11 @@ def test_wait_policy_follows_the_load_and_never_overrides_the_user():
 def test_running_tasks_is_the_median_run_queue_less_the_reader(tmp_path):
     f = tmp_path / "loadavg"
     f.write_text("3.10 2.50 1.90 1/87 30159\n")  # only the reader runs: idle, whatever the average
-    assert ct.running_tasks(f, samples=3, interval_s=0) == 0
+    assert ct.running_tasks(f, samples=3, interval_s=0, own=lambda: 1) == 0
     f.write_text("0.20 0.10 0.05 3/87 30159\n")
-    assert ct.running_tasks(f, samples=1, interval_s=0) == 2
+    assert ct.running_tasks(f, samples=1, interval_s=0, own=lambda: 1) == 2
+    # this process's own busy threads (2 of the 3) are not other processes' tasks
+    assert ct.running_tasks(f, samples=1, interval_s=0, own=lambda: 2) == 1
     assert ct.running_tasks(tmp_path / "missing", samples=2, interval_s=0) is None
     f.write_text("garbage\n")
     assert ct.running_tasks(f, samples=1, interval_s=0) is None
@@ -111,6 +113,49 @@ def test_oversubscription_is_warned_once(fresh, caplog):
     assert len(warnings) == 1
     assert "load average 3.2 over the last minute on 2 CPU(s)" in warnings[0]
     assert "OMP_NUM_THREADS" in warnings[0]
+
+
+def test_own_running_threads_reads_each_threads_state(tmp_path):
+    for tid, stat in [
+        ("10", "10 (python) R 1 10 10 0"),
+        ("11", "11 (odd ) S name) R 1 10"),  # the state follows the last ")"
+        ("12", "12 (torch) S 1 10 10 0"),
+    ]:
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "stat").write_text(stat)
+    assert ct.own_running_threads(tmp_path) == 2
+    assert ct.own_running_threads(tmp_path / "missing") == 1  # at least the caller
+    assert ct.own_running_threads() >= 1  # this process, for real
+
+
+def test_the_busy_warning_follows_other_processes_running_now_not_a_stale_average(
+    fresh, monkeypatch, caplog
+):
+    """Before: the warning fired whenever the 1-minute load average reached the CPUs, which
+    it does for a minute or two after any earlier run on an idle 2-CPU machine (and with this
+    process's own start-up work)."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 2.2, 1.5))  # stale: an earlier run
+    with caplog.at_level(logging.WARNING, logger="batchgen.engine.cpu_threads"):
+        assert not ct.warn_if_oversubscribed(cpus=2, running=0)
+        assert not ct.warn_if_oversubscribed(cpus=2, running=1)
+        # Two other processes keep both CPUs busy now: warned, by the run queue.
+        spin = [sys.executable, "-c", "while True: pass"]
+        procs = [subprocess.Popen(spin) for _ in range(2)]
+        try:
+            time.sleep(0.3)
+            assert ct.running_tasks() >= 2
+            assert ct.warn_if_oversubscribed(cpus=2)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("the machine is busy: ")
+    assert "task(s) of other processes running now on 2 CPU(s)" in warning
 
 
 def test_omp_num_threads_list_takes_its_outer_level_and_garbage_is_an_error(fresh, monkeypatch):

@@ -167,6 +167,25 @@ def test_max_model_len_ends_with_length(llm):
     assert len(o.token_ids) == 256 - 250 and o.finish_reason == "length"
 
 
+def test_huge_max_tokens_runs_to_max_model_len_offline_and_fails_alone_on_the_openai_path(llm):
+    """vLLM's offline `LLM.generate` caps prompt + completion at max_model_len (finish_reason
+    "length") whatever max_tokens says; the OpenAI path refuses that request and no other."""
+    params = SamplingParams(max_tokens=10**7, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["hello", "world"], params, use_tqdm=False)
+    for out in outs:
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 256
+    engine = llm.llm_engine
+    engine.add_request("fits", "hello", SamplingParams(max_tokens=3), max_tokens_must_fit=True)
+    with pytest.raises(ValueError, match="10000001 were requested") as info:
+        engine.add_request("huge", [1], params, max_tokens_must_fit=True)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in done] == [("fits", 3)]
+
+
 def test_chat_applies_template(llm):
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     out = llm.chat(

@@ -125,6 +125,32 @@ def test_f32_conversion_follows_the_switch(monkeypatch):
     assert [type(m) for m in model] == [first, BatchInvariantLinear, nn.Linear]
 
 
+def test_a_float32_model_probes_and_logs_no_bf16_path(monkeypatch, caplog):
+    """Before: a float32 run logged "bf16 dense linear layers: oneDNN prepacked weights" and
+    "...: packed_linear kernel (vdpbf16ps)" (and built that kernel): the bf16 probes ran
+    whatever the model's dtype."""
+    import logging
+
+    from batchgen.kernels import packed_linear as pk
+
+    probed = []
+    monkeypatch.setattr(lin, "prepacked_linear_supported", lambda: probed.append("onednn"))
+    monkeypatch.setattr(pk, "packed_linear_supported", lambda: probed.append("packed"))
+    monkeypatch.setattr(pk, "kernel_isa", lambda: probed.append("isa"))
+    monkeypatch.setenv(ol.ONEDNN_LINEAR_F32_ENV, "onednn")
+    lin._log_f32_path.cache_clear()
+    with caplog.at_level(logging.INFO, logger="batchgen"):
+        assert enable_prepacked_linear(nn.Sequential(nn.Linear(8, 8))) == (1 if HAS_OPS else 0)
+    assert probed == []
+    logged = [r.getMessage() for r in caplog.records if "dense linear" in r.getMessage()]
+    f32 = "float32 dense linear layers: oneDNN prepacked weights ("
+    f32 += "BATCHGEN_ONEDNN_LINEAR_F32=onednn)"
+    assert logged == ([f32] if HAS_OPS else [])
+    # A bfloat16 layer is what makes the bf16 paths worth probing.
+    assert enable_prepacked_linear(nn.Sequential(nn.Linear(8, 8).bfloat16())) == 0
+    assert probed == ["onednn", "packed"]
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 PROMPTS = [[1, 9, 10, 11, 12, 13, 14, 15, 16, 17], [1, *range(100, 106)], [1, 300, 301]]

@@ -23,6 +23,7 @@ from batchgen.entrypoints.openai_protocol import (
     completion_response_body,
     dumps_line,
     error_line,
+    error_line_from,
     parse_batch_line,
     parse_request_body,
     rejected_error,
@@ -271,6 +272,13 @@ def test_unknown_field_suggests_the_close_one():
     err = line_error(envelope(completion(max_token=5)))
     assert err.code == UNSUPPORTED_PARAMETER and err.param == "max_token"
     assert "did you mean 'max_tokens'?" in str(err)
+    # the output line: a 400 naming the field, as the OpenAI API answers an unknown parameter
+    out = error_line_from(err)
+    assert out["response"]["status_code"] == 400
+    assert out["response"]["body"]["error"]["param"] == "max_token"
+    assert out["error"]["message"] == (
+        "line 3: unknown field 'max_token' for /v1/completions; did you mean 'max_tokens'?"
+    )
     # chat-only fields are unknown to completions
     err = line_error(envelope(completion(messages=[])))
     assert err.param == "messages"

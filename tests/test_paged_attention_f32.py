@@ -86,6 +86,33 @@ def test_f32_isa_names_the_avx512f_path_where_it_applies():
     assert decode_kernel_isa(torch.float32, 12, 4) == "generic"
 
 
+def test_f32_log_line_says_why_the_avx2_path_runs_on_an_avx512_cpu(monkeypatch, caplog):
+    """A float32 run on an AVX-512 CPU logged "avx2 path" for decode attention beside the MoE
+    kernel's "avx512f" with no reason: the float32 AVX-512F path covers D 64/128, even G."""
+    import logging
+
+    from batchgen.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_logged", set())
+    monkeypatch.setattr(pa, "cpu_flags", lambda: "flags : fpu avx2 avx512f")
+    with caplog.at_level(logging.INFO, logger="batchgen.kernels.paged_attention"):
+        for d, g in [(32, 2), (128, 1), (128, 2)]:
+            pa._log_once(torch.float32, d, g, 16, "auto")
+        pa._log_once(torch.bfloat16, 32, 2, 16, "auto")
+    lines = [r.getMessage() for r in caplog.records]
+    why = " (the float32 AVX-512F path needs head size 64 or 128 and an even number of query "
+    why += "heads per KV head)"
+    for line, d, g in zip(lines, [32, 128, 128], [2, 1, 2]):
+        isa = decode_kernel_isa(torch.float32, d, g)
+        assert line == (
+            f"paged decode attention, torch.float32, head size {d}, {g} query heads per KV "
+            f"head, blocks of 16: {isa} path" + (why if isa == "avx2" else "")
+        )
+    assert not lines[3].endswith(why)
+    monkeypatch.setattr(pa, "cpu_flags", lambda: "flags : fpu avx2")  # no AVX-512: no reason
+    assert pa._why_not_avx512(torch.float32, "avx2") == ""
+
+
 def test_f32_generic_path_is_attention_too():
     q, k, v, tables, kv_lens = _case([5, 300], 8, 2, 64, 16, seed=1)
     a, b = torch.empty_like(q), torch.empty_like(q)

@@ -132,8 +132,9 @@ def test_validation_rows_and_batch_level_failures(tmp_path):
     _validate(store, batch["id"])
     row = store.get_batch(batch["id"])
     assert row["status"] == st.IN_PROGRESS and (row["total"], row["failed"]) == (5, 4)
-    codes = [json.loads(r.result)["error"]["code"] for r in store.results_after(row["id"], 0, 9)]
-    assert codes == [
+    errors = [json.loads(r.result)["error"] for r in store.results_after(row["id"], 0, 9)]
+    assert errors[0]["message"] == 'line 2: custom_id "a" already used on line 1'
+    assert [e["code"] for e in errors] == [
         "duplicate_custom_id",
         "invalid_request",  # chat line: its body is checked first (empty messages)
         "invalid_json_line",

@@ -21,14 +21,16 @@ Two settings, made once per process:
   loaded with torch, so the command line sets them before it imports torch; in a process that
   has imported torch already they only reach child processes.
 
-`configure_cpu_threads` logs the choice at engine start and warns once when the load average
-already exceeds the CPUs (other processes compete for the cores).
+`configure_cpu_threads` logs the choice at engine start and warns once when other processes
+already keep as many tasks running as there are CPUs (`warn_if_oversubscribed`: the run queue
+now, not the 1-minute load average, which stays high after any earlier run).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -60,25 +62,45 @@ def available_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
     return max(1, cpus)
 
 
+def own_running_threads(tasks: str | Path = "/proc/self/task") -> int:
+    """Threads of this process running or runnable now (state ``R`` in their
+    ``/proc/self/task/<tid>/stat``), the caller included: at least 1 (1 where unreadable)."""
+    count = 0
+    try:
+        for stat_file in Path(tasks).glob("*/stat"):
+            try:
+                text = stat_file.read_text()
+            except OSError:  # the thread ended
+                continue
+            fields = text.rsplit(")", 1)[-1].split()  # the name may hold spaces and ")"
+            count += bool(fields) and fields[0] == "R"
+    except OSError:
+        return 1
+    return max(1, count)
+
+
 def running_tasks(
     loadavg: str | Path = "/proc/loadavg",
     samples: int = RUN_QUEUE_SAMPLES,
     interval_s: float = RUN_QUEUE_INTERVAL_S,
+    own: Callable[[], int] = own_running_threads,
 ) -> int | None:
-    """Tasks running or runnable now on the whole machine besides the caller: the median of
-    ``samples`` reads of ``/proc/loadavg``'s fourth field (``running/total``, the reader
-    included), ``interval_s`` apart, less one. None where the file cannot be read (not Linux)."""
+    """Tasks of other processes running or runnable now: the median over ``samples`` reads,
+    ``interval_s`` apart, of ``/proc/loadavg``'s fourth field (``running/total``, threads of
+    the whole machine, the reader included) less this process's running threads (``own``: the
+    reader, and any of its threads at work). None where the file cannot be read (not Linux)."""
     import time
 
     counts = []
     for i in range(samples):
         try:
-            counts.append(int(Path(loadavg).read_text().split()[3].split("/")[0]))
+            running = int(Path(loadavg).read_text().split()[3].split("/")[0])
         except (OSError, ValueError, IndexError):
             return None
+        counts.append(running - own())
         if i + 1 < samples:
             time.sleep(interval_s)
-    return max(0, sorted(counts)[len(counts) // 2] - 1)
+    return max(0, sorted(counts)[len(counts) // 2])
 
 
 def set_openmp_wait_policy(
@@ -155,8 +177,8 @@ def configure_cpu_threads(num_local_processes: int | None = None) -> int:
 
     ``OMP_NUM_THREADS`` set by the user wins over the computed number (`user_omp_num_threads`,
     which raises ValueError for a malformed value). The first call logs
-    the number and the wait policy in force; it also warns, once per process, when the
-    1-minute load average is already at or above the CPUs.
+    the number and the wait policy in force; it also warns, once per process, when other
+    processes already keep the CPUs busy (`warn_if_oversubscribed`).
     """
     global _configured
     if num_local_processes is None:
@@ -191,31 +213,48 @@ def configure_cpu_threads(num_local_processes: int | None = None) -> int:
     return threads
 
 
-def warn_if_oversubscribed(cpus: int | None = None, load: float | None = None) -> bool:
-    """Warn (once per process) when the 1-minute load average is at or above ``cpus``: other
-    processes then compete with every step for the cores. Returns whether it warned now.
+def warn_if_oversubscribed(
+    cpus: int | None = None, load: float | None = None, running: int | None = None
+) -> bool:
+    """Warn (once per process) when other processes keep at least ``cpus`` tasks running now:
+    they then compete with every step for the cores. Returns whether it warned now.
+
+    Judged by the run queue (`running_tasks`: sampled over 200 ms, this process's own threads
+    left out), not the 1-minute load average: that one stays near the CPU count for a minute
+    or two after any earlier run on an idle machine, and counts this process's own start-up
+    work (building a model, compiling kernels), so it warned on quiet machines. The load
+    average decides only where the run queue cannot be read (or when ``load`` is given).
 
     Args:
         cpus: CPUs of this process (default `available_cpus`).
-        load: the load average to judge (default ``os.getloadavg()[0]``).
+        load: a 1-minute load average to judge instead (used when ``running`` is not given).
+        running: other processes' running tasks (default `running_tasks`).
     """
     global _warned_oversubscribed
     if _warned_oversubscribed:
         return False
     cpus = cpus or available_cpus()
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
+    if running is None and load is None:
+        running = running_tasks()
+    if running is not None:
+        if running < cpus:
             return False
-    if load < cpus:
-        return False
+        what = f"{running} task(s) of other processes running now"
+    else:
+        if load is None:
+            try:
+                load = os.getloadavg()[0]
+            except OSError:
+                return False
+        if load < cpus:
+            return False
+        what = f"load average {load:.1f} over the last minute"
     _warned_oversubscribed = True
     logger.warning(
-        "the machine is busy: load average %.1f over the last minute on %d CPU(s); other "
-        "processes compete with BatchGen for the cores, so steps will be slower. Set "
-        "OMP_NUM_THREADS to the cores that are actually free",
-        load,
+        "the machine is busy: %s on %d CPU(s); other processes compete with BatchGen for the "
+        "cores, so steps will be slower. Set OMP_NUM_THREADS to the cores that are actually "
+        "free",
+        what,
         cpus,
     )
     return True

@@ -59,11 +59,11 @@ from batchgen.entrypoints.batch_summary import (  # noqa: F401  (re-exported)
 )
 from batchgen.entrypoints.model_names import ModelNameTally
 from batchgen.entrypoints.openai_protocol import (
-    DUPLICATE_CUSTOM_ID,
     REQUEST_FAILED,
     BatchLineError,
     BatchRequest,
     BlankLines,
+    duplicate_custom_id_line,
     error_line,
     error_line_from,
     parse_batch_line,
@@ -99,7 +99,7 @@ class _BatchRun:
         self.bar = bar
         self.summary = BatchRunSummary()
         self.in_flight: dict[str, BatchRequest] = {}  # engine request id -> request
-        self.seen_ids: set[str] = set()
+        self.seen_ids: dict[str, int] = {}  # custom_id -> 1-based line of its first use
         self.blank = BlankLines()
         self.models = ModelNameTally(engine.model_name)
         self._start = time.perf_counter()
@@ -141,7 +141,7 @@ class _BatchRun:
         except BatchLineError as err:
             if err.custom_id is not None:
                 if err.custom_id in self.resume.done_ids:
-                    self.seen_ids.add(err.custom_id)
+                    self.seen_ids.setdefault(err.custom_id, line)
                     return self._skip()
                 if self._is_duplicate(err.custom_id, line):
                     return
@@ -154,13 +154,10 @@ class _BatchRun:
 
     def _is_duplicate(self, custom_id: str, line: int) -> bool:
         """Record ``custom_id``; on its second occurrence write the duplicate error line."""
-        if custom_id not in self.seen_ids:
-            self.seen_ids.add(custom_id)
+        first_line = self.seen_ids.setdefault(custom_id, line)
+        if first_line == line:
             return False
-        message = f"line {line}: duplicate custom_id {custom_id!r} (it appeared on an earlier line)"
-        self._fail(
-            error_line(custom_id, DUPLICATE_CUSTOM_ID, message, param="custom_id", line=line)
-        )
+        self._fail(duplicate_custom_id_line(custom_id, line, first_line))
         return True
 
     def _submit(self, request: BatchRequest) -> None:

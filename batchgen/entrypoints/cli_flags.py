@@ -79,6 +79,8 @@ def add_config_flags(group, config_cls) -> None:
         elif typing.get_origin(kind) is list:  # ``--cudagraph-capture-sizes 1 2 4`` (vLLM's)
             (item,) = typing.get_args(kind)
             kwargs.update(type=item, nargs="+", metavar="N")
+        elif "choices" in f.metadata:  # argparse names the flag and the values on a bad one
+            kwargs.update(type=kind, choices=f.metadata["choices"])
         else:
             metavar = {int: "N", float: "X"}.get(kind, f.name.upper())
             kwargs.update(type=kind, metavar=metavar)

@@ -2,7 +2,9 @@
 
 `add_arguments` adds ``-i/-o``, ``--resume``, ``--max-in-flight``, ``--no-progress`` and the
 engine flags; `run` checks the paths, opens the ``--snapshot-storage-uri`` snapshot (before any
-model loads, so a mismatched snapshot fails fast), starts the engine without the snapshot
+model loads, so a mismatched snapshot fails fast), with ``--resume`` stops there when every
+input line already has its result (`all_results_present`: nothing to do, no model loaded),
+starts the engine without the snapshot
 settings (`SNAPSHOT_FIELDS`, which ``run`` acts on itself) and streams the file through
 `batchgen.entrypoints.batch_runner.run_batch_file`.
 """
@@ -101,6 +103,25 @@ def _without_snapshot(kwargs: dict) -> dict:
     return out
 
 
+def _nothing_left(args: argparse.Namespace) -> bool:
+    """``--resume`` with a result for every input line: say so (the model is not loaded)."""
+    from batchgen.entrypoints.batch_input import all_results_present
+    from batchgen.entrypoints.batch_output import BatchFileError
+
+    try:
+        count = all_results_present(args.input, args.output)
+    except BatchFileError as err:
+        raise CliError(str(err)) from err
+    if count is None:
+        return False
+    print(
+        f"{PROG} run: nothing to do: all {count} requests of {args.input} already have a "
+        f"result in {args.output} (--resume); the model was not loaded",
+        file=sys.stderr,
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``batchgen run``. Returns 0, or 1 when the run stopped early (a rank failed, the
     snapshot was taken over or could not be written; the message says where the results are).
@@ -115,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     _check_run_paths(args)
     kwargs = engine_kwargs(args)
     snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
+    if args.resume and snapshot is None and _nothing_left(args):
+        return 0
     engine = cli_flags.start_engine(_without_snapshot(kwargs))
     try:
         summary = run_batch_file(

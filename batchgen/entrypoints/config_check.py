@@ -20,6 +20,7 @@ from batchgen.entrypoints.cli_flags import CliError
 if TYPE_CHECKING:
     from batchgen.cluster_config import ClusterConfig
     from batchgen.models.model_config import ModelConfig
+    from batchgen.parallel_config import ParallelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,12 +118,38 @@ def report(cluster: ClusterConfig) -> list[str]:
             "warning: batchgen_cluster.engine.device is 'cuda' but this machine has no usable "
             "CUDA device: the job cannot start here (fine if it runs on another machine)"
         )
-    local = parallel.data_parallel_size_local
-    started = f"{local} (data_parallel_size_local)" if local is not None else f"all {world}"
-    lines.append(f"ranks started on this machine: {started}")
+    lines.append("ranks started on this machine: " + _started_here(parallel, cluster.engine.device))
     lines += [f"warning: {w}" for w in parallel.ineffective_settings()]
     lines.append("the same as flags: " + shlex.join(cluster.flags()))
     return lines
+
+
+def _started_here(parallel: ParallelConfig, device: str) -> str:
+    """Which ranks a job started here would start on this machine, and, where that is all of
+    a many-rank job on CPU, that they would share this machine's CPUs (the file may well be
+    meant for a cluster: ``data_parallel_size_local`` is the key that says so)."""
+    import torch
+
+    from batchgen.engine.cpu_threads import available_cpus
+
+    world, local = parallel.data_parallel_size, parallel.data_parallel_size_local
+    if parallel.distributed_executor_backend == "ray":
+        return f"none as processes: Ray places all {world} ranks as actors on its cluster"
+    if local is not None and local < world:
+        return (
+            f"{local} of {world} (data_parallel_size_local); the other {world - local} connect "
+            "from other machines (python -m batchgen.distributed.launch, or torchrun)"
+        )
+    which = f"all {world}" + (" (data_parallel_size_local)" if local is not None else "")
+    cpus = available_cpus()
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if world <= cpus or on_cuda:
+        return which  # on CUDA, `check_local_devices` has compared them with the devices
+    return (
+        f"{which}, as processes sharing this machine's {cpus} CPUs ({world} > {cpus}); for a "
+        "job across machines set parallelism.data_parallel_size_local to this machine's ranks "
+        "(docs/distributed.md)"
+    )
 
 
 def _local_model_config(model: str) -> tuple[ModelConfig | None, str]:

@@ -55,6 +55,7 @@ from batchgen.entrypoints.openai_responses import (  # noqa: F401
     completion_logprobs,
     completion_response_body,
     dumps_line,
+    duplicate_custom_id_line,
     error_line,
     error_line_from,
     response_body,

@@ -17,6 +17,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from batchgen.engine.detokenizer import token_bytes
+from batchgen.entrypoints.openai_errors import DUPLICATE_CUSTOM_ID
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 
 if TYPE_CHECKING:
@@ -307,3 +308,13 @@ def dumps_line(obj: dict[str, Any]) -> str:
 def error_line_from(err: BatchLineError) -> dict[str, Any]:
     """The output line of a batch line that failed to parse."""
     return error_line(err.custom_id, err.code, str(err), param=err.param, line=err.line)
+
+
+def duplicate_custom_id_line(custom_id: str, line: int, first_line: int) -> dict[str, Any]:
+    """The output line of a batch line whose ``custom_id`` an earlier line already used.
+
+    The message names both 1-based line numbers, ``line N: custom_id "x" already used on line
+    M`` (the id JSON-quoted), so the user can find the first occurrence without searching.
+    """
+    message = f"line {line}: custom_id {json.dumps(custom_id)} already used on line {first_line}"
+    return error_line(custom_id, DUPLICATE_CUSTOM_ID, message, param="custom_id", line=line)

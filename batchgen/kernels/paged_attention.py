@@ -49,7 +49,7 @@ import logging
 
 import torch
 
-from batchgen.kernels.cpu_build import kernels_enabled, load_library
+from batchgen.kernels.cpu_build import cpu_flags, kernels_enabled, load_library
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
@@ -143,10 +143,22 @@ def _log_once(dtype: torch.dtype, head_size: int, group: int, block_size: int, i
         chosen = decode_kernel_isa(*key[:4]) if isa == "auto" else f"forced {isa}"
         logger.info(
             "paged decode attention, %s, head size %d, %d query heads per KV head, blocks of "
-            "%d: %s path",
+            "%d: %s path%s",
             *key[:4],
             chosen,
+            _why_not_avx512(dtype, chosen),
         )
+
+
+def _why_not_avx512(dtype: torch.dtype, chosen: str | None) -> str:
+    """Why a float32 shape takes the AVX2 path on an AVX-512 CPU (other kernels, e.g. the fused
+    MoE, log avx512f there): the float32 AVX-512F path exists for some shapes only."""
+    if dtype != torch.float32 or chosen != "avx2" or "avx512f" not in cpu_flags().split():
+        return ""
+    return (
+        " (the float32 AVX-512F path needs head size 64 or 128 and an even number of query "
+        "heads per KV head)"
+    )
 
 
 def paged_decode_attention(

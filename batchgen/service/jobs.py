@@ -27,11 +27,11 @@ import threading
 from collections.abc import Callable
 
 from batchgen.entrypoints.openai_protocol import (
-    DUPLICATE_CUSTOM_ID,
     INVALID_URL,
     BatchLineError,
     BlankLines,
     dumps_line,
+    duplicate_custom_id_line,
     error_line,
     error_line_from,
     parse_batch_line,
@@ -55,22 +55,21 @@ class _LineValidator:
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.seen: set[str] = set()
+        self.seen: dict[str, int] = {}  # custom_id -> 1-based line of its first use
 
     def row(self, idx: int, line: int, raw: bytes) -> st.InputRow:
         try:
             request = parse_batch_line(raw, line)
         except BatchLineError as err:
-            duplicate = err.custom_id is not None and err.custom_id in self.seen
             if err.custom_id is not None:
-                self.seen.add(err.custom_id)
-            if duplicate:
-                return self._duplicate(idx, line, err.custom_id)
+                first_line = self.seen.setdefault(err.custom_id, line)
+                if first_line != line:
+                    return self._duplicate(idx, line, err.custom_id, first_line)
             return st.InputRow(idx, line, err.custom_id, None, dumps_line(error_line_from(err)))
         custom_id = request.custom_id
-        if custom_id in self.seen:
-            return self._duplicate(idx, line, custom_id)
-        self.seen.add(custom_id)
+        first_line = self.seen.setdefault(custom_id, line)
+        if first_line != line:
+            return self._duplicate(idx, line, custom_id, first_line)
         if request.request.url != self.endpoint:
             message = (
                 f"line {line}: 'url' {request.request.url!r} does not match the batch's "
@@ -82,9 +81,8 @@ class _LineValidator:
         return st.InputRow(idx, line, custom_id, text, None)
 
     @staticmethod
-    def _duplicate(idx: int, line: int, custom_id: str) -> st.InputRow:
-        message = f"line {line}: duplicate custom_id {custom_id!r} (it appeared on an earlier line)"
-        result = error_line(custom_id, DUPLICATE_CUSTOM_ID, message, param="custom_id", line=line)
+    def _duplicate(idx: int, line: int, custom_id: str, first_line: int) -> st.InputRow:
+        result = duplicate_custom_id_line(custom_id, line, first_line)
         return st.InputRow(idx, line, custom_id, None, dumps_line(result))
 
 

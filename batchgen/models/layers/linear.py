@@ -27,6 +27,8 @@ only, `BatchInvariantLinear`), float32 layers stay as they were.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +37,13 @@ from torch import nn
 from batchgen.kernels import packed_linear as pk
 from batchgen.kernels.cpu_build import cpu_flags
 from batchgen.kernels.onednn_linear import (
+    ONEDNN_LINEAR_F32_ENV,
     onednn_f32_mode,
     pack_onednn_weight,
     prepacked_linear_supported,
 )
+
+logger = logging.getLogger(__name__)
 
 # Largest M * N * K (multiply-adds per call) that `packed_linear` serves, by torch threads;
 # above it oneDNN's prepacked inner product is as fast or faster. Measured with
@@ -186,7 +191,9 @@ class PrepackedLinear(nn.Linear):
                     onednn = pack_onednn_weight(w) if prepacked_linear_supported() else None
                     amx = pk.pack_packed_linear_weight(w) if pk.packed_linear_supported() else None
                 fn = pk.kernel_function() if amx is not None else None
-                self._packed = (key, onednn, amx, fn, pk.kernel_isa() == "amx")
+                # float32 never runs packed_linear: no probe (its build and log line) for it
+                runs_amx = amx is not None and pk.kernel_isa() == "amx"
+                self._packed = (key, onednn, amx, fn, runs_amx)
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,28 +268,39 @@ def enable_prepacked_linear(model: nn.Module) -> int:
     ``BATCHGEN_PACKED_LINEAR`` not ``0``); those with a float32 weight (and bias) where
     `onednn_f32_mode` is ``"onednn"``. Other layers (a weight and bias of two dtypes,
     subclasses such as `BatchInvariantLinear`) are left alone. Returns the number converted
-    (0 where no path is supported: the model is unchanged).
+    (0 where no path is supported: the model is unchanged). A dtype's paths are probed (and
+    logged) only when the model has such layers: a float32 model logs no bf16 kernel.
 
     Raises:
         ValueError: a bad ``BATCHGEN_ONEDNN_LINEAR_F32`` (`onednn_f32_mode`)."""
+    layers = [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear
+        and m.weight.is_cpu
+        and (m.bias is None or m.bias.dtype == m.weight.dtype)
+    ]
+    present = {m.weight.dtype for m in layers}
     dtypes = []
-    if prepacked_linear_supported() or pk.packed_linear_supported():
+    if torch.bfloat16 in present and (
+        prepacked_linear_supported() or pk.packed_linear_supported()
+    ):
         dtypes.append(torch.bfloat16)
-    if onednn_f32_mode() == "onednn":
+    if torch.float32 in present and onednn_f32_mode() == "onednn":
         dtypes.append(torch.float32)
-    if not dtypes:
-        return 0
+        _log_f32_path()
     converted = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        bias = getattr(module, "bias", None)
-        if (
-            type(module) is nn.Linear
-            and w.dtype in dtypes
-            and w.is_cpu
-            and (bias is None or bias.dtype == w.dtype)
-        ):
+    for module in layers:
+        if module.weight.dtype in dtypes:
             module.__class__ = PrepackedLinear
             module.packed_weight()
             converted += 1
     return converted
+
+
+@functools.cache
+def _log_f32_path() -> None:
+    mode = os.environ.get(ONEDNN_LINEAR_F32_ENV, "auto")
+    logger.info(
+        "float32 dense linear layers: oneDNN prepacked weights (%s=%s)", ONEDNN_LINEAR_F32_ENV, mode
+    )
