@@ -226,7 +226,10 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+                raise ValueError(
+                    f"{name} must be an integer >= 1 (or unset/None for the default), "
+                    f"got {value!r}"
+                )
         if (
             self.max_num_seqs is not None
             and self.max_active_coroutines is not None

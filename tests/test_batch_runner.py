@@ -433,6 +433,24 @@ def test_resume_runs_a_first_occurrence_whose_duplicate_was_already_reported(tmp
     assert [r["error"] is None for r in results] == [False, True]
 
 
+def test_resume_answers_a_line_inserted_where_a_duplicate_was_reported(tmp_path):
+    """A duplicate's error line is keyed by its line number and custom_id: a new line inserted
+    at that number since is run, not skipped, and the moved duplicate gets its own error."""
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("r1"), completion_line("r1")])
+    dst = tmp_path / "out.jsonl"
+    first = run(FakeEngine(), src, dst)
+    assert (first.succeeded, first.failed) == (1, 1)
+    lines = [completion_line("r1"), completion_line("r2-new"), completion_line("r1")]
+    write_lines(src, lines)
+    summary = run(FakeEngine(), src, dst, resume=True)
+    assert (summary.succeeded, summary.failed, summary.skipped) == (1, 1, 1)
+    results = read_results(dst)
+    assert {(r["custom_id"], r["error"] and r["error"]["line"]) for r in results} == {
+        ("r1", None), ("r1", 2), ("r2-new", None), ("r1", 3)
+    }
+    assert run(FakeEngine(), src, dst, resume=True).skipped == 3
+
+
 def test_resume_without_an_output_file_starts_fresh(tmp_path):
     src = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
     summary = run(FakeEngine(), src, tmp_path / "new.jsonl", resume=True)
@@ -502,7 +520,7 @@ def test_load_resume_state(tmp_path):
     ]
     path = write_lines(tmp_path / "out.jsonl", [json.dumps(r) for r in rows])
     state = load_resume_state(path)
-    assert state.done_ids == {"ok", "bad"} and state.done_lines == {3, 4}
+    assert state.done_ids == {"ok", "bad"} and state.done_lines == {(3, None), (4, "ok")}
 
 
 def test_file_errors(tmp_path):
@@ -586,6 +604,28 @@ def test_cli_user_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, arg
     assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("batchgen run: error: ") and words in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["run", "-i", "{tmp}/in.jsonl", "-o", "{tmp}"], "output file '{tmp}' is a directory"),
+        (["run", "-i", "{tmp}", "-o", "{tmp}/out.jsonl"], "input file '{tmp}' is a directory"),
+    ],
+)
+def test_cli_a_directory_for_a_file_fails_before_the_engine_starts(
+    tmp_path, monkeypatch, capsys, argv, words
+):
+    write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+
+    def no_engine(kwargs):
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr(cli_flags, "start_engine", no_engine)
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchgen run: error: ") and words.format(tmp=tmp_path) in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 

@@ -23,8 +23,8 @@ def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
     """(non-blank lines, the keys of the results the input can have) in one streaming pass.
 
     The keys are what `result_key` gives the result line `run_batch_file` writes for each
-    request line: its custom_id, or its line number for a line without a usable custom_id and
-    for a duplicate (`ResumeState`). Memory: the set of custom_ids (which the run holds anyway).
+    request line: its custom_id, or its line number and custom_id (None) for a line without a
+    usable custom_id and for a duplicate (`ResumeState`). Memory: the set of custom_ids (which the run holds anyway).
     """
     keys = ResumeState()
     count = 0
@@ -35,7 +35,7 @@ def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
             count += 1
             custom_id = batch_line_custom_id(raw, line)
             if custom_id is None or custom_id in keys.done_ids:
-                keys.done_lines.add(line)
+                keys.done_lines.add((line, custom_id))
             else:
                 keys.done_ids.add(custom_id)
     return count, keys
@@ -49,8 +49,8 @@ def all_results_present(
     load the model), else None.
 
     Uses the keys `run_batch_file` resumes by (`input_result_keys`, `load_resume_state`):
-    a line's custom_id, or its line number for a line without a usable custom_id and for a
-    duplicate. None too when the output does not exist or the input is not a regular file
+    a line's custom_id, or its line number and custom_id for a line without a usable custom_id
+    and for a duplicate. None too when the output does not exist or the input is not a regular file
     (a pipe can be read once only). Like a resumed run, cuts a half-written last output line.
 
     Raises:

@@ -42,13 +42,21 @@ class ResumeState:
 
     Attributes:
         done_ids: custom_ids with a success line or an error line of their own.
-        done_lines: 1-based input line numbers of error lines that a custom_id cannot stand for:
-            lines without a usable custom_id, and duplicate-custom_id errors (whose custom_id
-            belongs to an earlier line, which may itself not be done yet).
+        done_lines: ``(line, custom_id)`` of error lines that a custom_id alone cannot stand
+            for: lines without a usable custom_id (``custom_id`` None), and duplicate-custom_id
+            errors (whose custom_id belongs to an earlier line, which may itself not be done
+            yet). ``line`` is 1-based; the pair must match the input line (its number and the
+            custom_id it names), so a line inserted into the input since is not taken for done.
     """
 
     done_ids: set[str] = field(default_factory=set)
-    done_lines: set[int] = field(default_factory=set)
+    done_lines: set[tuple[int, str | None]] = field(default_factory=set)
+
+    @property
+    def done_line_numbers(self) -> set[int]:
+        """The line numbers of `done_lines` (a cheap first test before a line's custom_id is
+        read)."""
+        return {line for line, _ in self.done_lines}
 
     def add(self, result: dict[str, Any]) -> None:
         key = result_key(result)
@@ -66,12 +74,15 @@ class ResumeState:
 
 
 def result_key(result: dict[str, Any]) -> tuple[str, Any] | None:
-    """What a result line answers: ``("id", custom_id)``, or ``("line", n)`` for an error line
-    a custom_id cannot stand for (`ResumeState`); None for neither."""
+    """What a result line answers: ``("id", custom_id)``, or ``("line", (n, custom_id))`` for
+    an error line a custom_id cannot stand for (`ResumeState`; ``custom_id`` None when the line
+    had no usable one); None for neither."""
     custom_id, error = result.get("custom_id"), result.get("error")
     if isinstance(error, dict) and (custom_id is None or error.get("code") == DUPLICATE_CUSTOM_ID):
         line = error.get("line")
-        return ("line", line) if isinstance(line, int) else None
+        if not isinstance(line, int):
+            return None
+        return ("line", (line, custom_id if isinstance(custom_id, str) else None))
     return ("id", custom_id) if isinstance(custom_id, str) else None
 
 

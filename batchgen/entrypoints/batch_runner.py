@@ -63,6 +63,7 @@ from batchgen.entrypoints.openai_protocol import (
     BatchLineError,
     BatchRequest,
     BlankLines,
+    batch_line_custom_id,
     duplicate_custom_id_line,
     error_line,
     error_line_from,
@@ -95,6 +96,7 @@ class _BatchRun:
         self.engine = engine
         self.writer = writer
         self.resume = resume
+        self.resumed_line_numbers = resume.done_line_numbers
         self.max_in_flight = max_in_flight
         self.bar = bar
         self.summary = BatchRunSummary()
@@ -134,7 +136,10 @@ class _BatchRun:
         if self.blank.skip(line, raw):
             return
         self.summary.total += 1
-        if line in self.resume.done_lines:
+        if (
+            line in self.resumed_line_numbers
+            and (line, batch_line_custom_id(raw, line)) in self.resume.done_lines
+        ):  # the same line (number and custom_id) as the error line in the output
             return self._skip()
         try:
             request = parse_batch_line(raw, line)

@@ -42,8 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_run_paths(args: argparse.Namespace) -> None:
+    if Path(args.input).is_dir():
+        raise CliError(f"input file {args.input!r} is a directory; name a batch input file")
     if not Path(args.input).is_file():
         raise CliError(f"input file {args.input!r} does not exist")
+    if Path(args.output).is_dir():
+        raise CliError(
+            f"output file {args.output!r} is a directory; name a file for the results, "
+            f"e.g. {str(Path(args.output) / 'results.jsonl')!r}"
+        )
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
         raise CliError(f"output directory {str(out_dir)!r} does not exist")
