@@ -629,6 +629,28 @@ def test_cli_a_directory_for_a_file_fails_before_the_engine_starts(
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_cli_an_input_without_requests_says_so_and_loads_no_model(
+    tmp_path, monkeypatch, capsys, content
+):
+    src = tmp_path / "in.jsonl"
+    src.write_text(content)
+    out = tmp_path / "out.jsonl"
+    out.write_text("stale\n")
+
+    def no_engine(kwargs):
+        raise AssertionError("the engine must not start")
+
+    monkeypatch.setattr(cli_flags, "start_engine", no_engine)
+    assert cli.main(["run", "-i", str(src), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"batchgen run: nothing to do: {src} has no request lines" in err
+    assert out.read_bytes() == b""  # overwritten, as any run without --resume
+    out.write_text("kept\n")
+    assert cli.main(["run", "-i", str(src), "-o", str(out), "--resume"]) == 0
+    assert out.read_text() == "kept\n"
+
+
 def test_cli_engine_flags_follow_engine_config():
     parser = cli.build_parser()
     args = parser.parse_args(["run", "-i", "a", "-o", "b", "--max-model-len", "128"])

@@ -509,7 +509,7 @@ def test_batchgen_run_config_with_max_num_seqs_reaches_the_ranks(tmp_path, monke
 
     monkeypatch.setattr(frontend, "DPEngineClient", ranks)
     src = tmp_path / "in.jsonl"
-    src.write_text("")
+    src.write_text('{"custom_id": "a", "prompt": "x"}\n')  # an empty input loads no engine
     argv = ["run", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--config", str(LOCAL)]
     assert cli.main([*argv, "--max-num-seqs", "512"]) == 130  # not 2: no error
     [(engine, parallel)] = seen

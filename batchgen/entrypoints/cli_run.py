@@ -129,6 +129,23 @@ def _nothing_left(args: argparse.Namespace) -> bool:
     return True
 
 
+def _no_requests(args: argparse.Namespace) -> bool:
+    """An input file with no request line (empty, or blank lines only): say so, leave an empty
+    output (or, with ``--resume``, the output as it is) and do not load the model."""
+    from batchgen.entrypoints.batch_input import count_request_lines
+
+    if not Path(args.input).is_file() or count_request_lines(args.input):
+        return False
+    if not args.resume or not Path(args.output).exists():
+        Path(args.output).write_bytes(b"")
+    print(
+        f"{PROG} run: nothing to do: {args.input} has no request lines (an empty file or blank "
+        "lines only); the model was not loaded",
+        file=sys.stderr,
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``batchgen run``. Returns 0, or 1 when the run stopped early (a rank failed, the
     snapshot was taken over or could not be written; the message says where the results are).
@@ -143,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     _check_run_paths(args)
     kwargs = engine_kwargs(args)
     snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
+    if snapshot is None and _no_requests(args):
+        return 0
     if args.resume and snapshot is None and _nothing_left(args):
         return 0
     engine = cli_flags.start_engine(_without_snapshot(kwargs))
