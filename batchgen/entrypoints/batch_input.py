@@ -24,7 +24,8 @@ def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
 
     The keys are what `result_key` gives the result line `run_batch_file` writes for each
     request line: its custom_id, or its line number and custom_id (None) for a line without a
-    usable custom_id and for a duplicate (`ResumeState`). Memory: the set of custom_ids (which the run holds anyway).
+    usable custom_id and for a duplicate (`ResumeState`). Memory: the set of custom_ids (which
+    the run holds anyway).
     """
     keys = ResumeState()
     count = 0
@@ -50,8 +51,9 @@ def all_results_present(
 
     Uses the keys `run_batch_file` resumes by (`input_result_keys`, `load_resume_state`):
     a line's custom_id, or its line number and custom_id for a line without a usable custom_id
-    and for a duplicate. None too when the output does not exist or the input is not a regular file
-    (a pipe can be read once only). Like a resumed run, cuts a half-written last output line.
+    and for a duplicate. None too when the output does not exist or the input is not a regular
+    file (a pipe can be read once only). Like a resumed run, cuts a half-written last output
+    line.
 
     Raises:
         BatchFileError: the output is not a batch result file (`load_resume_state`).

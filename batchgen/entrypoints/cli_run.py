@@ -132,10 +132,9 @@ def _nothing_left(args: argparse.Namespace) -> bool:
 def _no_requests(args: argparse.Namespace) -> bool:
     """An input file with no request line (empty, or blank lines only): say so, leave an empty
     output (or, with ``--resume``, the output as it is) and do not load the model."""
-    from batchgen.entrypoints.batch_input import count_request_lines
-
-    if not Path(args.input).is_file() or count_request_lines(args.input):
-        return False
+    with open(args.input, "rb") as f:
+        if any(raw.strip() for raw in f):  # stops at the first request line: no full pass
+            return False
     if not args.resume or not Path(args.output).exists():
         Path(args.output).write_bytes(b"")
     print(
