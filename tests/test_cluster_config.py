@@ -650,7 +650,7 @@ def test_bench_takes_what_it_can_from_the_file(caplog):
     assert "coroutine_scheduler.max_active_coroutines" in caplog.text
     plain = cli.build_parser().parse_args(["bench"])
     resolve_settings(plain)
-    assert (plain.model, plain.dtype, plain.expert_coalesce_threshold) == (None, "float32", 2048)
+    assert (plain.model, plain.dtype, plain.expert_coalesce_threshold) == (None, "float32", None)
 
 
 # ---- the schema

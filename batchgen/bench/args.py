@@ -3,8 +3,8 @@ fast).
 
 With ``--config FILE`` the bench takes from the cluster file what it can use (the model, dtype,
 device, expert_coalesce_threshold and the parallel settings of `PARALLEL_FLAGS`); flags given
-override the file, and the file's other settings are named in a warning: the bench keeps its
-own engine settings so that its figures compare (docs/bench.md).
+override the file, and the file's other settings are named in a warning: the bench runs the
+engine's default settings, what a user who changes nothing gets (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -15,17 +15,12 @@ import logging
 logger = logging.getLogger(__name__)
 
 MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
-# Hold every MoE stage for all of a step's micro-batches: at 256 (2,048 tokens) a 16,384-token
-# step split into up to 8 MoE calls, each adding about one tile of waste per expert (measured
-# tile density 0.533 vs 0.552 at 512 rollouts; simulated 0.80 vs 0.85 at 2,048), and the MoE
-# layer runs faster per token at 8,192 tokens than at 2,048 (58 vs 64-80 us on 2 cores).
-EXPERT_COALESCE_THRESHOLD = 2048
 # Settings a cluster file can give the bench, and their defaults when neither it nor a flag does.
 BENCH_DEFAULTS = {
     "model": None,
     "dtype": "float32",
     "device": "auto",
-    "expert_coalesce_threshold": EXPERT_COALESCE_THRESHOLD,
+    "expert_coalesce_threshold": None,  # the engine's default (EngineConfig)
 }
 
 
@@ -51,8 +46,8 @@ def add_arguments(p) -> None:
         type=int,
         default=argparse.SUPPRESS,
         help="coalesce: mean rows per expert below which an MoE stage waits for the step's "
-        f"other micro-batches (default {EXPERT_COALESCE_THRESHOLD}: a whole 16,384-token step, "
-        "top-8 of 64 experts, so every micro-batch of a step meets in one MoE call)",
+        "other micro-batches (default: the engine's, as every other engine setting of the "
+        "bench: what LLM() and batchgen run use)",
     )
     p.add_argument(
         "--rollouts-requests",
@@ -119,6 +114,6 @@ def resolve_settings(args) -> None:
             setattr(args, name, value)
     if ignored:
         logger.warning(
-            "batchgen bench keeps its own engine settings (docs/bench.md) and does not use: %s",
+            "batchgen bench runs the engine's default settings (docs/bench.md) and does not use: %s",
             ", ".join(ignored),
         )

@@ -10,12 +10,7 @@ import warnings
 
 import torch
 
-from batchgen.bench.bench_model import (
-    KV_CACHE_GB,
-    MAX_ACTIVE_COROUTINES,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_STEP_TOKENS,
-)
+from batchgen.bench.bench_model import KV_CACHE_GB
 from batchgen.bench.flops import active_params_per_token, attention_flops
 from batchgen.bench.results import ModeResult, _progress
 from batchgen.bench.workloads import TreeSearch, Workload
@@ -23,6 +18,19 @@ from batchgen.bench.workloads import TreeSearch, Workload
 
 PROFILE_TOP_OPS = 12
 PROFILE_EVERY_STEPS = 10  # profile one engine step in this many (tracing every op is slow)
+
+
+def engine_settings(config) -> dict:
+    """The scheduling settings an engine runs under (`batchgen.config.EngineConfig`, defaults
+    resolved): ``max_num_batched_tokens``, ``max_num_seqs``, step tokens, threshold, block size."""
+    return {
+        "scheduler_policy": config.scheduler_policy,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_running_seqs,
+        "max_step_tokens": config.step_token_budget,
+        "expert_coalesce_threshold": config.expert_coalesce_threshold,
+        "block_size": config.block_size,
+    }
 
 
 class _SampledProfile:
@@ -99,12 +107,21 @@ def run_batchgen(
     policy: str,
     dtype: str,
     device: str,
-    threshold: int,
+    threshold: int | None,
     profile: bool = False,
     kv_cache_gb: float = KV_CACHE_GB,
     progress: bool = False,
     enable_prefix_caching: bool = True,
 ) -> tuple[ModeResult, list[list[int]]]:
+    """One BatchGen mode on ``workload``: an `LLM` with the engine's defaults of ``policy``
+    (`batchgen.config.EngineConfig`: step tokens, running sequences, coalescing threshold),
+    ``kv_cache_gb`` GiB of KV cache, ``max_model_len`` 4,096 and ``threshold`` as
+    ``expert_coalesce_threshold`` when not None. Returns the mode's figures (the settings it
+    ran under in ``extra["engine_settings"]``) and the greedy outputs' token ids.
+
+    Raises:
+        RuntimeError: the engine produced another number of tokens than the workload asks.
+    """
     from batchgen import LLM, SamplingParams
 
     llm = LLM(
@@ -113,15 +130,9 @@ def run_batchgen(
         dtype=dtype,
         device=device,
         scheduler_policy=policy,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_gb=kv_cache_gb,
-        expert_coalesce_threshold=threshold,
-        max_step_tokens=MAX_STEP_TOKENS,
         max_model_len=4096,
-        # coalesce: MAX_ACTIVE_COROUTINES. lockstep may run as many sequences as its token
-        # budget can decode in one step (vLLM's default of 256 would leave half of each decode
-        # step empty here).
-        max_num_seqs=MAX_ACTIVE_COROUTINES if policy == "coalesce" else MAX_NUM_BATCHED_TOKENS,
+        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)
@@ -180,6 +191,7 @@ def run_batchgen(
             "prefix_cache_hits": m["prefix_cache_hits"],
             "prefix_cache_hit_rate": m["prefix_cache_hit_rate"],
             "cuda_graph_step_share": m["cuda_graph_step_share"],
+            "engine_settings": engine_settings(llm.llm_engine.config),
         },
     )
     if sampled is not None:

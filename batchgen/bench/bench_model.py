@@ -1,5 +1,6 @@
 """The benchmark's checkpoints (DESIGN.md's model and a DeepSeek-V3 one, built offline on first
-use) and the engine settings both BatchGen modes run under."""
+use) and its memory budgets. The BatchGen modes run the engine's defaults of their policy
+(`batchgen.config.EngineConfig`): what a user who changes nothing gets."""
 
 from __future__ import annotations
 
@@ -42,14 +43,11 @@ BENCH_MODELS = {
     "mixtral": (BENCH_MODEL_NAME, BENCH_MODEL),
     "deepseek_v3": ("bench-deepseek-v3-e64-top8-h512-l4-v1", BENCH_MODEL_DEEPSEEK_V3),
 }
-MAX_NUM_BATCHED_TOKENS = 512
 KV_CACHE_GB = 8.0  # the KV budget of both BatchGen modes (4,096 rollouts need about 7.2 GB)
 QUICK_KV_CACHE_GB = 1.0
-# coalesce: the sequences that may run at once and the tokens of one step over all attention
-# micro-batches (32 of 512 tokens). lockstep runs at most MAX_NUM_BATCHED_TOKENS per step.
-MAX_ACTIVE_COROUTINES = 4096
-MAX_STEP_TOKENS = 32 * MAX_NUM_BATCHED_TOKENS
-
+# transformers' generate_batch: tokens per step of its continuous batching (its own setting; the
+# BatchGen modes run the engine's defaults, `batchgen.config.EngineConfig`).
+HF_BATCH_TOKENS = 512
 
 def bench_model_path(arch: str = "mixtral") -> str:
     """The benchmark checkpoint of ``arch`` (a key of `BENCH_MODELS`), built offline on first

@@ -34,7 +34,9 @@ PARALLEL_FLAGS = (
 )
 
 
-def _run_mode(path: str, workload: Workload, dtype: str, threshold: int, kv_gb: float, parallel):
+def _run_mode(
+    path: str, workload: Workload, dtype: str, threshold: int | None, kv_gb: float, parallel
+):
     from batchgen import LLM, SamplingParams
     from batchgen.bench import runner
 
@@ -43,12 +45,9 @@ def _run_mode(path: str, workload: Workload, dtype: str, threshold: int, kv_gb: 
         dtype=dtype,
         device="cpu",
         scheduler_policy="coalesce",
-        max_num_batched_tokens=runner.MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_gb=kv_gb,
-        expert_coalesce_threshold=threshold,
-        max_active_coroutines=runner.MAX_ACTIVE_COROUTINES,
-        max_step_tokens=runner.MAX_STEP_TOKENS,
         max_model_len=4096,
+        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
         **parallel,
     )
     try:

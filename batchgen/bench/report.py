@@ -10,7 +10,7 @@ def format_table(record: dict) -> str:
     """Human-readable table of a `run` record."""
     lines = [
         f"peak {record['peak_gflops']:.1f} GFLOP/s ({record['dtype']}, {record['device']},"
-        f" {record['torch_threads']} threads); max_num_batched_tokens "
+        f" {record['torch_threads']} threads); engine defaults: max_num_batched_tokens "
         f"{record['max_num_batched_tokens']}, expert_coalesce_threshold "
         f"{record['expert_coalesce_threshold']}",
         f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "

@@ -50,16 +50,33 @@ from batchgen.bench.bench_model import (  # noqa: F401  (re-exported)
     BENCH_MODEL,
     BENCH_MODEL_NAME,
     BENCH_MODELS,
+    HF_BATCH_TOKENS,
     KV_CACHE_GB,
-    MAX_ACTIVE_COROUTINES,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_STEP_TOKENS,
     QUICK_KV_CACHE_GB,
     bench_model_path,
 )
 from batchgen.bench.batchgen_modes import run_batchgen  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
+
+
+def _coalesce_defaults(threshold: int | None) -> dict:
+    """The record's engine settings: the coalesce mode's `LLM()` defaults
+    (`batchgen.config.EngineConfig`), ``threshold`` as ``expert_coalesce_threshold`` when not
+    None. Each BatchGen mode's own settings are in its ``extra["engine_settings"]``."""
+    from batchgen.config import EngineConfig
+
+    c = EngineConfig(
+        scheduler_policy="coalesce",
+        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
+    )
+    return {
+        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "expert_coalesce_threshold": c.expert_coalesce_threshold,
+        "max_active_coroutines": c.max_running_seqs,
+        "max_step_tokens": c.step_token_budget,
+    }
+
 
 def _workload_flops(cfg, workload: Workload | TreeSearch) -> int:
     return sum(sequence_flops(cfg, p, o, n) for p, o, n in workload.shapes())
@@ -71,7 +88,7 @@ def run(
     device: str = "cpu",
     modes: tuple[str, ...] = MODES,
     workloads: tuple[str, ...] | None = None,
-    threshold: int = 256,
+    threshold: int | None = None,
     model: str | None = None,
     profile: bool = False,
     arch: str = "mixtral",
@@ -93,10 +110,7 @@ def run(
         "device": str(dev),
         "model": path,
         "quick": quick,
-        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "expert_coalesce_threshold": threshold,
-        "max_active_coroutines": MAX_ACTIVE_COROUTINES,
-        "max_step_tokens": MAX_STEP_TOKENS,
+        **_coalesce_defaults(threshold),
         "torch_threads": torch.get_num_threads(),
         "profiled": profile,
         "workloads": {},
@@ -182,11 +196,9 @@ def run(
         engine_kwargs = dict(
             dtype=dtype,
             device=device,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
             kv_cache_memory_gb=kv_gb,
-            expert_coalesce_threshold=threshold,
-            max_step_tokens=MAX_STEP_TOKENS,
             max_model_len=4096,
+            **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
         )
         try:
             record["structured"] = {
@@ -237,7 +249,7 @@ def _run_mode(
         res = (
             run_hf_generate(hf, sample, progress=progress)
             if mode == "hf_generate"
-            else run_hf_generate_batch(hf, sample, MAX_NUM_BATCHED_TOKENS, progress=progress)
+            else run_hf_generate_batch(hf, sample, HF_BATCH_TOKENS, progress=progress)
         )
         res.extra["sampled_requests"] = len(sample.requests)
         mode_flops = _workload_flops(cfg, sample)
