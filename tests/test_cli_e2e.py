@@ -192,7 +192,10 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
     assert "random weights" not in proc.stderr  # said of the default model only
 
 
-def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_kill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model, sig):
+    """Killed mid-run (SIGKILL: nothing runs after it; SIGTERM: an orderly stop, exit 143 and a
+    line that says how to go on), --resume finishes each custom_id once, as a clean run."""
     inp = tmp_path / "in.jsonl"
     ids = [f"req-{i:03d}" for i in range(40)]
     inp.write_text(
@@ -222,15 +225,22 @@ def test_sigkill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model):
         [*BATCHGEN, "run", "-i", str(inp), "-o", str(out), *args],
         env=_env(tmp_path),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 120
     while time.time() < deadline:
         if out.exists() and out.read_text().count("\n") >= 6:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(getattr(signal, sig))
+    _, stderr = proc.communicate(timeout=120)
+    if sig == "SIGTERM":
+        assert proc.returncode == 143, stderr
+        assert "batchgen run: terminated by SIGTERM (rerun with --resume to continue)" in stderr
+        assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    else:
+        assert proc.returncode == -signal.SIGKILL
     done_before = out.read_text().count("\n")
     assert 6 <= done_before < 40, "the kill should land mid-run"
     subprocess.run(

@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from batchgen import __version__
@@ -156,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchgen`` script. Returns the exit code.
 
     0: done (individual requests may still have failed: see the output file and summary);
-    2: usage or user error; 130: interrupted (rerun with ``--resume`` to continue).
+    2: usage or user error; 130: interrupted (SIGINT, Ctrl-C), 143: terminated (SIGTERM), in
+    both cases after the results finished so far are written (rerun with ``--resume``).
     """
     args, unknown = build_parser().parse_known_args(argv)
     command: Subcommand = args._subcommand
@@ -190,23 +193,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         root.setLevel(previous_level)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command: unwinds like Ctrl-C (the results finished so far are written,
+    the engine and its ranks shut down), then the command exits 143 (128 + SIGTERM)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def _run_command(command: Subcommand, args: argparse.Namespace) -> int:
-    """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted)."""
+    """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted,
+    143 when terminated: `batchgen run` turns SIGTERM, what ``kill``, ``timeout`` and container
+    runtimes send, into the same orderly stop as Ctrl-C)."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
         set_openmp_wait_policy()
     given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
+    on_term = command.name == "run" and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_term else None
+    hint = " (rerun with --resume to continue)" if command.name == "run" else ""
     try:
         return command.run(args)
     except CliError as err:
         print(f"{PROG} {command.name}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{PROG} {command.name}: terminated by SIGTERM{hint}", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
-        hint = " (rerun with --resume to continue)" if command.name == "run" else ""
         print(f"{PROG} {command.name}: interrupted{hint}", file=sys.stderr)
         return 130
     finally:
+        if on_term:  # None: a handler from outside Python, which only SIG_DFL can stand for
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         GIVEN_AS.reset(given_as)
 
 

@@ -161,7 +161,15 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms_and_biases(model)
-    model.save_pretrained(out, safe_serialization=True)
+    # transformers' "Writing model shards" bar would show through `--no-progress` on the first
+    # use of a built-in model; a tiny checkpoint is written in about a second without it.
+    bar_was_on = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            tf.utils.logging.enable_progress_bar()
     gen = {
         "bos_token_id": BOS_ID,
         "eos_token_id": [EOS_ID, IM_END_ID],
