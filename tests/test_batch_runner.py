@@ -612,12 +612,17 @@ def test_cli_user_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, arg
     [
         (["run", "-i", "{tmp}/in.jsonl", "-o", "{tmp}"], "output file '{tmp}' is a directory"),
         (["run", "-i", "{tmp}", "-o", "{tmp}/out.jsonl"], "input file '{tmp}' is a directory"),
+        (["run", "-i", "{tmp}/in.jsonl", "-o", "{tmp}/in.jsonl"], "is the input file"),
+        (["run", "-i", "{tmp}/in.jsonl", "-o", "{tmp}/link.jsonl"], "is the input file"),
     ],
 )
 def test_cli_a_directory_for_a_file_fails_before_the_engine_starts(
     tmp_path, monkeypatch, capsys, argv, words
 ):
+    """Path mistakes fail before the model loads (minutes with a real checkpoint): a directory
+    for a file, or the input named again as the output, by its path or through a link."""
     write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "in.jsonl")
 
     def no_engine(kwargs):
         raise AssertionError("the engine must not start")

@@ -172,6 +172,26 @@ def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):
     assert w["hf_generate"]["tile_density"] is None
     table = format_table(record)
     assert "extraction" in table and "coalesce" in table
+    # Both BatchGen modes ran LLM()'s defaults of their policy, and the table names them.
+    from batchgen.config import EngineConfig
+
+    for mode, seqs in (("lockstep", 256), ("coalesce", 1024)):
+        c = EngineConfig(scheduler_policy=mode)
+        assert c.max_running_seqs == seqs
+        assert w[mode]["extra"]["engine_settings"] == {
+            "scheduler_policy": mode,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "max_num_seqs": seqs,
+            "max_step_tokens": c.step_token_budget,
+            "expert_coalesce_threshold": c.expert_coalesce_threshold,
+            "block_size": c.block_size,
+            "kv_cache_memory_gb": record["kv_cache_memory_gb"],
+            "max_model_len": 4096,
+        }
+        assert (
+            f"  {mode}: max_num_batched_tokens {c.max_num_batched_tokens}, max_num_seqs {seqs}, "
+            f"{c.step_token_budget} tokens per step" in table
+        )
     for term in ("x hf_gen   ", "tile dens  ", "rows/GEMM  ", "MFU        ", "dec MFU    "):
         assert f"\n{term}" in table, term
     # The quick extraction workload (8 requests) fits hf_generate's sample whole: no mark.

@@ -209,3 +209,44 @@ def test_main_leaves_the_batchgen_logger_as_it_found_it(tmp_path, monkeypatch):
     assert cli.main([*argv, "--no-progress"]) == 0
     assert cli.main(["run", "-i", str(tmp_path / "missing.jsonl"), "-o", "x"]) == 2
     assert (list(logger.handlers), logger.level) == before
+
+
+_AFTER_THE_JOB = """
+import os, signal, sys, time
+from types import SimpleNamespace
+from batchgen.entrypoints import cli
+
+class Run:  # a finished `batchgen run`
+    name, uses_torch = "run", False
+    def run(self, args):
+        print("summary", file=sys.stderr)
+        return int(sys.argv[1])
+
+code = cli._run_command(Run(), SimpleNamespace(), process_entry=sys.argv[2] == "1")
+print("returned", code, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # what a supervisor sends as the job ends
+time.sleep(5)
+print("after sleep", flush=True)
+"""
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_sigterm_after_a_finished_run_exits_with_the_runs_code(code):
+    """The ``batchgen`` script: a SIGTERM that lands after `batchgen run` finished (while the
+    interpreter shuts down) exits with the run's own code at once, not 143 or death by signal;
+    an in-process caller gets its previous handler back (here the default: death by SIGTERM)."""
+    entry = subprocess.run(
+        [sys.executable, "-c", _AFTER_THE_JOB, str(code), "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert entry.returncode == code, entry.stderr
+    assert entry.stdout == f"returned {code}\n" and "summary" in entry.stderr
+    in_process = subprocess.run(
+        [sys.executable, "-c", _AFTER_THE_JOB, str(code), "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert in_process.returncode == -15 and in_process.stdout == f"returned {code}\n"

@@ -22,7 +22,8 @@ PROFILE_EVERY_STEPS = 10  # profile one engine step in this many (tracing every 
 
 def engine_settings(config) -> dict:
     """The scheduling settings an engine runs under (`batchgen.config.EngineConfig`, defaults
-    resolved): ``max_num_batched_tokens``, ``max_num_seqs``, step tokens, threshold, block size."""
+    resolved): ``max_num_batched_tokens``, ``max_num_seqs``, step tokens, threshold, block size,
+    KV budget (GiB) and ``max_model_len``."""
     return {
         "scheduler_policy": config.scheduler_policy,
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -30,6 +31,8 @@ def engine_settings(config) -> dict:
         "max_step_tokens": config.step_token_budget,
         "expert_coalesce_threshold": config.expert_coalesce_threshold,
         "block_size": config.block_size,
+        "kv_cache_memory_gb": config.kv_cache_memory_gb,
+        "max_model_len": config.max_model_len,
     }
 
 

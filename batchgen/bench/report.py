@@ -6,6 +6,31 @@ from __future__ import annotations
 from batchgen.bench.args import MODES
 
 
+def _settings_lines(record: dict) -> list[str]:
+    """One line per BatchGen mode of the run: the engine settings it ran under (its first
+    workload's ``extra.engine_settings``)."""
+    lines = []
+    for mode in ("lockstep", "coalesce"):
+        settings = next(
+            (
+                w[mode]["extra"]["engine_settings"]
+                for w in record["workloads"].values()
+                if "engine_settings" in w.get(mode, {}).get("extra", {})
+            ),
+            None,
+        )
+        if settings is None:
+            continue
+        lines.append(
+            f"  {mode}: max_num_batched_tokens {settings['max_num_batched_tokens']}, "
+            f"max_num_seqs {settings['max_num_seqs']}, {settings['max_step_tokens']} tokens per "
+            f"step, expert_coalesce_threshold {settings['expert_coalesce_threshold']}, "
+            f"block_size {settings['block_size']}, KV cache {settings['kv_cache_memory_gb']} "
+            f"GiB, max_model_len {settings['max_model_len']}"
+        )
+    return lines
+
+
 def format_table(record: dict) -> str:
     """Human-readable table of a `run` record."""
     lines = [
@@ -13,6 +38,7 @@ def format_table(record: dict) -> str:
         f" {record['torch_threads']} threads); engine defaults: max_num_batched_tokens "
         f"{record['max_num_batched_tokens']}, expert_coalesce_threshold "
         f"{record['expert_coalesce_threshold']}",
+        *_settings_lines(record),
         f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "
         f"{'rows/GEMM':>9} {'MFU':>6} {'dec MFU':>7} {'secs':>7}",
     ]

@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.addHandler(handler)
     root.setLevel(level)
     try:
-        return _run_command(command, args)
+        return _run_command(command, args, process_entry=argv is None)
     finally:
         # In-process callers (tests, notebooks) get the logger back as it was: no handler
         # left on a closed stream, no level that outlives the command.
@@ -202,10 +202,27 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
-def _run_command(command: Subcommand, args: argparse.Namespace) -> int:
+def _exit_now(code: int):
+    """A SIGTERM handler for after the command has finished: the process exits at once with
+    the command's own exit code (a finished job stays a success) instead of dying of the
+    signal while the interpreter shuts down."""
+
+    def handler(signum, frame) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    return handler
+
+
+def _run_command(
+    command: Subcommand, args: argparse.Namespace, process_entry: bool = False
+) -> int:
     """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted,
     143 when terminated: `batchgen run` turns SIGTERM, what ``kill``, ``timeout`` and container
-    runtimes send, into the same orderly stop as Ctrl-C)."""
+    runtimes send, into the same orderly stop as Ctrl-C). ``process_entry`` (the ``batchgen``
+    script, ``python -m batchgen``): a SIGTERM after the command finished exits with its code
+    (`_exit_now`); in-process callers get their SIGTERM handler back instead."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
@@ -214,21 +231,25 @@ def _run_command(command: Subcommand, args: argparse.Namespace) -> int:
     on_term = command.name == "run" and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_term else None
     hint = " (rerun with --resume to continue)" if command.name == "run" else ""
+    code = 1  # an exception that escapes below
     try:
-        return command.run(args)
+        code = command.run(args)
     except CliError as err:
         print(f"{PROG} {command.name}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except Terminated:
         print(f"{PROG} {command.name}: terminated by SIGTERM{hint}", file=sys.stderr)
-        return 143
+        code = 143
     except KeyboardInterrupt:
         print(f"{PROG} {command.name}: interrupted{hint}", file=sys.stderr)
-        return 130
+        code = 130
     finally:
-        if on_term:  # None: a handler from outside Python, which only SIG_DFL can stand for
+        if on_term and process_entry:
+            signal.signal(signal.SIGTERM, _exit_now(code))
+        elif on_term:  # None: a handler from outside Python, which only SIG_DFL can stand for
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         GIVEN_AS.reset(given_as)
+    return code
 
 
 if __name__ == "__main__":

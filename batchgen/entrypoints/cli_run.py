@@ -54,6 +54,11 @@ def _check_run_paths(args: argparse.Namespace) -> None:
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
         raise CliError(f"output directory {str(out_dir)!r} does not exist")
+    if Path(args.output).exists() and Path(args.output).samefile(args.input):
+        raise CliError(
+            f"output file {args.output!r} is the input file {args.input!r} (a link to it, or "
+            "the same path): name another file for the results"
+        )
     if args.max_in_flight is not None and args.max_in_flight < 1:
         raise CliError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
 
