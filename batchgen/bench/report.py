@@ -33,12 +33,11 @@ def _settings_lines(record: dict) -> list[str]:
 
 def format_table(record: dict) -> str:
     """Human-readable table of a `run` record."""
+    settings = _settings_lines(record)
     lines = [
         f"peak {record['peak_gflops']:.1f} GFLOP/s ({record['dtype']}, {record['device']},"
-        f" {record['torch_threads']} threads); engine defaults: max_num_batched_tokens "
-        f"{record['max_num_batched_tokens']}, expert_coalesce_threshold "
-        f"{record['expert_coalesce_threshold']}",
-        *_settings_lines(record),
+        f" {record['torch_threads']} threads)" + ("; engine settings:" if settings else ""),
+        *settings,
         f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "
         f"{'rows/GEMM':>9} {'MFU':>6} {'dec MFU':>7} {'secs':>7}",
     ]
