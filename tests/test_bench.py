@@ -323,3 +323,30 @@ def test_extraction_json_compares_constrained_with_unconstrained(checkpoint_dir)
     }
     table = format_table(record)
     assert "extraction-json (16 requests, coalesce" in table and "grammar_mask" in table
+
+
+def test_distributed_bench_mode_records_its_engine_settings(checkpoint_dir):
+    """`batchgen bench --data-parallel-size N` runs the engine's defaults too; each of its modes
+    names them in the record, with --expert-coalesce-threshold in place of the default."""
+    from transformers import AutoConfig
+
+    from batchgen.bench.distributed import _run_mode
+    from batchgen.config import EngineConfig
+
+    path = str(checkpoint_dir("mixtral"))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    workload = next(w for w in make_workloads(vocab, quick=True) if w.name == "extraction")
+    default = EngineConfig(scheduler_policy="coalesce")
+    for threshold, expected in ((3, 3), (None, default.expert_coalesce_threshold)):
+        r = _run_mode(path, workload, "float32", threshold, 0.25, {})
+        assert r["useful_tokens"] == workload.useful_tokens
+        assert r["engine_settings"] == {
+            "scheduler_policy": "coalesce",
+            "max_num_batched_tokens": default.max_num_batched_tokens,
+            "max_num_seqs": default.max_running_seqs,
+            "max_step_tokens": default.step_token_budget,
+            "expert_coalesce_threshold": expected,
+            "block_size": default.block_size,
+            "kv_cache_memory_gb": 0.25,
+            "max_model_len": 4096,
+        }

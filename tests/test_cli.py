@@ -250,3 +250,32 @@ def test_sigterm_after_a_finished_run_exits_with_the_runs_code(code):
         timeout=60,
     )
     assert in_process.returncode == -15 and in_process.stdout == f"returned {code}\n"
+
+
+def test_run_turns_sigterm_into_an_orderly_stop_unless_the_parent_ignores_it(capsys):
+    """`batchgen run` raises `cli.Terminated` on SIGTERM (exit 143, a line on stderr) and puts
+    the previous handler back; a SIGTERM ignored on entry (SIG_IGN from the parent) stays
+    ignored, as Python leaves an ignored SIGINT and POSIX shells an ignored trap."""
+    import argparse
+    import os
+    import signal
+
+    from batchgen.entrypoints.cli_flags import Subcommand
+
+    def kill_self(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    run = Subcommand("run", "", lambda p: None, kill_self, uses_torch=False)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        handler = signal.getsignal(signal.SIGTERM)
+        assert cli._run_command(run, argparse.Namespace()) == 143
+        assert "batchgen run: terminated by SIGTERM (rerun with --resume" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        assert cli._run_command(run, argparse.Namespace()) == 0  # still running: ignored
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -351,3 +351,31 @@ def test_every_make_model_arch_runs_a_batch_file(tmp_path, arch):
     results = {r["custom_id"]: r for r in _lines(tmp_path / "out.jsonl")}
     assert results["c"]["response"]["body"]["usage"]["completion_tokens"] == 6
     assert results["m"]["response"]["body"]["usage"]["completion_tokens"] == 10
+
+
+def test_run_reads_its_input_from_a_pipe(tmp_path, tiny_model):
+    """`-i <(zcat big.jsonl.gz)` or a named FIFO: read once, streamed (no total), every line
+    run; was refused as 'does not exist' (only a regular file passed the path check)."""
+    import threading
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    ids = [f"p{i}" for i in range(3)]
+    text = "".join(_completion(c, f"pipe {c}", max_tokens=4, temperature=0) + "\n" for c in ids)
+
+    def feed():
+        with open(fifo, "w") as f:  # blocks until the run opens the FIFO
+            f.write(text)
+
+    threading.Thread(target=feed, daemon=True).start()
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [*BATCHGEN, "run", "-i", str(fifo), "-o", str(out), "--model", tiny_model],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(r["custom_id"] for r in _lines(out)) == ids
+    assert all(r["error"] is None for r in _lines(out))

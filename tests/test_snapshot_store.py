@@ -280,6 +280,26 @@ def test_writes_are_atomic_by_rename_locally_and_by_one_put_on_object_stores(tmp
 
 
 @pytest.mark.timeout(60)
+def test_a_write_stopped_midway_leaves_no_temporary(tmp_path, monkeypatch):
+    """SIGTERM (`cli.Terminated`, a KeyboardInterrupt) or a failed rename between a segment's
+    temporary and its rename: the exception goes on, the temporary is removed (was left in
+    results/ by every `batchgen run` stopped at that point)."""
+    store = SnapshotStore(str(tmp_path / "snap"))
+    store.open_job(manifest())
+    writer = SnapshotWriter(store)
+    writer.add(result_line("a"))
+    for exc in (cli.Terminated(), OSError("disk full")):
+
+        def mv(src, dst, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(store.fs, "mv", mv)
+        with pytest.raises(type(exc)):
+            store.write_segment(1, writer.run_id, [result_line("a")])
+        assert os.listdir(tmp_path / "snap" / "results") == []
+
+
+@pytest.mark.timeout(60)
 def test_an_unknown_protocol_is_a_clear_error():
     with pytest.raises(SnapshotError, match="snapshot_storage_uri 'nosuch://x'"):
         SnapshotStore("nosuch://x")

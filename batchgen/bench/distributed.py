@@ -2,8 +2,9 @@
 the distributed path against one process, in one run, on the same workloads and checkpoint.
 
 Modes: ``single`` (one process, all cores) and ``dp`` (N local ranks, cores and the KV cache
-budget divided among them, the given parallel flags), both under the coalesce policy with
-`batchgen.bench.runner`'s engine settings. Reported per mode: useful tokens/s (wall time of
+budget divided among them, the given parallel flags), both under the coalesce policy at the
+engine's defaults (``--expert-coalesce-threshold`` replaces its threshold; each mode's
+``engine_settings`` in ``--json`` name them). Reported per mode: useful tokens/s (wall time of
 the generate call, rank start-up excluded) and its ratio to ``single``, tile density over
 every expert GEMM, and per rank: tile density, all-to-all bytes and seconds, streamed bytes
 and the hidden share of the streaming time, resident routed-expert bytes and peak RSS.
@@ -38,7 +39,7 @@ def _run_mode(
     path: str, workload: Workload, dtype: str, threshold: int | None, kv_gb: float, parallel
 ):
     from batchgen import LLM, SamplingParams
-    from batchgen.bench import runner
+    from batchgen.bench.batchgen_modes import engine_settings
 
     llm = LLM(
         path,
@@ -70,6 +71,7 @@ def _run_mode(
         seconds = time.perf_counter() - t0
         produced = sum(len(o.token_ids) for out in outs for o in out.outputs)
         m = llm.get_metrics()
+        settings = engine_settings(llm.llm_engine.config)
     finally:
         llm.shutdown()
         del llm
@@ -83,6 +85,7 @@ def _run_mode(
         "useful_tokens": produced,
         "tile_density": m["tile_density"],
         "num_preemptions": m["num_preemptions"],
+        "engine_settings": settings,  # what every rank ran under (as the one-process bench's)
         "ranks": [
             {
                 "tile_density": r["tile_density"],

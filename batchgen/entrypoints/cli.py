@@ -220,15 +220,22 @@ def _run_command(
 ) -> int:
     """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted,
     143 when terminated: `batchgen run` turns SIGTERM, what ``kill``, ``timeout`` and container
-    runtimes send, into the same orderly stop as Ctrl-C). ``process_entry`` (the ``batchgen``
-    script, ``python -m batchgen``): a SIGTERM after the command finished exits with its code
-    (`_exit_now`); in-process callers get their SIGTERM handler back instead."""
+    runtimes send, into the same orderly stop as Ctrl-C, unless the parent ignores it).
+    ``process_entry`` (the ``batchgen`` script, ``python -m batchgen``): a SIGTERM after the
+    command finished exits with its code (`_exit_now`); in-process callers get their SIGTERM
+    handler back instead."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
         set_openmp_wait_policy()
     given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
-    on_term = command.name == "run" and threading.current_thread() is threading.main_thread()
+    # A SIGTERM ignored on entry (SIG_IGN from the parent) stays ignored, as Python leaves an
+    # ignored SIGINT and POSIX shells an ignored trap.
+    on_term = (
+        command.name == "run"
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    )
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_term else None
     hint = " (rerun with --resume to continue)" if command.name == "run" else ""
     code = 1  # an exception that escapes below

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_run_paths(args: argparse.Namespace) -> None:
     if Path(args.input).is_dir():
         raise CliError(f"input file {args.input!r} is a directory; name a batch input file")
-    if not Path(args.input).is_file():
+    if not Path(args.input).exists():  # a pipe or FIFO (`-i <(zcat in.jsonl.gz)`) is fine
         raise CliError(f"input file {args.input!r} does not exist")
     if Path(args.output).is_dir():
         raise CliError(
@@ -136,7 +136,10 @@ def _nothing_left(args: argparse.Namespace) -> bool:
 
 def _no_requests(args: argparse.Namespace) -> bool:
     """An input file with no request line (empty, or blank lines only): say so, leave an empty
-    output (or, with ``--resume``, the output as it is) and do not load the model."""
+    output (or, with ``--resume``, the output as it is) and do not load the model. A pipe is
+    not looked at: it can be read once only, by the run."""
+    if not Path(args.input).is_file():
+        return False
     with open(args.input, "rb") as f:
         if any(raw.strip() for raw in f):  # stops at the first request line: no full pass
             return False

@@ -18,9 +18,10 @@ process, so two processes can never overwrite each other's segment). Each write 
   half done, so the bytes go to a hidden temporary name (``.<name>.tmp-<uuid>``), are fsync'ed
   where local, then ``mv``'ed to the final name (``rename(2)``: atomic on POSIX).
 
-Readers list only final names, so a temporary left by a killed writer is ignored; should a
-backend still expose a truncated segment, its incomplete last line is dropped with a warning
-(the results it held run again). ``manifest.json`` is written when a job first opens the
+Readers list only final names, so a temporary left by a killed writer is ignored (a write
+that raises, SIGTERM's orderly stop included, removes its own); should a backend still expose
+a truncated segment, its incomplete last line is dropped with a warning (the results it held
+run again). ``manifest.json`` is written when a job first opens the
 store (before any model loads, so a store that cannot be written fails at once) and read back
 to verify it; a restart compares it with its own job and refuses, naming each difference, to
 mix the results of two jobs (a manifest with no results stored under it is replaced). Without
@@ -35,6 +36,7 @@ run's results into segments: `snapshot_writer` (their names are importable from 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -325,11 +327,17 @@ class SnapshotStore:
         parent, name = path.rsplit("/", 1)
         self.fs.makedirs(parent, exist_ok=True)
         tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex}"
-        self.fs.pipe_file(tmp, data)
-        if self.local:  # survive a machine crash, not only a killed process
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        self.fs.mv(tmp, path)
+        try:
+            self.fs.pipe_file(tmp, data)
+            if self.local:  # survive a machine crash, not only a killed process
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self.fs.mv(tmp, path)
+        except BaseException:  # a failed write, or SIGTERM's orderly stop: no temporary left
+            with contextlib.suppress(Exception):
+                if self.fs.exists(tmp):
+                    self.fs.rm(tmp)
+            raise
