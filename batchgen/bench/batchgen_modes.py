@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from batchgen.bench.bench_model import KV_CACHE_GB
+from batchgen.bench.bench_model import KV_CACHE_GB, threshold_kwargs
 from batchgen.bench.flops import active_params_per_token, attention_flops
 from batchgen.bench.results import ModeResult, _progress
 from batchgen.bench.workloads import TreeSearch, Workload
@@ -135,7 +135,7 @@ def run_batchgen(
         scheduler_policy=policy,
         kv_cache_memory_gb=kv_cache_gb,
         max_model_len=4096,
-        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
+        **threshold_kwargs(threshold),
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)

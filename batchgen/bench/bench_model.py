@@ -49,6 +49,12 @@ QUICK_KV_CACHE_GB = 1.0
 # BatchGen modes run the engine's defaults, `batchgen.config.EngineConfig`).
 HF_BATCH_TOKENS = 512
 
+
+def threshold_kwargs(threshold: int | None) -> dict:
+    """`LLM` keyword arguments for the bench's ``--expert-coalesce-threshold``: none when it is
+    None (the engine's default stands), else ``expert_coalesce_threshold``."""
+    return {} if threshold is None else {"expert_coalesce_threshold": threshold}
+
 def bench_model_path(arch: str = "mixtral") -> str:
     """The benchmark checkpoint of ``arch`` (a key of `BENCH_MODELS`), built offline on first
     use into BatchGen's cache dir. Raises ValueError for another ``arch``."""

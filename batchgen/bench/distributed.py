@@ -19,6 +19,7 @@ import gc
 import logging
 import time
 
+from batchgen.bench.bench_model import threshold_kwargs
 from batchgen.bench.workloads import Workload, make_workloads
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def _run_mode(
         scheduler_policy="coalesce",
         kv_cache_memory_gb=kv_gb,
         max_model_len=4096,
-        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
+        **threshold_kwargs(threshold),
         **parallel,
     )
     try:

@@ -54,6 +54,7 @@ from batchgen.bench.bench_model import (  # noqa: F401  (re-exported)
     KV_CACHE_GB,
     QUICK_KV_CACHE_GB,
     bench_model_path,
+    threshold_kwargs,
 )
 from batchgen.bench.batchgen_modes import run_batchgen  # noqa: F401  (re-exported)
 
@@ -68,7 +69,7 @@ def _coalesce_defaults(threshold: int | None) -> dict:
 
     c = EngineConfig(
         scheduler_policy="coalesce",
-        **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
+        **threshold_kwargs(threshold),
     )
     return {
         "max_num_batched_tokens": c.max_num_batched_tokens,
@@ -198,7 +199,7 @@ def run(
             device=device,
             kv_cache_memory_gb=kv_gb,
             max_model_len=4096,
-            **({} if threshold is None else {"expert_coalesce_threshold": threshold}),
+            **threshold_kwargs(threshold),
         )
         try:
             record["structured"] = {
