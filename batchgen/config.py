@@ -22,6 +22,7 @@ from batchgen.parallel_config import (  # noqa: F401  (re-exported)
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("coalesce", "lockstep")
 # Sequences running at once when neither max_num_seqs nor max_active_coroutines is given:
@@ -92,6 +93,16 @@ class EngineConfig:
         metadata=meta("max tokens per engine step (chunked prefill budget)", section=SCHED),
     )
     block_size: int = field(default=16, metadata=meta("KV cache block size in tokens"))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=meta(
+            f"KV cache storage dtype, one of {KV_CACHE_DTYPES} (vLLM's): auto is the model's "
+            "dtype; bfloat16 halves a float32 model's KV bytes, fp8 (= fp8_e4m3) and "
+            "fp8_e5m2 store one byte per element (scale 1.0), so decode reads less and the "
+            "budget holds more tokens, at some accuracy (docs/performance.md); not for MLA",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
     kv_cache_memory_gb: float | None = field(
         default=None,
         metadata=meta("KV cache budget in GiB (default: 1 on CPU, gpu_memory_utilization on CUDA)"),
@@ -182,6 +193,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.served_model_name is not None and (

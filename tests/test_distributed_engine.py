@@ -173,6 +173,21 @@ def test_bfloat16_on_two_ranks(checkpoint_dir, strategy):
         llm.shutdown()
 
 
+@pytest.mark.timeout(300)
+def test_fp8_kv_cache_on_two_ranks(checkpoint_dir):
+    """kv_cache_dtype reaches every rank (each rounds its K/V to fp8, preempting and
+    recomputing under its 12 blocks): same tokens as one fp8-cache process."""
+    path = str(checkpoint_dir("mixtral"))
+    kw = dict(kv_cache_dtype="fp8", num_gpu_blocks_override=KV_BLOCKS)
+    want = _run(LLM(path, **kw))
+    llm = LLM(path, **kw, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert llm.llm_engine.config.kv_cache_dtype == "fp8"
+        assert _run(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def test_two_ranks_on_the_default_model_log_the_random_weights_note(monkeypatch, caplog):
     """The frontend logs the note one process logs (the ranks get a path, not None); stopped
     before any rank starts."""

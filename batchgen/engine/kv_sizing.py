@@ -27,6 +27,7 @@ def num_kv_blocks(
     dtype: torch.dtype,
     device: torch.device,
     model: torch.nn.Module | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> int:
     """KV cache blocks for an engine: ``num_gpu_blocks_override`` if set, else the budget
     (``kv_cache_memory_gb``; on CUDA with ``model`` given, what a profiling step of ``model``
@@ -34,12 +35,13 @@ def num_kv_blocks(
     (`batchgen.engine.memory_profile.profiled_kv_budget_bytes`), without it the free memory
     under ``gpu_memory_utilization`` less `activation_reserve_bytes`; on CPU
     `DEFAULT_CPU_KV_CACHE_GB`) over the bytes of one block (`kv_cache_bytes_per_token` x
-    ``block_size``).
+    ``block_size``). ``dtype`` is the model's (the profiling step runs in it), ``cache_dtype``
+    the cache's (None: ``dtype``; narrower under ``kv_cache_dtype``: more blocks).
 
     Raises:
         ValueError: the budget holds no block.
     """
-    per_block = kv_cache_bytes_per_token(cfg, dtype) * c.block_size
+    per_block = kv_cache_bytes_per_token(cfg, cache_dtype or dtype) * c.block_size
     budget = 0
     if c.num_gpu_blocks_override is not None:
         num_blocks = c.num_gpu_blocks_override

@@ -41,6 +41,7 @@ from batchgen.engine.engine_setup import (
     resolve_max_model_len,
     served_model_name,
 )
+from batchgen.engine.engine_metrics_view import EngineMetricsView
 from batchgen.engine.engine_requests import EngineRequests
 from batchgen.engine.executor import StageExecutor
 from batchgen.engine.host_allocator import tune_glibc_malloc
@@ -56,6 +57,7 @@ from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.kernels.switches import check_kernel_switches
 from batchgen.models.batch_invariant import check_batch_invariant_support
+from batchgen.models.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.loader import resolve_dtype, resolve_model_path
@@ -86,7 +88,7 @@ class EngineStats:
     prefix_cache_evictions: int = 0
 
 
-class LLMEngine(EngineRequests, RequestOutputs):
+class LLMEngine(EngineRequests, RequestOutputs, EngineMetricsView):
     """The engine: owns the model, KV cache, scheduler, sampler and the request table.
 
     Raises ValueError on construction for invalid settings (unknown architecture, missing
@@ -131,7 +133,12 @@ class LLMEngine(EngineRequests, RequestOutputs):
         # An expert-parallel rank's MoE layers cannot run before its dispatcher is installed
         # (below): no profiling forward there.
         profiled = model if rank is None else None
-        num_blocks = num_kv_blocks(config, cfg, self.dtype, self.device, profiled)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, cfg.mla is not None
+        )
+        num_blocks = num_kv_blocks(
+            config, cfg, self.dtype, self.device, profiled, self.kv_cache_dtype
+        )
         capacity = num_blocks * config.block_size
         self.max_model_len = max_len = resolve_max_model_len(config.max_model_len, cfg, capacity)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_len)
@@ -144,7 +151,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
                 "changes how the rest of a prompt is computed, and so its last bits"
             )
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, enable_caching=caching)
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.dtype)  # all layers
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(cfg, self.kv_cache_dtype)  # all layers
         graph_backend = cuda_graphs.graph_backend_for(self.device, config.enforce_eager)
         self.runner = ModelRunner(
             model,
@@ -154,6 +161,7 @@ class LLMEngine(EngineRequests, RequestOutputs):
             self.dtype,
             batch_invariant=config.batch_invariant,
             reserve_dummy_block=graph_backend is not None,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -212,43 +220,6 @@ class LLMEngine(EngineRequests, RequestOutputs):
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """See `InputProcessor.apply_chat_template`."""
         return self.input_processor.apply_chat_template(messages)
-
-    def get_metrics(self) -> dict:
-        """Run metrics since start (or `reset_metrics`): tokens/s, expert GEMMs, tile density,
-        stage time shares, peak memory, preemptions. See `batchgen.engine.metrics`."""
-        snap = self.metrics.snapshot(self.device)
-        snap["num_preemptions"] = self.scheduler.num_preemptions
-        snap["scheduler_policy"] = self.config.scheduler_policy
-        snap["coalescer_holds"] = self.executor.coalescer.num_holds
-        snap["routed_expert_bytes"] = self.runner.model.routed_expert_bytes()
-        snap["dummy_steps"] = self.num_dummy_steps
-        snap.update(self._prefix_cache_metrics())
-        if self.expert_parallel is not None:
-            snap.update(self.expert_parallel.metrics())
-        return snap
-
-    def _prefix_cache_metrics(self) -> dict:
-        """``prefix_cache_queries`` / ``_hits`` (tokens) / ``_hit_rate`` / ``_evictions``
-        (blocks) since start or `reset_metrics` (zeros with caching off)."""
-        cache = self.kv_cache.prefix_cache
-        now = vars(cache.stats) if cache is not None else {}
-        delta = {k: now.get(k, 0) - self._prefix_cache_base.get(k, 0) for k in _CACHE_COUNTERS}
-        queries = delta["queries"]
-        return {
-            "prefix_cache_enabled": cache is not None,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": delta["hits"],
-            "prefix_cache_hit_rate": delta["hits"] / queries if queries else 0.0,
-            "prefix_cache_evictions": delta["evictions"],
-        }
-
-    def reset_metrics(self) -> None:
-        self.metrics.reset()
-        cache = self.kv_cache.prefix_cache
-        self._prefix_cache_base = dict(vars(cache.stats)) if cache is not None else {}
-        for module in self.runner.model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.stats = self.metrics.expert
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -385,7 +356,6 @@ class LLMEngine(EngineRequests, RequestOutputs):
         self.metrics.busy_seconds += time.perf_counter() - t0
 
 
-_CACHE_COUNTERS = ("queries", "hits", "evictions")  # `PrefixCacheStats` fields
 
 
 def _note_first_scheduled(scheduled: list[ScheduledSeq]) -> None:

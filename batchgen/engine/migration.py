@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.engine.sequence import SequenceStatus
+from batchgen.models.layers.kv_cache_dtype import write_kv
 from batchgen.outputs import RequestMetrics
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def import_kv(
     offset = 0
     for cache, size in zip(caches, sizes):
         rows = raw[offset : offset + size].view(cache.dtype).view(n, *cache.shape[1:])
-        cache.index_copy_(0, slots, rows.to(cache.device))
+        write_kv(cache, slots, rows.to(cache.device))  # fp8 caches as bytes
         offset += size
 
 

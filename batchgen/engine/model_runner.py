@@ -24,6 +24,7 @@ from batchgen.models.layers.attention import (
     plan_decode_buckets,
 )
 from batchgen.models.layers.attention_backend import decode_attention_backend, mla_decode_backend
+from batchgen.models.layers.kv_cache_dtype import write_kv
 from batchgen.models.model_config import ModelConfig
 
 
@@ -69,6 +70,8 @@ class ModelRunner:
         staging: turns the step's host lists into device tensors (default `HostStaging` of
             ``device``: pinned buffers and asynchronous copies on CUDA, plain
             ``torch.tensor`` on CPU).
+        kv_cache_dtype: the cache tensors' dtype (None: ``dtype``; a narrower one under
+            ``kv_cache_dtype``, `batchgen.models.layers.kv_cache_dtype.resolve_kv_cache_dtype`).
 
     Attributes:
         decode_backend: GQA's decode attention backend (`decode_attention_backend`), chosen
@@ -85,6 +88,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         reserve_dummy_block: bool = False,
         staging: HostStaging | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.staging = staging or HostStaging(device)
@@ -95,8 +99,9 @@ class ModelRunner:
         cfg = model.config
         num_slots = (num_blocks + reserve_dummy_block) * block_size
         shapes = kv_cache_token_shapes(cfg)
+        self.kv_cache_dtype = cache_dtype = kv_cache_dtype or dtype
         self.kv_caches = [
-            tuple(_new_cache((num_slots, *s), dtype, device) for s in shapes)
+            tuple(_new_cache((num_slots, *s), cache_dtype, device) for s in shapes)
             for _ in range(cfg.num_hidden_layers)
         ]
         # Caches whose decode backend reads them in place (GQA: the CPU kernel, the Triton
@@ -104,7 +109,9 @@ class ModelRunner:
         # take all decode rows in one bucket. Otherwise (the torch paths) buckets bound each
         # gather.
         # GQA's decode backend, chosen once here (None for MLA); the step metadata carries it.
-        self.decode_backend = decode_attention_backend(device, dtype) if cfg.mla is None else None
+        self.decode_backend = (
+            decode_attention_backend(device, dtype, cache_dtype) if cfg.mla is None else None
+        )
         if cfg.mla is None:
             in_place = self.decode_backend != "torch"
         else:  # MLA's absorbed einsums around the kernel take a bucket's rows as one GEMM,
@@ -124,7 +131,7 @@ class ModelRunner:
         for layer in self.kv_caches:
             for cache in layer:
                 blocks = as_blocks(cache, self.block_size)
-                blocks.index_copy_(0, dst, blocks.index_select(0, src))
+                write_kv(blocks, dst, blocks.index_select(0, src))
 
     def prepare(
         self, scheduled: list[ScheduledSeq]

@@ -97,9 +97,14 @@ def _function():
     return _library() if kernels_enabled("paged_decode_attention") else None
 
 
-def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when `paged_decode_attention` serves caches of ``dtype`` on ``device``: CPU,
-    float32 or bfloat16, and the kernel built (see `batchgen.kernels.cpu_build`)."""
+def decode_kernel_available(
+    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> bool:
+    """True when `paged_decode_attention` serves queries of ``dtype`` on caches of
+    ``cache_dtype`` (None: ``dtype``) on ``device``: CPU, float32 or bfloat16 queries on a
+    cache of their own dtype, and the kernel built (see `batchgen.kernels.cpu_build`)."""
+    if cache_dtype is not None and cache_dtype != dtype:
+        return False
     return device.type == "cpu" and dtype in _DTYPES and _function() is not None
 
 

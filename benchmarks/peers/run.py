@@ -96,6 +96,7 @@ def _job(workload, path: str, args) -> dict:
     return {
         "model": path,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": args.vllm_max_num_seqs,
         "workload": spec,
@@ -142,6 +143,7 @@ def run_batchgen(workload, path: str, args) -> dict:
     llm = LLM(
         path,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_gb=float(args.kv_cache_gb),
         max_model_len=MAX_MODEL_LEN,
         seed=0,
@@ -178,6 +180,7 @@ def run_batchgen(workload, path: str, args) -> dict:
         "outputs": outputs,
         "settings": {
             "dtype": args.dtype,
+            "kv_cache_dtype": c.kv_cache_dtype,
             "openmp_env_set": args.openmp_env_set,
             "scheduler_policy": c.scheduler_policy,
             "max_num_seqs": c.max_running_seqs,
@@ -273,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-gb", type=int, default=4, help="KV budget of each engine, GiB")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="both engines' kv_cache_dtype (vLLM's CPU backend takes auto and the fp8 ones)",
+    )
     p.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
     p.add_argument(
         "--vllm-threads-bind",
@@ -320,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "useful_tokens": workload.useful_tokens,
         "model": path,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_gb": args.kv_cache_gb,
         "cpus": os.cpu_count(),
         "load_average_before": os.getloadavg()[0],
@@ -360,7 +370,8 @@ def _print_profiles(out: Path, engines: list[str]) -> None:
 def format_record(r: dict) -> str:
     lines = [
         f"{r['workload']}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
-        f"{r['useful_tokens']} useful tokens, {r['dtype']}, {r['model']} "
+        f"{r['useful_tokens']} useful tokens, {r['dtype']}, "
+        f"KV cache {r.get('kv_cache_dtype', 'auto')}, {r['model']} "
         f"(load average {r['load_average_before']:.1f} -> {r['load_average_after']:.1f} "
         f"on {r['cpus']} CPUs)"
     ]

@@ -2,8 +2,8 @@
 
     .venv-vllm/bin/python vllm_worker.py JOB.json RESULT.json
 
-JOB.json (written by run.py): ``model``, ``dtype``, ``max_model_len``, ``max_num_seqs`` (None:
-vLLM's default), ``workload`` (``{"kind": "requests", "requests": [[prompt ids, output_len],
+JOB.json (written by run.py): ``model``, ``dtype``, ``kv_cache_dtype`` (optional; "auto" or
+absent: vLLM's default), ``max_model_len``, ``max_num_seqs`` (None: vLLM's default), ``workload`` (``{"kind": "requests", "requests": [[prompt ids, output_len],
 ...]}`` or ``{"kind": "tree", "tree": TreeSearch fields}``) and ``profile_dir`` (optional: vLLM's
 torch profiler traces the timed run's steps into it) and ``workloads_py`` (the path of
 `batchgen/bench/workloads.py`, loaded by file so that a tree runs through the very same
@@ -62,6 +62,8 @@ def main() -> None:
         enable_prefix_caching=True,  # V1's default, stated
         disable_log_stats=False,  # for the prefix-cache counters
     )
+    if job.get("kv_cache_dtype", "auto") != "auto":
+        engine_args["kv_cache_dtype"] = job["kv_cache_dtype"]
     if job["max_num_seqs"] is not None:
         engine_args["max_num_seqs"] = job["max_num_seqs"]
     profile_dir = job.get("profile_dir")

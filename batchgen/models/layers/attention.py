@@ -25,6 +25,7 @@ from batchgen.kernels.prefill_attention import (
 )
 from batchgen.kernels.triton_paged_attention import triton_paged_decode_attention
 from batchgen.models.layers.attention_backend import decode_attention_backend
+from batchgen.models.layers.kv_cache_dtype import quantize_kv, write_kv
 from batchgen.models.layers.norm import RMSNorm
 from batchgen.models.layers.rotary import RotaryEmbedding
 
@@ -202,7 +203,10 @@ def paged_attention(
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (Hq a multiple of Hkv: grouped-query attention).
-        kv_cache: (key cache, value cache), each ``[num_slots, Hkv, D]``, same dtype as k.
+        kv_cache: (key cache, value cache), each ``[num_slots, Hkv, D]``, of k's dtype or a
+            narrower one (``kv_cache_dtype``, `batchgen.models.layers.kv_cache_dtype`): then
+            k and v are quantised on the write and every attention, the prompt's own chunk
+            included, reads the quantised values.
         meta: the step's layout (decode tokens first, then prefill chunks).
         scale: softmax scale, usually ``D ** -0.5``.
     Returns:
@@ -213,13 +217,22 @@ def paged_attention(
     prefill kernel where `use_prefill_kernel` says so (reading the cache in place), else SDPA.
     """
     k_cache, v_cache = kv_cache
-    if not kv_written:
+    mixed = k_cache.dtype != q.dtype  # a narrower cache: kv_cache_dtype
+    if mixed:  # written here (the fused RoPE + cache write serves one dtype only)
+        kq, vq = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
+        write_kv(k_cache, meta.slot_mapping, kq)
+        write_kv(v_cache, meta.slot_mapping, vq)
+        if meta.prefills:  # the first chunks attend to what the cache now holds
+            k, v = kq.to(q.dtype), vq.to(q.dtype)
+    elif not kv_written:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     backend = "torch"
-    if meta.decode_buckets and q.dtype == k_cache.dtype:
-        backend = meta.decode_backend or decode_attention_backend(q.device, k_cache.dtype)
+    if meta.decode_buckets:
+        backend = meta.decode_backend or decode_attention_backend(
+            q.device, q.dtype, k_cache.dtype
+        )
     kernel = {"cpu_kernel": paged_decode_attention, "triton": triton_paged_decode_attention}
     for bucket in meta.decode_buckets:
         rows = slice(bucket.start, bucket.end)
@@ -243,8 +256,8 @@ def paged_attention(
                 context_checked=True,
             )
             continue
-        kd = bucket.gather(k_cache, meta.block_size).transpose(1, 2)  # [b, Hkv, L, D]
-        vd = bucket.gather(v_cache, meta.block_size).transpose(1, 2)
+        kd = bucket.gather(k_cache, meta.block_size).to(q.dtype).transpose(1, 2)  # [b, Hkv, L, D]
+        vd = bucket.gather(v_cache, meta.block_size).to(q.dtype).transpose(1, 2)
         b, hkv = kd.shape[0], kd.shape[1]
         # The Hq / Hkv query heads that share a KV head are that head's query rows: one
         # [G, L] score block per (sequence, KV head) instead of G separate [1, L] rows
@@ -274,8 +287,8 @@ def paged_attention(
         if span.is_first_chunk:
             ks, vs = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]  # [1, Hkv, n, D]
         else:
-            ks = k_cache.index_select(0, span.kv_slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
-            vs = v_cache.index_select(0, span.kv_slots).transpose(0, 1)[None]
+            ks = k_cache.index_select(0, span.kv_slots).to(q.dtype).transpose(0, 1)[None]
+            vs = v_cache.index_select(0, span.kv_slots).to(q.dtype).transpose(0, 1)[None]
         if span.is_first_chunk and sliding_window is None:
             os_ = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True

@@ -56,35 +56,51 @@ def attention_backend_override() -> str:
     return env_choice(ATTENTION_BACKEND_ENV, ATTENTION_BACKEND_CHOICES)
 
 
-def decode_attention_backend(device: torch.device, dtype: torch.dtype) -> DecodeBackend:
-    """The decode attention backend for a KV cache of ``dtype`` on ``device`` (queries of the
-    same dtype; rules in the module docstring). Logs each distinct choice once (INFO).
+def decode_attention_backend(
+    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> DecodeBackend:
+    """The decode attention backend for queries of ``dtype`` on ``device`` reading a KV cache
+    of ``cache_dtype`` (None: ``dtype``; a narrower one under ``kv_cache_dtype``,
+    `batchgen.models.layers.kv_cache_dtype`; rules in the module docstring: the Triton
+    kernel reads only a cache of the queries' dtype, the CPU kernel the pairs
+    `decode_kernel_available` names, the torch path every pair). Logs each distinct choice
+    once (INFO).
 
     Raises:
         ValueError: a bad ``BATCHGEN_ATTENTION_BACKEND``, or a forced backend that cannot run
         here (the reason names the device or dtype)."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    mixed = cache_dtype != dtype
     override = attention_backend_override()
+    kernel_ok = decode_kernel_available(device, dtype, cache_dtype)
+    triton_reason = (
+        f"the Triton kernel reads a KV cache of the queries' dtype only ({dtype}), not "
+        f"{cache_dtype} (kv_cache_dtype)"
+        if mixed
+        else triton_unsupported_reason(device, dtype)
+    )
     if override == "cpu_kernel":
-        if not decode_kernel_available(device, dtype):
+        if not kernel_ok:
             raise ValueError(
-                f"{ATTENTION_BACKEND_ENV}=cpu_kernel: the CPU kernel does not serve {dtype} on "
-                f"{device.type} (CPU, float32 or bfloat16, built)"
+                f"{ATTENTION_BACKEND_ENV}=cpu_kernel: the CPU kernel does not serve queries of "
+                f"{dtype} on a {cache_dtype} cache on {device.type} (CPU, float32 or bfloat16, "
+                "built; narrower caches: see decode_kernel_available)"
             )
         backend: DecodeBackend = "cpu_kernel"
     elif override == "triton":
-        reason = triton_unsupported_reason(device, dtype)
-        if reason is not None:
-            raise ValueError(f"{ATTENTION_BACKEND_ENV}=triton: {reason}")
+        if triton_reason is not None:
+            raise ValueError(f"{ATTENTION_BACKEND_ENV}=triton: {triton_reason}")
         backend = "triton"
     elif override == "torch":
         backend = "torch"
-    elif decode_kernel_available(device, dtype):
+    elif kernel_ok:
         backend = "cpu_kernel"
-    elif device.type == "cuda" and triton_unsupported_reason(device, dtype) is None:
+    elif device.type == "cuda" and triton_reason is None:
         backend = "triton"
     else:
         backend = "torch"
-    _log_once("decode attention", device, dtype, override, backend)
+    what = f"decode attention ({cache_dtype} KV cache)" if mixed else "decode attention"
+    _log_once(what, device, dtype, override, backend)
     return backend
 
 
