@@ -185,6 +185,7 @@ def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):
             "max_step_tokens": c.step_token_budget,
             "expert_coalesce_threshold": c.expert_coalesce_threshold,
             "block_size": c.block_size,
+            "kv_cache_dtype": "auto",
             "kv_cache_memory_gb": record["kv_cache_memory_gb"],
             "max_model_len": 4096,
         }
@@ -338,7 +339,9 @@ def test_distributed_bench_mode_records_its_engine_settings(checkpoint_dir):
     workload = next(w for w in make_workloads(vocab, quick=True) if w.name == "extraction")
     default = EngineConfig(scheduler_policy="coalesce")
     for threshold, expected in ((3, 3), (None, default.expert_coalesce_threshold)):
-        r = _run_mode(path, workload, "float32", threshold, 0.25, {})
+        r = _run_mode(
+            path, workload, "float32", {"expert_coalesce_threshold": threshold}, 0.25, {}
+        )
         assert r["useful_tokens"] == workload.useful_tokens
         assert r["engine_settings"] == {
             "scheduler_policy": "coalesce",
@@ -347,6 +350,7 @@ def test_distributed_bench_mode_records_its_engine_settings(checkpoint_dir):
             "max_step_tokens": default.step_token_budget,
             "expert_coalesce_threshold": expected,
             "block_size": default.block_size,
+            "kv_cache_dtype": "auto",
             "kv_cache_memory_gb": 0.25,
             "max_model_len": 4096,
         }

@@ -2,7 +2,7 @@
 fast).
 
 With ``--config FILE`` the bench takes from the cluster file what it can use (the model, dtype,
-device, expert_coalesce_threshold and the parallel settings of `PARALLEL_FLAGS`); flags given
+device, expert_coalesce_threshold, kv_cache_dtype and the parallel settings of `PARALLEL_FLAGS`); flags given
 override the file, and the file's other settings are named in a warning: the bench runs the
 engine's default settings, what a user who changes nothing gets (docs/bench.md).
 """
@@ -21,6 +21,7 @@ BENCH_DEFAULTS = {
     "dtype": "float32",
     "device": "auto",
     "expert_coalesce_threshold": None,  # the engine's default (EngineConfig)
+    "kv_cache_dtype": None,  # the engine's default, auto
 }
 
 
@@ -48,6 +49,15 @@ def add_arguments(p) -> None:
         help="coalesce: mean rows per expert below which an MoE stage waits for the step's "
         "other micro-batches (default: the engine's, as every other engine setting of the "
         "bench: what LLM() and batchgen run use)",
+    )
+    from batchgen.config import KV_CACHE_DTYPES
+
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=argparse.SUPPRESS,
+        choices=KV_CACHE_DTYPES,
+        help="the BatchGen modes' KV cache dtype (default: the engine's, auto: the model's "
+        "dtype; docs/performance.md, 'KV cache dtype')",
     )
     p.add_argument(
         "--rollouts-requests",

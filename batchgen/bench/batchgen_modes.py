@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from batchgen.bench.bench_model import KV_CACHE_GB, threshold_kwargs
+from batchgen.bench.bench_model import KV_CACHE_GB, override_kwargs
 from batchgen.bench.flops import active_params_per_token, attention_flops
 from batchgen.bench.results import ModeResult, _progress
 from batchgen.bench.workloads import TreeSearch, Workload
@@ -23,7 +23,7 @@ PROFILE_EVERY_STEPS = 10  # profile one engine step in this many (tracing every 
 def engine_settings(config) -> dict:
     """The scheduling settings an engine runs under (`batchgen.config.EngineConfig`, defaults
     resolved): ``max_num_batched_tokens``, ``max_num_seqs``, step tokens, threshold, block size,
-    KV budget (GiB) and ``max_model_len``."""
+    KV cache dtype, KV budget (GiB) and ``max_model_len``."""
     return {
         "scheduler_policy": config.scheduler_policy,
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -31,6 +31,7 @@ def engine_settings(config) -> dict:
         "max_step_tokens": config.step_token_budget,
         "expert_coalesce_threshold": config.expert_coalesce_threshold,
         "block_size": config.block_size,
+        "kv_cache_dtype": config.kv_cache_dtype,
         "kv_cache_memory_gb": config.kv_cache_memory_gb,
         "max_model_len": config.max_model_len,
     }
@@ -110,7 +111,7 @@ def run_batchgen(
     policy: str,
     dtype: str,
     device: str,
-    threshold: int | None,
+    overrides: dict | None,
     profile: bool = False,
     kv_cache_gb: float = KV_CACHE_GB,
     progress: bool = False,
@@ -118,8 +119,8 @@ def run_batchgen(
 ) -> tuple[ModeResult, list[list[int]]]:
     """One BatchGen mode on ``workload``: an `LLM` with the engine's defaults of ``policy``
     (`batchgen.config.EngineConfig`: step tokens, running sequences, coalescing threshold),
-    ``kv_cache_gb`` GiB of KV cache, ``max_model_len`` 4,096 and ``threshold`` as
-    ``expert_coalesce_threshold`` when not None. Returns the mode's figures (the settings it
+    ``kv_cache_gb`` GiB of KV cache, ``max_model_len`` 4,096 and the settings of ``overrides``
+    (`override_kwargs`: the bench's ``--expert-coalesce-threshold``, ``--kv-cache-dtype``). Returns the mode's figures (the settings it
     ran under in ``extra["engine_settings"]``) and the greedy outputs' token ids.
 
     Raises:
@@ -135,7 +136,7 @@ def run_batchgen(
         scheduler_policy=policy,
         kv_cache_memory_gb=kv_cache_gb,
         max_model_len=4096,
-        **threshold_kwargs(threshold),
+        **override_kwargs(overrides),
     )
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([[1, 5, 6, 7]] * 4, warm, use_tqdm=False)

@@ -50,10 +50,20 @@ QUICK_KV_CACHE_GB = 1.0
 HF_BATCH_TOKENS = 512
 
 
-def threshold_kwargs(threshold: int | None) -> dict:
-    """`LLM` keyword arguments for the bench's ``--expert-coalesce-threshold``: none when it is
-    None (the engine's default stands), else ``expert_coalesce_threshold``."""
-    return {} if threshold is None else {"expert_coalesce_threshold": threshold}
+def override_kwargs(overrides: dict | None) -> dict:
+    """`LLM` keyword arguments for the engine settings the bench's flags override
+    (``--expert-coalesce-threshold``, ``--kv-cache-dtype``: `ENGINE_OVERRIDES`): those not None
+    (the engine's default stands for the others)."""
+    return {k: v for k, v in (overrides or {}).items() if v is not None}
+
+
+# The engine settings a bench flag (or the cluster file) may set in place of the defaults.
+ENGINE_OVERRIDES = ("expert_coalesce_threshold", "kv_cache_dtype")
+
+
+def engine_overrides(args) -> dict:
+    """``{setting: value}`` of `ENGINE_OVERRIDES` from the parsed bench arguments."""
+    return {name: getattr(args, name, None) for name in ENGINE_OVERRIDES}
 
 def bench_model_path(arch: str = "mixtral") -> str:
     """The benchmark checkpoint of ``arch`` (a key of `BENCH_MODELS`), built offline on first

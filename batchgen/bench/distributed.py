@@ -19,7 +19,7 @@ import gc
 import logging
 import time
 
-from batchgen.bench.bench_model import threshold_kwargs
+from batchgen.bench.bench_model import engine_overrides, override_kwargs
 from batchgen.bench.workloads import Workload, make_workloads
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ PARALLEL_FLAGS = (
 
 
 def _run_mode(
-    path: str, workload: Workload, dtype: str, threshold: int | None, kv_gb: float, parallel
+    path: str, workload: Workload, dtype: str, overrides: dict | None, kv_gb: float, parallel
 ):
     from batchgen import LLM, SamplingParams
     from batchgen.bench.batchgen_modes import engine_settings
@@ -49,7 +49,7 @@ def _run_mode(
         scheduler_policy="coalesce",
         kv_cache_memory_gb=kv_gb,
         max_model_len=4096,
-        **threshold_kwargs(threshold),
+        **override_kwargs(overrides),
         **parallel,
     )
     try:
@@ -141,7 +141,7 @@ def run_distributed(args, parallel: dict) -> dict:
                     path,
                     workload,
                     args.dtype,
-                    args.expert_coalesce_threshold,
+                    engine_overrides(args),
                     # The same KV memory in all: split among the ranks.
                     kv_gb / parallel["data_parallel_size"] if mode == "dp" else kv_gb,
                     parallel if mode == "dp" else {},

@@ -26,7 +26,8 @@ def _settings_lines(record: dict) -> list[str]:
             f"max_num_seqs {settings['max_num_seqs']}, {settings['max_step_tokens']} tokens per "
             f"step, expert_coalesce_threshold {settings['expert_coalesce_threshold']}, "
             f"block_size {settings['block_size']}, KV cache {settings['kv_cache_memory_gb']} "
-            f"GiB, max_model_len {settings['max_model_len']}"
+            f"GiB ({settings.get('kv_cache_dtype', 'auto')}), "
+            f"max_model_len {settings['max_model_len']}"
         )
     return lines
 

@@ -54,28 +54,29 @@ from batchgen.bench.bench_model import (  # noqa: F401  (re-exported)
     KV_CACHE_GB,
     QUICK_KV_CACHE_GB,
     bench_model_path,
-    threshold_kwargs,
+    engine_overrides,
+    override_kwargs,
 )
 from batchgen.bench.batchgen_modes import run_batchgen  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 
-def _coalesce_defaults(threshold: int | None) -> dict:
+def _coalesce_defaults(overrides: dict | None) -> dict:
     """The record's engine settings: the coalesce mode's `LLM()` defaults
-    (`batchgen.config.EngineConfig`), ``threshold`` as ``expert_coalesce_threshold`` when not
-    None. Each BatchGen mode's own settings are in its ``extra["engine_settings"]``."""
+    (`batchgen.config.EngineConfig`) with ``overrides`` (`override_kwargs`). Each BatchGen mode's own settings are in its ``extra["engine_settings"]``."""
     from batchgen.config import EngineConfig
 
     c = EngineConfig(
         scheduler_policy="coalesce",
-        **threshold_kwargs(threshold),
+        **override_kwargs(overrides),
     )
     return {
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "expert_coalesce_threshold": c.expert_coalesce_threshold,
         "max_active_coroutines": c.max_running_seqs,
         "max_step_tokens": c.step_token_budget,
+        "kv_cache_dtype": c.kv_cache_dtype,
     }
 
 
@@ -89,7 +90,7 @@ def run(
     device: str = "cpu",
     modes: tuple[str, ...] = MODES,
     workloads: tuple[str, ...] | None = None,
-    threshold: int | None = None,
+    overrides: dict | None = None,
     model: str | None = None,
     profile: bool = False,
     arch: str = "mixtral",
@@ -111,7 +112,7 @@ def run(
         "device": str(dev),
         "model": path,
         "quick": quick,
-        **_coalesce_defaults(threshold),
+        **_coalesce_defaults(overrides),
         "torch_threads": torch.get_num_threads(),
         "profiled": profile,
         "workloads": {},
@@ -166,7 +167,7 @@ def run(
                     quick,
                     dtype,
                     device,
-                    threshold,
+                    overrides,
                     profile,
                     kv_gb,
                     hf_model,
@@ -199,7 +200,7 @@ def run(
             device=device,
             kv_cache_memory_gb=kv_gb,
             max_model_len=4096,
-            **threshold_kwargs(threshold),
+            **override_kwargs(overrides),
         )
         try:
             record["structured"] = {
@@ -222,7 +223,7 @@ def _run_mode(
     quick,
     dtype,
     device,
-    threshold,
+    overrides,
     profile,
     kv_gb,
     hf_model,
@@ -231,11 +232,11 @@ def _run_mode(
     """One mode on one workload: the `ModeResult` as a dict (MFU filled in later)."""
     if mode in ("lockstep", "coalesce"):
         res, greedy = run_batchgen(
-            path, workload, mode, dtype, device, threshold, profile, kv_gb, progress
+            path, workload, mode, dtype, device, overrides, profile, kv_gb, progress
         )
         if workload.name in ("shared-docs", "tree-search"):  # again without the prefix cache
             off, greedy_off = run_batchgen(
-                path, workload, mode, dtype, device, threshold, False, kv_gb, progress, False
+                path, workload, mode, dtype, device, overrides, False, kv_gb, progress, False
             )
             res.extra["without_prefix_caching"] = {
                 "tokens_per_s": off.tokens_per_s,
@@ -321,7 +322,7 @@ def run_from_args(args) -> int:
         device=args.device,
         modes=modes,
         workloads=workloads,
-        threshold=args.expert_coalesce_threshold,
+        overrides=engine_overrides(args),
         model=args.model,
         profile=args.profile,
         arch=args.arch,
