@@ -237,7 +237,12 @@ def test_kill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model, sig):
     _, stderr = proc.communicate(timeout=120)
     if sig == "SIGTERM":
         assert proc.returncode == 143, stderr
-        assert "batchgen run: terminated by SIGTERM (rerun with --resume to continue)" in stderr
+        kept = out.read_text().count("\n")
+        noun = "result" if kept == 1 else "results"
+        assert (
+            f"batchgen run: terminated by SIGTERM; {kept} {noun} written by this run in {out} "
+            "(rerun with --resume to continue)"
+        ) in stderr
         assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
     else:
         assert proc.returncode == -signal.SIGKILL

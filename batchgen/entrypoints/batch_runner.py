@@ -325,6 +325,8 @@ def run_batch_file(
         try:
             summary = batch_run.run(enumerate(source, start=1))
         except BaseException as err:
+            # What is on disk, for the CLI's line on Ctrl-C / SIGTERM (cli.py).
+            err.batchgen_kept = _kept_note(batch_run.summary, output_path)
             # A snapshot that refused or failed a write is not tried again for the last ones.
             snapshot_failed = isinstance(err, (SnapshotTakenOverError, SnapshotWriteError))
             try:
@@ -344,3 +346,11 @@ def run_batch_file(
         )
     batch_run.models.warn(logger, str(input_path))
     return summary
+
+
+def _kept_note(summary: BatchRunSummary, output_path: Path) -> str:
+    """``"N results written by this run (M from before) in OUT"`` for a run stopped midway."""
+    written = summary.succeeded + summary.failed
+    before = f" ({summary.skipped} from before)" if summary.skipped else ""
+    noun = "result" if written == 1 else "results"
+    return f"{written} {noun} written by this run{before} in {output_path}"

@@ -244,12 +244,12 @@ def _run_command(
     except CliError as err:
         print(f"{PROG} {command.name}: error: {err}", file=sys.stderr)
         code = 2
-    except Terminated:
-        print(f"{PROG} {command.name}: terminated by SIGTERM{hint}", file=sys.stderr)
-        code = 143
-    except KeyboardInterrupt:
-        print(f"{PROG} {command.name}: interrupted{hint}", file=sys.stderr)
-        code = 130
+    except (Terminated, KeyboardInterrupt) as err:
+        # What `run_batch_file` kept on disk ("" when stopped before it wrote results).
+        kept = getattr(err, "batchgen_kept", "")
+        how = "terminated by SIGTERM" if isinstance(err, Terminated) else "interrupted"
+        print(f"{PROG} {command.name}: {how}{'; ' + kept if kept else ''}{hint}", file=sys.stderr)
+        code = 143 if isinstance(err, Terminated) else 130
     finally:
         if on_term and process_entry:
             signal.signal(signal.SIGTERM, _exit_now(code))
