@@ -96,6 +96,7 @@ def test_a_subcommand_error_prints_that_subcommands_usage(argv, usage, capsys):
         ("--decode-strategy", "x", "'dp_attention_ep_moe', 'data_parallel'"),
         ("--distributed-executor-backend", "slurm", "'mp', 'ray'"),
         ("--load-balance-method", "random", "'minimum_tokens', 'round_robin'"),
+        ("--kv-cache-dtype", "fp4", "'auto', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"),
     ],
 )
 @pytest.mark.parametrize("subcommand", ["run", "serve"])
@@ -115,6 +116,26 @@ def test_a_bad_enumerated_flag_is_a_usage_error_before_the_engine_starts(
     assert last.startswith(f"batchgen {subcommand}: error: argument {flag}: invalid choice: ")
     # argparse quotes the choices or not depending on the Python version
     assert last.replace("'", "").endswith(f"(choose from {allowed.replace(chr(39), '')})")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--modes", "foo"], "--modes: unknown ['foo']"),
+        (["--rollouts-requests", "0"], "--rollouts-requests: must be >= 1, got 0"),
+        (["--config", "CONFIG"], "c.yaml:1: batchgen_cluster: missing `model`"),
+    ],
+)
+def test_bench_usage_errors_exit_2_before_anything_loads(argv, message, tmp_path, capsys):
+    """As argparse's own errors and `batchgen run`'s (they exited 1 with SystemExit(str))."""
+    config = tmp_path / "c.yaml"
+    config.write_text("batchgen_cluster:\n  engine:\n    dtype: float32\n")
+    argv = [str(config) if a == "CONFIG" else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchgen bench: error: ") and message in err, err
 
 
 def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import asdict
 
 import torch
@@ -285,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(p.parse_args(argv))
 
 
+def _usage_error(message: str) -> None:
+    """A bad flag or cluster file: the message on stderr and exit status 2 (argparse's and
+    ``batchgen run``'s for usage errors), before anything loads."""
+    print(f"batchgen bench: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_from_args(args) -> int:
     from batchgen.bench.args import resolve_settings
     from batchgen.cluster_config import ClusterConfigError
@@ -292,14 +300,14 @@ def run_from_args(args) -> int:
     try:
         resolve_settings(args)
     except ClusterConfigError as err:
-        raise SystemExit(f"batchgen bench: error: {err}") from None
+        _usage_error(str(err))
     modes = tuple(m for m in args.modes.split(",") if m)
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise SystemExit(f"--modes: unknown {bad}; allowed {list(MODES)}")
+        _usage_error(f"--modes: unknown {bad}; allowed {list(MODES)}")
     workloads = tuple(args.workloads.split(",")) if args.workloads else None
     if args.rollouts_requests is not None and args.rollouts_requests < 1:
-        raise SystemExit(f"--rollouts-requests: must be >= 1, got {args.rollouts_requests}")
+        _usage_error(f"--rollouts-requests: must be >= 1, got {args.rollouts_requests}")
     if getattr(args, "data_parallel_size", 1) > 1:
         from batchgen.bench.distributed import (
             PARALLEL_FLAGS,
@@ -312,7 +320,7 @@ def run_from_args(args) -> int:
         try:
             ParallelConfig(**parallel)
         except ValueError as err:
-            raise SystemExit(f"batchgen bench: error: {err}") from None
+            _usage_error(str(err))
         record = run_distributed(args, parallel)
         print(json.dumps(record) if args.json else format_distributed(record))
         return 0
