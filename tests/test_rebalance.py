@@ -557,3 +557,30 @@ def test_shipped_kv_moves_on_when_its_request_moves_again_before_admission(check
     _same_output(done[rid], reference[rid])
     assert done[rid].outputs[0].cumulative_logprob == reference[rid].outputs[0].cumulative_logprob
     assert c.get_metrics()["kv_imported_tokens"] == first.num_computed_tokens
+
+
+def test_shipped_fp8_kv_lands_byte_for_byte(checkpoint_dir):
+    """kv_cache_dtype fp8: a request released with its K/V mid-decode continues on another
+    engine from the shipped fp8 bytes (fp8 has no index_copy_: written as bytes) with the
+    unmoved output; an engine of another KV dtype refuses the payload, naming both dtypes."""
+    path = str(checkpoint_dir("mixtral"))
+    a, b = (LLM(path, kv_cache_dtype="fp8").llm_engine for _ in range(2))
+    rid, prompt, params = _requests()[0]
+    reference: dict = {}
+    a.add_request(rid, prompt, params)
+    _finish([a], reference)
+    a.add_request(rid, prompt, params)
+    for _ in range(4):
+        assert not a.step()
+    moved = a.release_request(rid, ship_kv=True)
+    assert moved.seqs[0].kv.dtype == "float8_e4m3fn" and moved.num_shipped_tokens > 0
+    b.add_processed_request(rid, b.input_processor.process(prompt, params), params, resume=moved)
+    done: dict = {}
+    _finish([b], done)
+    _same_output(done[rid], reference[rid])
+    assert b.get_metrics()["kv_imported_tokens"] == moved.num_shipped_tokens
+    from batchgen.engine.migration import import_kv
+
+    other = LLM(path).llm_engine  # float32 cache
+    with pytest.raises(ValueError, match="of float8_e4m3fn does not fit .* of float32"):
+        import_kv(other.runner.kv_caches, other.runner.block_size, [0, 1, 2], moved.seqs[0].kv)
