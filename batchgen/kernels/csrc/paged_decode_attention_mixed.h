@@ -301,6 +301,13 @@ void run_seq_mixed_avx512(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s, Mixe
         for (int64_t c = 0; c < C16; ++c)
           acc[h][c] = h < hs ? _mm512_loadu_ps(acc_out + (h0 + h) * D + 16 * c)
                              : _mm512_setzero_ps();
+      // Each head's KV head column; whether the head before it read another (then convert).
+      int64_t col[kHeadsPerPass];
+      bool fresh[kHeadsPerPass];
+      for (int64_t h = 0; h < kHeadsPerPass; ++h) {
+        col[h] = std::min(h0 + h, a.hq - 1) / g_size * D;
+        fresh[h] = h == 0 || col[h] != col[h - 1];
+      }
       for (int64_t j = j0; j < j1; ++j) {
         if (h0 == 0 && j + kF32PrefetchRows < n)  // one row a position, the first pass
           prefetch_bytes_l2(rows.v[j + kF32PrefetchRows], row_bytes);
@@ -308,9 +315,8 @@ void run_seq_mixed_avx512(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s, Mixe
 #pragma GCC unroll 16
         for (int64_t h = 0; h < kHeadsPerPass; ++h) {
           if (h >= hs) break;
-          const int64_t kv = (h0 + h) / g_size;
-          if (h == 0 || kv != (h0 + h - 1) / g_size)  // the heads before read another KV head
-            for (int64_t c = 0; c < C16; ++c) vc[c] = KV::load16(rows.v[j] + kv * D + 16 * c);
+          if (fresh[h])
+            for (int64_t c = 0; c < C16; ++c) vc[c] = KV::load16(rows.v[j] + col[h] + 16 * c);
           const __m512 w = _mm512_set1_ps(scores[(h0 + h) * n8 + j]);
           for (int64_t c = 0; c < C16; ++c) acc[h][c] = _mm512_fmadd_ps(w, vc[c], acc[h][c]);
         }
