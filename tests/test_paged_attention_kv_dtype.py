@@ -281,3 +281,34 @@ def test_scales_of_one_leave_same_dtype_paths_bit_identical():
     paged_decode_attention(q, k, v, tables, lens, 16, 0.125, None, a)
     paged_decode_attention(q, k, v, tables, lens, 16, 0.125, None, b, k_scale=1.0, v_scale=1.0)
     assert torch.equal(a, b)
+
+
+def test_forced_paths_fall_back_on_mixed_caches():
+    """A narrower cache has the AVX-512F path and the generic loops: ``avx512_bf16`` and
+    ``amx`` fall back to ``avx512f`` (bit-identical to it), ``avx2`` to the generic loops."""
+    q, k, v, tables, lens = _case([5, 33, 300], 8, 2, 64, torch.bfloat16, torch.float8_e5m2)
+    outs = {}
+    for isa in ("avx512f", "avx512_bf16", "amx", "avx2", "generic"):
+        outs[isa] = torch.empty_like(q)
+        paged_decode_attention(q, k, v, tables, lens, 16, 0.125, None, outs[isa], isa=isa)
+    assert torch.equal(outs["avx512_bf16"], outs["avx512f"])
+    assert torch.equal(outs["amx"], outs["avx512f"])
+    assert torch.equal(outs["avx2"], outs["generic"])
+
+
+def test_log_line_names_the_cache_dtype(monkeypatch, caplog):
+    import logging
+
+    from batchgen.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="batchgen.kernels.paged_attention"):
+        pa._log_once(torch.bfloat16, 64, 4, 16, "auto", torch.float8_e4m3fn)
+        pa._log_once(torch.float32, 48, 4, 16, "generic", torch.bfloat16)
+    path = decode_kernel_isa(torch.bfloat16, 64, 4, 16, torch.float8_e4m3fn)
+    assert [r.getMessage() for r in caplog.records] == [
+        "paged decode attention, torch.bfloat16, head size 64, 4 query heads per KV head, "
+        f"blocks of 16, torch.float8_e4m3fn KV cache: {path} path",
+        "paged decode attention, torch.float32, head size 48, 4 query heads per KV head, "
+        "blocks of 16, torch.bfloat16 KV cache: forced generic path",
+    ]

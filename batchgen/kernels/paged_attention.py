@@ -252,7 +252,8 @@ def paged_decode_attention(
         isa: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of `ISAS` to force a
             path (tests, A/B measurements; one that does not apply to the dtype, head size or
             CPU falls back to the next narrower: float32 has ``avx512f``, ``avx2`` and
-            ``generic``). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
+            ``generic``, a narrower cache ``avx512f`` and ``generic``, ``avx2`` running the
+            generic loops there). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
             ``"auto"`` when unset).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
