@@ -46,10 +46,12 @@ float8_e4m3fn or float8_e5m2; q bfloat16 over fp8): a key is worth its stored va
 ``k_scale``, a value times ``v_scale``; the arithmetic is q's dtype's path's (bf16: float32
 sums, weights and output rounded to bf16). AVX-512F for head sizes 64 and 128 (the float32
 path's structure, each row widened to float32 once: csrc/paged_decode_attention_mixed.h), else
-generic loops. Measured (512 sequences x contexts 32-1,500, one thread, CPU time, loaded 2-core
-machine): fp8 0.66-0.70x and bf16 0.79x the float32 cache's time, where 4x and 2x fewer bytes
-would allow 0.25x and 0.5x: the kernel turns compute-bound (with the cache in L2 it takes
-1.04-1.10x the float32 path's time, about 30% of it in the conversions).
+generic loops. Measured (`benchmarks/paged_attention.py`, 512 sequences x contexts 32-1,500,
+one thread, CPU time, loaded 2-core machine): q float32 over fp8 0.53-0.70x and over bf16
+0.75-0.79x the float32 cache's time, where 4x and 2x fewer bytes would allow about 0.25x and
+0.5x: the path turns compute-bound (with the cache in L2 it takes 1.0-1.1x the float32 path's
+time, a quarter of it converting). q bf16 over fp8 takes about the bf16 kernel's time on a
+bf16 cache (0.9-1.0x): the ``vdpbf16ps`` path does the same work in fewer instructions.
 """
 
 from __future__ import annotations
