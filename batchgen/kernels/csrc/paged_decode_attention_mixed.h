@@ -11,8 +11,9 @@
 // as the bf16 kernel (and torch's CPU SDPA in bf16) does.
 //
 // Paths: AVX-512F where D is 64 or 128 (`run_seq_mixed_avx512`), any number of query heads;
-// else generic loops (`run_seq_mixed_generic`, stored values decoded by table), also under a
-// forced isa of `avx2` or `generic`. The AVX-512F path keeps the float32 path's structure
+// else generic loops (`run_seq_mixed_generic`: each row decoded once into float32, by
+// AVX-512F where the build has it and isa allows, else by table; the same floats either way),
+// also under a forced isa of `avx2` or `generic` (decoding by table). The AVX-512F path keeps the float32 path's structure
 // (paged_decode_attention_f32.h): two query heads per zmm for the scores (8 positions a tile),
 // a 16-lane softmax, each query head's P @ V accumulators in registers. The K rows of a score
 // tile are converted to float32 once into an L1 buffer that the score loop reads (its
@@ -125,8 +126,28 @@ void end_seq_mixed(const MixedArgs<Q, KV>& m, int64_t b, const Scratch& s, doubl
   }
 }
 
+// One cache row of `row` values decoded exactly into float32: by table (scalar), or where
+// `vec` (AVX-512F build, row a multiple of 16) by KV::load16 and rescaled by kUnit (a power of
+// two: the same floats).
+template <class KV>
+inline void decode_row(const typename KV::T* src, float* dst, int64_t row, bool vec) {
+#if defined(__AVX512F__)
+  if (vec) {
+    const __m512 unit = _mm512_set1_ps(KV::kUnit);
+    for (int64_t c = 0; c < row; c += 16)
+      _mm512_storeu_ps(dst + c, _mm512_mul_ps(KV::load16(src + c), unit));
+    return;
+  }
+#endif
+  (void)vec;
+  for (int64_t i = 0; i < row; ++i) dst[i] = KV::value(src[i]);
+}
+
+// Each cache row is decoded once into `rowf` (`decode_row`; `vec`: by vector where it can),
+// then float32 loops (vectorised by the compiler) run.
 template <class Q, class KV>
-void run_seq_mixed_generic(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s) {
+void run_seq_mixed_generic(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s,
+                           std::vector<float>& rowf, bool vec) {
   const Args<Q>& a = m.a;
   const int64_t g_size = a.hq / a.hkv, row = a.hkv * a.d;
   int64_t start, n;
@@ -135,15 +156,19 @@ void run_seq_mixed_generic(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s) {
   const int64_t* table = a.block_tables + b * a.max_blocks;
   const float scale = float(double(a.scale) * m.k_scale);
   s.scores.resize(a.hq * n);
+  rowf.resize(row);
+  vec = vec && row % 16 == 0;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t p = start + j;
     const auto* k = m.k_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
     prefetch_row(m.k_cache, table, p, len, a.block_size, row);
+    decode_row<KV>(k, rowf.data(), row, vec);
     for (int64_t hq = 0; hq < a.hq; ++hq) {
       const float* qh = s.qf.data() + hq * a.d;
-      const auto* kh = k + (hq / g_size) * a.d;
+      const float* kh = rowf.data() + (hq / g_size) * a.d;
       float dot = 0.0f;
-      for (int64_t i = 0; i < a.d; ++i) dot += qh[i] * KV::value(kh[i]);
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < a.d; ++i) dot += qh[i] * kh[i];
       s.scores[hq * n + j] = dot * scale;
     }
   }
@@ -152,12 +177,8 @@ void run_seq_mixed_generic(const MixedArgs<Q, KV>& m, int64_t b, Scratch& s) {
     const int64_t p = start + j;
     const auto* v = m.v_cache + (table[p / a.block_size] * a.block_size + p % a.block_size) * row;
     prefetch_row(m.v_cache, table, p, len, a.block_size, row);
-    for (int64_t hq = 0; hq < a.hq; ++hq) {
-      const float wj = s.scores[hq * n + j];
-      const auto* vh = v + (hq / g_size) * a.d;
-      float* o = s.acc.data() + hq * a.d;
-      for (int64_t i = 0; i < a.d; ++i) o[i] += wj * KV::value(vh[i]);
-    }
+    decode_row<KV>(v, rowf.data(), row, vec);
+    add_value_row(s.acc.data(), s.scores.data(), n, j, rowf.data(), a.hq, g_size, a.d);
   }
   end_seq_mixed(m, b, s, m.v_scale);
 }
@@ -340,6 +361,7 @@ int run_mixed(const MixedArgs<Q, KV>& m, int64_t num_seqs, int64_t num_threads) 
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
+    std::vector<float> rowf;  // the generic loops' decoded row
 #if defined(__AVX512F__)
     MixedRows<KV> rows;
 #endif
@@ -355,7 +377,7 @@ int run_mixed(const MixedArgs<Q, KV>& m, int64_t num_seqs, int64_t num_threads) 
         continue;
       }
 #endif
-      run_seq_mixed_generic(m, b, s);
+      run_seq_mixed_generic(m, b, s, rowf, a.isa == kAuto || a.isa >= kAvx512);
     }
   }
   return 0;
