@@ -5,10 +5,15 @@ in float32 and bfloat16 beside the gathered torch path (block gathers + SDPA, wh
     .venv/bin/python benchmarks/paged_attention.py [--seqs 512] [--context 448] [--rounds 8]
         [--context-range 32,1500] [--threads N]
         [--paths kernel_f32,kernel_bf16,torch_bf16,torch_f32,bf16_avx512_bf16,bf16_avx512f,
-                 bf16_avx2,bf16_generic]
+                 bf16_avx2,bf16_generic,kernel_f32_kvbf16,kernel_f32_kvfp8,kernel_bf16_kvfp8,
+                 kernel_f32_kvfp8_e5m2,kernel_bf16_kvfp8_e5m2,kernel_f32_kvfp8_generic]
 
 ``--context-range LO,HI`` draws each sequence's context log-uniformly in [LO, HI] (seeded)
 instead of ``--context`` for all. ``bf16_<isa>`` forces that bf16 path (`pa.ISAS`).
+``kernel_<q>_kv<cache>[_<isa>]`` runs the kernel on a KV cache narrower than q (vLLM's
+``kv_cache_dtype``: ``kvbf16``, ``kvfp8`` = float8_e4m3fn, ``kvfp8_e5m2``), called directly (the
+new tokens' K/V cast into the cache, then the kernel; the gathered torch path does not read such
+a cache), on the same data as the other paths rounded to the cache dtype.
 ``--clock thread`` times the calling thread's CPU time (``time.thread_time``: meaningful with
 ``--threads 1``, where the kernel runs in the calling thread, and immune to other processes
 taking the core on a loaded machine); ``wall`` (default) times wall-clock. The fastest round
@@ -41,6 +46,28 @@ from batchgen.models.layers.attention import (
 )
 
 HQ, HKV, D, BLOCK = 8, 2, 64, 16
+# kernel_<q>_kv<cache> paths: the cache dtypes
+KV_DTYPES = {
+    "kvbf16": torch.bfloat16,
+    "kvfp8": torch.float8_e4m3fn,
+    "kvfp8_e5m2": torch.float8_e5m2,
+}
+
+
+def _path_dtypes(path: str) -> tuple[torch.dtype, torch.dtype, str]:
+    """(q dtype, cache dtype, isa) of a path: ``kernel_f32_kvfp8_generic`` -> (float32,
+    float8_e4m3fn, "generic")."""
+    if "_kv" in path:
+        head, kv = path.split("_kv", 1)
+        isa = "auto"
+        for name in pa.ISAS:
+            if kv.endswith("_" + name):
+                kv, isa = kv.removesuffix("_" + name), name
+        q_dtype = torch.float32 if head.endswith("f32") else torch.bfloat16
+        return q_dtype, KV_DTYPES["kv" + kv], isa
+    dtype = torch.float32 if path.endswith("f32") else torch.bfloat16
+    isa = path.removeprefix("bf16_") if path.startswith("bf16_") else "auto"
+    return dtype, dtype, isa
 
 
 def _meta(kv_lens, tables, in_place: bool, block_bytes: int) -> AttentionMetadata:
@@ -99,12 +126,12 @@ def main() -> None:
     new32 = torch.randn(2, args.seqs, HKV, D)
     runs = {}
     for path in paths:
-        dtype = torch.float32 if path.endswith("f32") else torch.bfloat16
+        dtype, cache_dtype, isa = _path_dtypes(path)
         in_place = not path.startswith("torch")
-        k, v, q, new = (t.to(dtype) for t in (k32, v32, q32, new32))
+        q = q32.to(dtype)
+        k, v, new = (t.to(cache_dtype) for t in (k32, v32, new32))
         meta = _meta(kv_lens, tables, in_place, k[0].numel() * k.element_size() * BLOCK)
-        isa = path.removeprefix("bf16_") if path.startswith("bf16_") else "auto"
-        runs[path] = (q, new, (k, v), meta, isa)
+        runs[path] = (q, new, (k, v), meta, isa, cache_dtype != dtype)
     print(
         f"{args.seqs} seqs x {sum(kv_lens) / len(kv_lens):.0f} positions on average "
         f"({min(kv_lens)}-{max(kv_lens)}), Hq {HQ}, Hkv {HKV}, D {D}, block {BLOCK}, "
@@ -113,12 +140,12 @@ def main() -> None:
     )
 
     def run(path):
-        q, new, cache, meta, isa = runs[path]
+        q, new, cache, meta, isa, mixed = runs[path]
         os.environ["BATCHGEN_CPU_KERNELS"] = "0" if path.startswith("torch") else "1"
-        if isa != "auto":  # a forced bf16 path: call the kernel directly
+        if isa != "auto" or mixed:  # a forced path or a narrower cache: the kernel directly
             out = torch.empty_like(q)
-            cache[0].index_copy_(0, meta.slot_mapping, new[0])
-            cache[1].index_copy_(0, meta.slot_mapping, new[1])
+            for c, x in zip(cache, new):  # as bytes: torch has no index_copy_ for fp8
+                c.view(torch.uint8).index_copy_(0, meta.slot_mapping, x.view(torch.uint8))
             b = meta.decode_buckets[0]
             pa.paged_decode_attention(
                 q, *cache, b.block_tables, b.kv_lens, BLOCK, D**-0.5, None, out, isa
@@ -138,7 +165,7 @@ def main() -> None:
     base_min = min(times[paths[0]])
     for p in paths:
         sec = statistics.median(times[p])
-        itemsize = 4 if p.endswith("f32") else 2
+        itemsize = runs[p][2][0].element_size()
         gbs = 2 * sum(kv_lens) * HKV * D * itemsize / sec / 1e9
         diff = (outs[p].float() - outs[paths[0]].float()).abs().max().item()
         print(

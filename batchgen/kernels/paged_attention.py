@@ -40,6 +40,18 @@ of `ISAS`, default ``auto``) forces a path for A/B runs. Measured at the bench's
 sequences, contexts log-uniform 32-1,500, Hq 8, Hkv 2, D 64, one thread, CPU time, loaded
 machine): ``amx`` about 4x the ``avx512f`` path with the cache in L2/L3 and 2-2.4x from memory,
 where both wait on the cache misses one core keeps in flight (see docs/performance.md).
+
+A KV cache narrower than q (vLLM's ``kv_cache_dtype``, `MIXED_PAIRS`: q float32 over bfloat16,
+float8_e4m3fn or float8_e5m2; q bfloat16 over fp8): a key is worth its stored value times
+``k_scale``, a value times ``v_scale``; the arithmetic is q's dtype's path's (bf16: float32
+sums, weights and output rounded to bf16). AVX-512F for head sizes 64 and 128 (the float32
+path's structure, each row widened to float32 once: csrc/paged_decode_attention_mixed.h), else
+generic loops. Measured (`benchmarks/paged_attention.py`, 512 sequences x contexts 32-1,500,
+one thread, CPU time, loaded 2-core machine): q float32 over fp8 0.53-0.70x and over bf16
+0.75-0.79x the float32 cache's time, where 4x and 2x fewer bytes would allow about 0.25x and
+0.5x: the path turns compute-bound (with the cache in L2 it takes 1.0-1.1x the float32 path's
+time, a quarter of it converting). q bf16 over fp8 takes about the bf16 kernel's time on a
+bf16 cache (0.9-1.0x): the ``vdpbf16ps`` path does the same work in fewer instructions.
 """
 
 from __future__ import annotations
@@ -50,11 +62,20 @@ import logging
 import torch
 
 from batchgen.kernels.cpu_build import cpu_flags, kernels_enabled, load_library
+from batchgen.kernels.paged_attention_checks import (  # noqa: F401 (check_decode_context: API)
+    MIXED_PAIRS,
+    check_args,
+    check_cache_dtype,
+    check_decode_context,
+    rows_strided_ok,
+)
 from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
+# KV cache dtypes narrower than q (vLLM's kv_cache_dtype), the mixed entry's codes.
+_KV_CODES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 # Forced paths of the bf16 entry (the ``isa`` argument): auto picks the fastest this CPU and
 # build run; a forced path that does not apply (head size, block size, CPU) falls back down
 # the list amx -> avx512_bf16 -> avx512f -> avx2 -> generic.
@@ -64,7 +85,7 @@ _LEVEL_NAMES = {4: "amx", 3: "avx512_bf16", 2: "avx512f", 1: "avx2", 0: "generic
 
 logger = logging.getLogger(__name__)
 _lib = None
-_logged: set[tuple[torch.dtype, int, int, int, str]] = set()
+_logged: set[tuple[torch.dtype, int, int, int, torch.dtype, str]] = set()
 
 
 def _library():
@@ -81,11 +102,18 @@ def _library():
         lib.batchgen_paged_decode_attention_bf16.argtypes = [*common, _i64, _i64]
         lib.batchgen_paged_decode_attention_bf16_isa.argtypes = [_i64] * 3
         lib.batchgen_paged_decode_attention_f32_isa.argtypes = [_i64] * 2
+        # + isa, q's row stride, q's dtype, the cache's dtype, k_scale, v_scale
+        lib.batchgen_paged_decode_attention_mixed.argtypes = [
+            *common, *[_i64] * 4, ctypes.c_double, ctypes.c_double
+        ]
+        lib.batchgen_paged_decode_attention_mixed_isa.argtypes = [_i64]
         for fn in (
             lib.batchgen_paged_decode_attention_f32,
             lib.batchgen_paged_decode_attention_bf16,
             lib.batchgen_paged_decode_attention_bf16_isa,
             lib.batchgen_paged_decode_attention_f32_isa,
+            lib.batchgen_paged_decode_attention_mixed,
+            lib.batchgen_paged_decode_attention_mixed_isa,
         ):
             fn.restype = ctypes.c_int
         _lib = lib
@@ -97,19 +125,28 @@ def _function():
     return _library() if kernels_enabled("paged_decode_attention") else None
 
 
+def _served(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> bool:
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    return (dtype == cache_dtype and dtype in _DTYPES) or (dtype, cache_dtype) in MIXED_PAIRS
+
+
 def decode_kernel_available(
     device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
 ) -> bool:
-    """True when `paged_decode_attention` serves queries of ``dtype`` on caches of
-    ``cache_dtype`` (None: ``dtype``) on ``device``: CPU, float32 or bfloat16 queries on a
-    cache of their own dtype, and the kernel built (see `batchgen.kernels.cpu_build`)."""
-    if cache_dtype is not None and cache_dtype != dtype:
-        return False
-    return device.type == "cpu" and dtype in _DTYPES and _function() is not None
+    """True when `paged_decode_attention` serves queries of ``dtype`` over KV caches of
+    ``cache_dtype`` (None: ``dtype``) on ``device``: CPU, the kernel built (see
+    `batchgen.kernels.cpu_build`), and the pair float32/float32, bfloat16/bfloat16 or one of
+    `MIXED_PAIRS` (a cache narrower than q: vLLM's ``kv_cache_dtype``; every head size, the
+    generic loops where the AVX-512F path does not apply)."""
+    return device.type == "cpu" and _served(dtype, cache_dtype) and _function() is not None
 
 
 def decode_kernel_isa(
-    dtype: torch.dtype, head_size: int, num_queries_per_kv: int = 1, block_size: int = 16
+    dtype: torch.dtype,
+    head_size: int,
+    num_queries_per_kv: int = 1,
+    block_size: int = 16,
+    cache_dtype: torch.dtype | None = None,
 ) -> str | None:
     """The path `paged_decode_attention` runs under ``isa="auto"`` for ``dtype``, ``head_size``,
     ``num_queries_per_kv`` (Hq / Hkv) and ``block_size`` on this CPU and build: ``"amx"``
@@ -120,10 +157,13 @@ def decode_kernel_isa(
     bfloat16: head size a multiple of 16; float32: head size 64 or 128 and an even number of
     query heads per KV head), ``"avx2"`` (head size a multiple of 8, AVX2/FMA build),
     ``"generic"`` (plain loops), or None when the kernel does not serve ``dtype`` or is
-    unavailable."""
+    unavailable. A ``cache_dtype`` other than ``dtype`` (one of `MIXED_PAIRS`): ``"avx512f"``
+    for head size 64 or 128 where the library is built for AVX-512F, else ``"generic"``."""
     lib = _function()
-    if lib is None or dtype not in _DTYPES:
+    if lib is None or not _served(dtype, cache_dtype):
         return None
+    if cache_dtype is not None and cache_dtype != dtype:
+        return _LEVEL_NAMES[lib.batchgen_paged_decode_attention_mixed_isa(head_size)]
     if dtype == torch.float32:
         level = lib.batchgen_paged_decode_attention_f32_isa(head_size, num_queries_per_kv)
         return _LEVEL_NAMES[level]
@@ -141,17 +181,27 @@ def default_isa() -> str:
     return env_choice(ISA_ENV, sorted(ISAS))
 
 
-def _log_once(dtype: torch.dtype, head_size: int, group: int, block_size: int, isa: str) -> None:
-    key = (dtype, head_size, group, block_size, isa)
+def _log_once(
+    dtype: torch.dtype,
+    head_size: int,
+    group: int,
+    block_size: int,
+    isa: str,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    key = (dtype, head_size, group, block_size, cache_dtype, isa)
     if key not in _logged:
         _logged.add(key)
-        chosen = decode_kernel_isa(*key[:4]) if isa == "auto" else f"forced {isa}"
+        chosen = decode_kernel_isa(*key[:5]) if isa == "auto" else f"forced {isa}"
+        cache = "" if cache_dtype == dtype else f", {cache_dtype} KV cache"
         logger.info(
             "paged decode attention, %s, head size %d, %d query heads per KV head, blocks of "
-            "%d: %s path%s",
+            "%d%s: %s path%s",
             *key[:4],
+            cache,
             chosen,
-            _why_not_avx512(dtype, chosen),
+            _why_not_avx512(dtype, chosen) if not cache else "",
         )
 
 
@@ -178,6 +228,8 @@ def paged_decode_attention(
     out: torch.Tensor,
     isa: str | None = None,
     context_checked: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One decode token per sequence attends to its cached context; writes ``out``.
 
@@ -186,9 +238,13 @@ def paged_decode_attention(
             sequence's ``[Hq, D]`` must be contiguous, the rows may be strided (q a view of
             the fused QKV projection's ``[B, (Hq + 2 Hkv) * D]`` output is read in place, no
             copy); another layout is copied first.
-        k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]``, q's dtype, contiguous, the
-            new tokens' K/V already written. In bfloat16 the scores, softmax and weighted sum
-            are float32 and only the output is rounded to bf16 (round to nearest even).
+        k_cache, v_cache: ``[num_blocks * block_size, Hkv, D]``, contiguous, the new tokens'
+            K/V already written; q's dtype, or both of a narrower dtype (vLLM's
+            ``kv_cache_dtype``, `MIXED_PAIRS`): q float32 over bfloat16, float8_e4m3fn or
+            float8_e5m2, q bfloat16 over float8_e4m3fn or float8_e5m2. In bfloat16 the
+            scores, softmax and weighted sum are float32, the unnormalised softmax weights are
+            rounded to bf16 before the weighted sum, and the output is rounded to bf16 (round
+            to nearest even), as torch's CPU SDPA in bf16 does.
         block_tables: ``[B, n]`` int64 block ids (entries past a context are not read).
         kv_lens: ``[B]`` int64 context lengths including the new token (>= 1).
         block_size: tokens per KV block.
@@ -198,17 +254,23 @@ def paged_decode_attention(
         isa: ``"auto"`` (the fastest path, `decode_kernel_isa`), or one of `ISAS` to force a
             path (tests, A/B measurements; one that does not apply to the dtype, head size or
             CPU falls back to the next narrower: float32 has ``avx512f``, ``avx2`` and
-            ``generic``). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
+            ``generic``, a narrower cache ``avx512f`` and ``generic``, ``avx2`` running the
+            generic loops there). None: `default_isa` (the ``BATCHGEN_PAGED_ATTENTION_ISA`` variable,
             ``"auto"`` when unset).
         context_checked: the caller has run `check_decode_context` on these very
             ``block_tables`` and ``kv_lens`` against this cache's blocks (the layers of one
             step share them: `batchgen.models.layers.attention.paged_attention` checks once per
             step); the shape, dtype and layout checks run on every call regardless.
+        k_scale, v_scale: a narrower cache's dequantisation scales (finite, > 0): a cached
+            key is worth its stored value (exact in float32) times ``k_scale``, a value times
+            ``v_scale`` (folded into the score scale and the output's normalisation in
+            float64, rounded once to float32). Must be 1.0 for a cache of q's dtype.
     Raises:
         RuntimeError if the kernel is unavailable or rejects the shapes (Hq not a multiple of
-        Hkv); ValueError (naming the argument) for a wrong dtype, a tensor off the CPU, a
-        non-contiguous cache or output, or a context or block id outside the cache: the
-        kernel reads raw memory, so these are checked first.
+        Hkv); ValueError (naming the argument) for a wrong dtype or dtype pairing (the
+        message lists the served pairs), a tensor off the CPU, a non-contiguous cache or
+        output, a bad scale, or a context or block id outside the cache: the kernel reads raw
+        memory, so these are checked first.
     """
     lib = _function()
     if lib is None:
@@ -218,14 +280,20 @@ def paged_decode_attention(
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {sorted(ISAS)}, got {isa!r}")
     args = (q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window)
-    _check(*args, context_checked)
-    if q.dtype == torch.bfloat16:
+    check_args(*args, context_checked)
+    mixed = check_cache_dtype(q, k_cache, v_cache, k_scale, v_scale)
+    extra: tuple = ()
+    if mixed:
+        fn = lib.batchgen_paged_decode_attention_mixed
+        q_code = 0 if q.dtype == torch.float32 else 1
+        extra = (q_code, _KV_CODES[k_cache.dtype], float(k_scale), float(v_scale))
+    elif q.dtype == torch.bfloat16:
         fn = lib.batchgen_paged_decode_attention_bf16
     else:
         fn = lib.batchgen_paged_decode_attention_f32
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa)
+    _log_once(q.dtype, d, max(1, hq // max(1, hkv)), block_size, isa, k_cache.dtype)
     if not rows_strided_ok(q):
         q = q.contiguous()
     block_tables = block_tables.contiguous()
@@ -249,94 +317,7 @@ def paged_decode_attention(
             torch.get_num_threads(),
             ISAS[isa],
             q.stride(0) if b > 1 else hq * d,  # one row: its stride is never used
+            *extra,
         )
     if rc != 0:
         raise RuntimeError(f"paged decode attention rejected Hq={hq}, Hkv={hkv}, D={d}")
-
-
-def rows_strided_ok(q: torch.Tensor) -> bool:
-    """True when the kernel can read ``q [B, Hq, D]`` in place: each row's ``Hq * D`` elements
-    contiguous and rows at least that far apart (``q.stride(0) >= Hq * D``, which a view of a
-    wider row such as fused QKV has; the kernel reads only ``q.data_ptr() + b * stride(0) +
-    [0, Hq * D)``, inside q's storage for any such view). Size-1 dimensions' strides are
-    free in torch, so those are not compared."""
-    b, hq, d = q.shape
-    return (
-        (d <= 1 or q.stride(2) == 1)
-        and (hq <= 1 or q.stride(1) == d)
-        and (b <= 1 or q.stride(0) >= hq * d)
-        and q.storage_offset() + (b - 1) * q.stride(0) + hq * d <= q.untyped_storage().nbytes()
-        // q.element_size()
-    )
-
-
-def _check(
-    q, k_cache, v_cache, block_tables, kv_lens, block_size, out, sliding_window, context_checked
-) -> None:
-    dims = (("q", q, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3), ("out", out, 3))
-    for name, t, want in (*dims, ("block_tables", block_tables, 2), ("kv_lens", kv_lens, 1)):
-        if t.dim() != want:
-            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
-    # bool is an int: True would run as 1
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    window_ok = isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
-    if sliding_window is not None and (not window_ok or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
-    if k_cache.shape[0] % block_size:
-        raise ValueError(
-            f"k_cache rows ({k_cache.shape[0]}) must be a multiple of block_size ({block_size})"
-        )
-    if q.dtype not in _DTYPES or q.device.type != "cpu":
-        raise ValueError(f"q must be a float32 or bfloat16 CPU tensor, got {q.dtype} on {q.device}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != q.dtype or t.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be a {q.dtype} CPU tensor like q, got {t.dtype} on {t.device}"
-            )
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"shapes: q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache "
-            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    if block_tables.dtype != torch.int64 or kv_lens.dtype != torch.int64:
-        raise ValueError("block_tables and kv_lens must be int64")
-    for name, t in (("block_tables", block_tables), ("kv_lens", kv_lens)):
-        if t.device.type != "cpu":  # read as raw pointers by the kernel
-            raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if block_tables.shape[0] != q.shape[0] or kv_lens.shape != (q.shape[0],):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} and kv_lens {tuple(kv_lens.shape)} "
-            f"must have one row per query ({q.shape[0]})"
-        )
-    if q.shape[0] and not context_checked:
-        check_decode_context(block_tables, kv_lens, block_size, k_cache.shape[0] // block_size)
-
-
-def check_decode_context(
-    block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, num_blocks: int
-) -> None:
-    """The checks of `paged_decode_attention` that read the metadata's values: every context
-    length in ``[1, block_tables width x block_size]`` and every block id a context reaches in
-    ``[0, num_blocks)`` (the kernel reads raw memory there).
-
-    Args:
-        block_tables: ``[B, n]`` int64; kv_lens: ``[B]`` int64 (B >= 1); block_size: tokens
-            per block; num_blocks: blocks in the cache.
-    Raises:
-        ValueError: naming ``kv_lens`` or ``block_tables``.
-    """
-    if kv_lens.min() < 1 or kv_lens.max() > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"kv_lens must be in [1, {block_tables.shape[1] * block_size}] (block_tables width "
-            f"x block_size), got [{int(kv_lens.min())}, {int(kv_lens.max())}]"
-        )
-    # Only the entries a context reaches are read; padding past it may hold anything.
-    width = torch.arange(block_tables.shape[1], device=block_tables.device)
-    used = width < (kv_lens[:, None] + block_size - 1) // block_size
-    ids = block_tables[used]
-    if ids.numel() and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise ValueError(f"block_tables entries must be in [0, {num_blocks}) where read")

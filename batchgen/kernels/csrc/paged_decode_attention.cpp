@@ -35,6 +35,11 @@
 // forced path that does not apply to the shapes or CPU falls back down that list) so tests and
 // A/B measurements reach every path on one machine.
 //
+// A third entry, batchgen_paged_decode_attention_mixed, reads a KV cache narrower than q (q
+// float32 over bf16, e4m3fn or e5m2; q bf16 over fp8; vLLM's kv_cache_dtype) with per-cache
+// scales: AVX-512F for head sizes 64 and 128, else generic loops
+// (paged_decode_attention_mixed.h).
+//
 // Sequences are spread over OpenMP threads, longest context first, one at a time. The library is built with -fopenmp and loaded
 // after torch, so it joins torch's own OpenMP runtime (libgomp.so.1, already in the process)
 // and its thread pool: separate threads would compete with torch's, which spin for a while
@@ -254,22 +259,29 @@ void run_seq(const Args<T>& a, int64_t b, Scratch& s, Rows<T>& rows, int64_t nex
   run_seq_generic(a, b, s);
 }
 
+// Longest context first, one sequence at a time (dynamic): the threads finish within about
+// the shortest sequence of each other. Chunks of 4 in batch order left up to 4 long contexts
+// (1,500 positions against a mean near 400) to one thread at the end. Empty (batch order)
+// for one thread.
+inline std::vector<int64_t> longest_first(const int64_t* kv_lens, int64_t num_seqs,
+                                          int64_t num_threads) {
+  std::vector<int64_t> order;
+  if (num_threads > 1) {
+    order.resize(num_seqs);
+    for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return kv_lens[x] > kv_lens[y]; });
+  }
+  return order;
+}
+
 template <class T>
 int run(const Args<T>& a, int64_t num_seqs, int64_t num_threads) {
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0 || a.block_size <= 0) return 1;
   num_threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_seqs));
   bool amx = false;
   if constexpr (std::is_same_v<T, bf16_t>) amx = amx_scores(a.isa, a.d, a.hq / a.hkv, a.block_size);
-  // Longest context first, one sequence at a time (dynamic): the threads finish within about
-  // the shortest sequence of each other. Chunks of 4 in batch order left up to 4 long contexts
-  // (1,500 positions against a mean near 400) to one thread at the end.
-  std::vector<int64_t> order;
-  if (num_threads > 1) {
-    order.resize(num_seqs);
-    for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t x, int64_t y) { return a.kv_lens[x] > a.kv_lens[y]; });
-  }
+  const std::vector<int64_t> order = longest_first(a.kv_lens, num_seqs, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch s;
@@ -288,6 +300,7 @@ int run(const Args<T>& a, int64_t num_seqs, int64_t num_threads) {
 }
 
 }  // namespace
+#include "paged_decode_attention_mixed.h"  // q over a narrower KV cache (kv_cache_dtype)
 
 extern "C" int batchgen_paged_decode_attention_f32(
     const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
@@ -311,6 +324,39 @@ extern "C" int batchgen_paged_decode_attention_bf16(
                        hq, hkv,     d,       block_size,   max_blocks, sliding_window,
                        scale, isa, q_stride};
   return run(a, num_seqs, num_threads);
+}
+
+// q float32 (q_dtype 0) or bf16 (1) over a cache of kv_dtype (KvDtype: 0 bf16 with float32 q,
+// 1 float8_e4m3fn, 2 float8_e5m2), a key worth stored * k_scale, a value stored * v_scale
+// (paged_decode_attention_mixed.h). Returns 3 for another pairing.
+extern "C" int batchgen_paged_decode_attention_mixed(
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+    const int64_t* kv_lens, void* out, int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+    int64_t num_threads, int64_t isa, int64_t q_stride, int64_t q_dtype, int64_t kv_dtype,
+    double k_scale, double v_scale) {
+  if (isa < kAuto || isa > kAmx || q_stride < hq * d) return 2;
+  auto go = [&](auto* qt) {
+    using Q = std::remove_const_t<std::remove_pointer_t<decltype(qt)>>;
+    const Args<Q> a{qt,    nullptr,        nullptr,      block_tables, kv_lens,
+                    static_cast<Q*>(out),  hq,           hkv,          d,
+                    block_size,            max_blocks,   sliding_window, scale,
+                    isa,   q_stride};
+    return run_mixed_cache(a, k_cache, v_cache, kv_dtype, k_scale, v_scale, num_seqs,
+                           num_threads);
+  };
+  if (q_dtype == 0) return go(static_cast<const float*>(q));
+  if (q_dtype == 1) return go(static_cast<const bf16_t*>(q));
+  return 3;
+}
+
+// The path the mixed entry runs with isa 0 for head size d: 2 AVX-512F, 0 the generic loops.
+extern "C" int batchgen_paged_decode_attention_mixed_isa(int64_t d) {
+#if defined(__AVX512F__)
+  if (mixed_avx512_applies(kAuto, d)) return 2;
+#endif
+  (void)d;
+  return 0;
 }
 
 // The vector path the bf16 entry runs with isa 0 for head size d, g query heads per KV head
