@@ -4,7 +4,9 @@ Backends (every one computes the torch path's result, `batchgen.models.layers.at
 paged_attention` with ``torch``):
 
 - ``cpu_kernel``: the C++ CPU kernel reading K/V in place
-  (`batchgen.kernels.paged_attention.paged_decode_attention`; CPU, float32 and bfloat16);
+  (`batchgen.kernels.paged_attention.paged_decode_attention`; CPU, float32 and bfloat16 on a
+  cache of their dtype, and the narrower caches of ``kv_cache_dtype``: float32 queries on
+  bf16 or fp8, bf16 queries on fp8);
 - ``triton``: the Triton kernel reading K/V in place
   (`batchgen.kernels.triton_paged_attention.triton_paged_decode_attention`);
 - ``torch``: each bucket's blocks gathered into a padded copy, then SDPA.
