@@ -75,7 +75,8 @@ def _coalesce_defaults(overrides: dict | None) -> dict:
     return {
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "expert_coalesce_threshold": c.expert_coalesce_threshold,
-        "max_active_coroutines": c.max_running_seqs,
+        "max_num_seqs": c.max_running_seqs,  # the per-mode settings' name (vLLM's)
+        "max_active_coroutines": c.max_running_seqs,  # the same, its former key here
         "max_step_tokens": c.step_token_budget,
         "kv_cache_dtype": c.kv_cache_dtype,
     }
