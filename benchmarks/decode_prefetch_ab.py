@@ -14,10 +14,18 @@ variants alternated in random order per round, 24 rounds, medians of thread CPU 
 thread) or wall time; the outputs are checked identical. Results: docs/performance.md,
 "Decode attention against the block-read ceiling".
 """
+import ctypes
+import math
+import random
 import shutil
+import statistics as st
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 SRC = Path(__file__).resolve().parent.parent / "batchgen" / "kernels" / "csrc"
 SHIPPED = """inline void prefetch_f32_rows(const float* const* rows, int64_t j0, int64_t j1, int64_t row) {
@@ -53,8 +61,8 @@ def build_variants(out: Path) -> dict:
 
 _TMP = tempfile.TemporaryDirectory(prefix="pfab-")
 
-import ctypes, time, random, sys, torch, math
-torch.manual_seed(0); random.seed(0)
+torch.manual_seed(0)
+random.seed(0)
 libs = {m: ctypes.CDLL(p) for m, p in build_variants(Path(_TMP.name)).items()}
 B, HQ, HKV, D, BS = 512, 8, 2, 64, 16
 lens = [int(math.exp(random.uniform(math.log(32), math.log(1500)))) for _ in range(B)]
@@ -86,6 +94,5 @@ for r in range(24):
     for m in ms:
         t = clock(); call(m, threads); ts[m].append(clock() - t)
 for m in libs: assert torch.equal(outs[m], outs[0])
-import statistics as st
 base = st.median(ts[0])
 print(order, "threads", threads, {m: f"{st.median(ts[m])*1e3:.2f} ms ({st.median(ts[m])/base:.3f})" for m in libs}, "load", open('/proc/loadavg').read().split()[0])
