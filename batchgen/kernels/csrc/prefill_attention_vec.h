@@ -43,8 +43,8 @@ inline bool vec_path_usable(bool bf16, int64_t d) {
 
 // Q^T of the task's heads: float32 [G][D][16], bf16 [G][D / 2][16] 32-bit pairs of dimensions
 // (lanes past nq zero).
-template <class T>
-inline void pack_q_vec(const Args<T>& a, const Task& t, Scratch& s) {
+template <class T, class C>
+inline void pack_q_vec(const Args<T, C>& a, const Task& t, Scratch& s) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   if constexpr (std::is_same_v<T, float>) {
     s.qt.assign(g * d * kTQ, 0.0f);
@@ -264,24 +264,26 @@ BATCHGEN_ATTN_BF16_TARGET inline void pack_v_pairs(const bf16_t* const* rows, in
 }
 
 // out rows of the task: O[h][q][:] / l[h][q], rounded once for bf16.
-BATCHGEN_PREFILL_F32_TARGET inline void write_out_f32(const Args<float>& a, const Task& t,
+template <class C>
+BATCHGEN_PREFILL_F32_TARGET inline void write_out_f32(const Args<float, C>& a, const Task& t,
                                                       const float* o, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[h * kTQ + q]);
+      const __m512 inv = _mm512_set1_ps(a.v_scale / l[h * kTQ + q]);
       float* dst = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
       for (int64_t c = 0; c < d; c += 16)
         _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_load_ps(o + (h * kTQ + q) * d + c), inv));
     }
 }
 
-BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t>& a, const Task& t,
+template <class C>
+BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t, C>& a, const Task& t,
                                                      const float* o, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[h * kTQ + q]);
+      const __m512 inv = _mm512_set1_ps(a.v_scale / l[h * kTQ + q]);
       bf16_t* dst = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
       for (int64_t c = 0; c < d; c += 16) {
         const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + (h * kTQ + q) * d + c), inv);
@@ -290,10 +292,13 @@ BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t>& a, cons
     }
 }
 
-// One task on the AVX-512 path (float32 or bf16).
-template <class T>
-void run_task_vec(const Args<T>& a, const Task& t, Scratch& s) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+// One task on the AVX-512 path (float32 or bf16 q). A cache of another dtype C (kv_cache_dtype)
+// has each block's K rows staged in q's compute type (`stage_row`) and its V rows too (float32)
+// or converted straight into the key pairs (bf16, `stage_pair`): exact, divided by
+// kVecUnit<C>, which `run` folded into a.scale and a.v_scale. The same dtype is read in place.
+template <class T, class C>
+void run_task_vec(const Args<T, C>& a, const Task& t, Scratch& s) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>, kStaged = !std::is_same_v<T, C>;
   const int64_t g = a.hq / a.hkv, d = a.d;
   pack_q_vec(a, t, s);
   s.ot.assign(g * kTQ * d, 0.0f);  // O [G][16][D]
@@ -305,6 +310,18 @@ void run_task_vec(const Args<T>& a, const Task& t, Scratch& s) {
     std::fill(s.vt.begin() + kBK * d, s.vt.end(), bf16_t(0));
     s.pv.resize(kBK * kTQ);
   }
+  T* kstage = nullptr;  // [32][D] K rows in T (kStaged); float32: V rows too
+  float* vstage = nullptr;
+  if constexpr (kStaged) {
+    if constexpr (kBf16) {
+      s.kb.resize(kBK * d);
+      kstage = s.kb.data();
+    } else {
+      s.kp.resize(kBK * d);
+      s.vp.resize(kBK * d);
+      kstage = s.kp.data(), vstage = s.vp.data();
+    }
+  }
   alignas(64) float alpha[kTQ];
   const T* krows[kBK];
   const T* vrows[kBK];
@@ -312,10 +329,27 @@ void run_task_vec(const Args<T>& a, const Task& t, Scratch& s) {
     const int64_t nk = std::min(kBK, t.hi + 1 - kb);
     const int64_t live = nk <= 16 ? 16 : kBK;  // keys scored: past nk masked (weight 0)
     for (int64_t k = 0; k < kBK; ++k) {
-      krows[k] = cache_row(a.k_cache, a, t, kb + std::min(k, nk - 1));
-      vrows[k] = cache_row(a.v_cache, a, t, kb + std::min(k, nk - 1));
+      const int64_t j = std::min(k, nk - 1);
+      if constexpr (kStaged) {
+        if (k < nk) stage_row(cache_row(a.k_cache, a, t, kb + k), d, kstage + k * d);
+        krows[k] = kstage + j * d;
+        if constexpr (!kBf16) {
+          if (k < nk) stage_row(cache_row(a.v_cache, a, t, kb + k), d, vstage + k * d);
+          vrows[k] = vstage + j * d;
+        }
+      } else {
+        krows[k] = cache_row(a.k_cache, a, t, kb + j);
+        vrows[k] = cache_row(a.v_cache, a, t, kb + j);
+      }
     }
-    if constexpr (kBf16) pack_v_pairs(vrows, nk, d, s.vt.data() + kBK * d, s.vt.data());
+    if constexpr (kBf16 && kStaged) {  // V converted straight into key pairs [16][D][2]
+      for (int64_t kp = 0; kp < (nk + 1) / 2; ++kp)
+        stage_pair(cache_row(a.v_cache, a, t, kb + 2 * kp),
+                   2 * kp + 1 < nk ? cache_row(a.v_cache, a, t, kb + 2 * kp + 1) : nullptr, d,
+                   s.vt.data() + kp * 2 * d);
+    } else if constexpr (kBf16) {
+      pack_v_pairs(vrows, nk, d, s.vt.data() + kBK * d, s.vt.data());
+    }
     const bool masked = block_needs_mask(t, a.window, kb, nk);
     for (int64_t h = 0; h < g; ++h) {
       float* st = s.s.data();
@@ -342,8 +376,8 @@ void run_task_vec(const Args<T>& a, const Task& t, Scratch& s) {
 }
 #else
 inline bool vec_path_usable(bool, int64_t) { return false; }
-template <class T>
-void run_task_vec(const Args<T>&, const Task&, Scratch&) {}
+template <class T, class C>
+void run_task_vec(const Args<T, C>&, const Task&, Scratch&) {}
 #endif
 
 }  // namespace
