@@ -71,7 +71,8 @@ def mixed_case(specs, hq, hkv, d, q_dtype, cache_dtype, seed):
     keys of 100; `test_every_cache_value_reads_back_exactly` covers every value, 448 too)."""
     q, kc, _, spans = make_case(specs, hq, hkv, d, q_dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    return q, wide_cache(kc.shape, cache_dtype, g), wide_cache(kc.shape, cache_dtype, g, 0.005), spans
+    k_cache = wide_cache(kc.shape, cache_dtype, g)
+    return q, k_cache, wide_cache(kc.shape, cache_dtype, g, big=0.005), spans
 
 
 def count_kernel_calls(monkeypatch) -> list[torch.dtype]:
@@ -107,7 +108,8 @@ def test_narrow_cache_matches_sdpa_on_the_dequantised_context(
     q, kc, vc, spans = mixed_case(specs, hq, hkv, d, q_dtype, cache_dtype, seed)
     scale, k_scale, v_scale = d**-0.5, 0.37, 1.9
     ours = run_kernel(q, kc, vc, spans, scale, window, isa, k_scale, v_scale)
-    exact, abs_out = reference(q, kc.double() * k_scale, vc.double() * v_scale, spans, scale, window)
+    deq = kc.double() * k_scale, vc.double() * v_scale
+    exact, abs_out = reference(q, *deq, spans, scale, window)
     deq_k, deq_v = kc.to(q_dtype) * k_scale, vc.to(q_dtype) * v_scale  # SDPA's inputs
     sdpa, _ = reference(q, deq_k, deq_v, spans, scale, window, q_dtype)
     assert torch.isfinite(ours).all()
@@ -151,7 +153,7 @@ def test_paths_and_auto_for_the_narrow_pairs():
     (measured faster than SDPA there: benchmarks/prefill_attention.py)."""
     amx = "amx_bf16" in cpu_build.cpu_flags().split()
     for q_dtype, cache_dtype in PAIRS:
-        for d in (64, 48, 40):
+        for d in (64, 48, 40, 32):
             want = "avx512" if isa_usable("avx512", q_dtype, d) else "generic"
             assert prefill_kernel_isa(q_dtype, d, cache_dtype) == want, (q_dtype, cache_dtype, d)
             assert auto_runs_kernel(q_dtype, d, cache_dtype) == (want == "avx512" and not amx)
@@ -172,7 +174,9 @@ def test_amx_and_bad_pairs_are_refused():
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", PAIRS)
 @pytest.mark.parametrize("window", [None, 9])
-def test_paged_attention_runs_the_kernel_on_a_narrow_cache(monkeypatch, q_dtype, cache_dtype, window):
+def test_paged_attention_runs_the_kernel_on_a_narrow_cache(
+    monkeypatch, q_dtype, cache_dtype, window
+):
     """`paged_attention` with the kernel against ``BATCHGEN_PREFILL_ATTENTION=sdpa`` on a
     narrow cache: first and later chunks; the new K/V quantised on the write either way
     (tests/test_prefill_attention.py's data and tolerances)."""
@@ -199,7 +203,9 @@ def test_paged_attention_runs_the_kernel_on_a_narrow_cache(monkeypatch, q_dtype,
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
-def test_engine_prefill_runs_the_kernel_on_a_narrow_cache(monkeypatch, checkpoint_dir, kv_cache_dtype):
+def test_engine_prefill_runs_the_kernel_on_a_narrow_cache(
+    monkeypatch, checkpoint_dir, kv_cache_dtype
+):
     """tests/test_kv_cache_dtype.py's oracle (transformers with K/V rounded to the cache
     format, token for token) with the kernel running every prefill chunk of the engine on the
     narrow cache (forced: auto takes it where the AVX-512 path runs, asserted above)."""

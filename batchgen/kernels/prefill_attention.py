@@ -1,4 +1,5 @@
-"""Paged prefill attention for CPU, float32 and bfloat16 (``csrc/prefill_attention.cpp``).
+"""Paged prefill attention for CPU, float32 and bfloat16 (``csrc/prefill_attention.cpp``), on a
+KV cache of q's dtype or a narrower ``kv_cache_dtype`` (`CACHE_DTYPES`).
 
 The torch prefill path runs one SDPA call per prefill chunk; a chunk after a sequence's first
 ``index_select``s its sequence's whole cached context out of the paged cache and builds a
@@ -9,7 +10,11 @@ cache slots with an online softmax (causal, grouped-query, sliding window; no co
 context, no mask tensor). Paths (`prefill_kernel_isa`): bf16 on AMX-BF16 (``tdpbf16ps`` for
 Q K^T and P V, float32 accumulation and softmax) where the CPU has it; else AVX-512 (float32
 FMAs; bf16 ``vdpbf16ps`` where the CPU has avx512_bf16: AMD Zen 4, Intel Cooper Lake); else
-loops the compiler vectorises. See the sources' headers for the layouts and numerics.
+loops the compiler vectorises. A narrower cache (float32 q on bf16 / fp8 e4m3fn / e5m2, bf16 q on
+fp8; ``csrc/prefill_attention_kv.h``) is read exactly: the AVX-512 path converts each key
+block's K/V rows to q's compute type once per task (bf16 q keeps ``vdpbf16ps``), the generic
+loops per element; AMX serves a bf16 cache only. See the sources' headers for the layouts and
+numerics.
 
 ``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel where
 `auto_runs_kernel` says it measured faster than SDPA, else SDPA), ``kernel`` (the kernel for

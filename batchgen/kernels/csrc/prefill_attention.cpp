@@ -1,6 +1,9 @@
 // Prefill attention on CPU, float32 and bfloat16: the query tokens of prefill chunks ("spans")
 // attend causally to their sequence's context, read in place from the paged KV cache through the
-// span's slots (no gathered copy of the context, no materialised mask).
+// span's slots (no gathered copy of the context, no materialised mask). The cache holds q's
+// dtype or a narrower kv_cache_dtype (float32 q: bf16, fp8 e4m3fn, fp8 e5m2; bf16 q: the fp8
+// formats), read exactly (prefill_attention_kv.h), times k_scale / v_scale (folded into the
+// score scale and the output).
 //
 // Flash attention (Dao et al. 2022; FlashAttention-2, Dao 2023, Sec. 3.1 loop order): one task
 // holds a block of kTQ = 16 query tokens (two such tiles on the AMX path) of one span and the
