@@ -83,10 +83,11 @@ BATCHGEN_PREFILL_KV_TARGET inline __m512 load16_kv(const fp8_e5m2* p) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
 }
 BATCHGEN_PREFILL_KV_TARGET inline __m512 load16_kv(const fp8_e4m3* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-  const __m512 x = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  // Sign-extended to 16 bits and shifted left 7: bits 13..7 the magnitude, 15 and 14 the sign;
+  // bit 14 cleared: ((b & 0x80) << 8) | ((b & 0x7F) << 7).
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  const __m512 x = _mm512_cvtph_ps(h);
   const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(1.875f), _CMP_EQ_OQ);
   return _mm512_mask_mov_ps(x, nan, _mm512_set1_ps(__builtin_nanf("")));
 }
