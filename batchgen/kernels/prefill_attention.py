@@ -157,9 +157,11 @@ def auto_runs_kernel(
     - ``amx`` (bf16): 1.2-2.2x SDPA on Intel AMX machines;
     - ``avx512`` on a CPU without AMX: 1.9-2.9x SDPA in bf16, 1.5-2.3x in float32 (AMD Zen 4).
       On an AMX CPU float32 stays on SDPA until measured there (bf16 runs AMX there);
-    - ``avx512`` with a narrower cache (kv_cache_dtype: float32 q on bf16 / fp8, bf16 q on
-      fp8) on a CPU without AMX: KVRATIO against SDPA on the dequantised context (AMD Zen 4);
-      on an AMX CPU SDPA until measured there;
+    - ``avx512`` with a narrower cache (kv_cache_dtype) on a CPU without AMX, against SDPA on
+      the dequantised context (AMD Zen 4, `paged_attention` with the cache write, bench
+      spans, ``--kv-cache-dtypes``): float32 q on bf16 1.3-2.1x, on fp8 1.2-1.8x; bf16 q on
+      fp8 2.0-3.3x (0.75-0.95x the kernel on a cache of q's dtype). On an AMX CPU SDPA until
+      measured there;
     - ``generic``: never (0.4-0.9x SDPA on both kinds of machine).
     """
     cache_dtype = dtype if cache_dtype is None else cache_dtype
