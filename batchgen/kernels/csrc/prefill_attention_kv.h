@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "attention_exp.h"  // BATCHGEN_ATTN_BF16_TARGET
 
