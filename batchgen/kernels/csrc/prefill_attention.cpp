@@ -244,8 +244,10 @@ int run(Args<T, C> a, int64_t num_spans, int64_t num_threads, int64_t path) {
     max_kv_len = std::max(max_kv_len, a.spans[4 * sp + 2]);
   if (max_kv_len > INT32_MAX) return 3;  // positions are int32 in the AMX masks
   if (a.window >= max_kv_len) a.window = 0;
-  // AMX tasks hold two 16-token tiles (the key blocks packed once for both).
-  const int64_t step = amx ? 2 * kTQ : kTQ;
+  // AMX tasks hold two 16-token tiles (the key blocks packed once for both), as do AVX-512
+  // tasks on a cache of another dtype (each key block converted once for both).
+  const bool two_tiles = amx || (path == kVec && !std::is_same_v<T, C>);
+  const int64_t step = two_tiles ? 2 * kTQ : kTQ;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (span, i0), the longest key ranges first
   for (int64_t sp = 0; sp < num_spans; ++sp) {
     const int64_t n = a.spans[4 * sp + 1];
@@ -264,17 +266,15 @@ int run(Args<T, C> a, int64_t num_spans, int64_t num_threads, int64_t path) {
     for (int64_t i = 0; i < num_tasks; ++i) {
       const auto& b = blocks[i / a.hkv];
       const Task t = make_task(a, b.first, i % a.hkv, b.second);
+      const bool second = two_tiles && b.second + kTQ < a.spans[4 * b.first + 1];
+      const Task tiles[2] = {t, second ? make_task(a, b.first, i % a.hkv, b.second + kTQ) : t};
       if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<C, bf16_t>)
         if (amx) {
-          const int64_t n = a.spans[4 * b.first + 1];
-          const Task tiles[2] = {t, b.second + kTQ < n ? make_task(a, b.first, i % a.hkv,
-                                                                   b.second + kTQ)
-                                                       : t};
-          run_tiles_amx(a, tiles, b.second + kTQ < n ? 2 : 1, s);
+          run_tiles_amx(a, tiles, second ? 2 : 1, s);
           continue;
         }
       if (path == kVec)
-        run_task_vec(a, t, s);
+        run_task_vec(a, tiles, second ? 2 : 1, s);
       else
         run_task_generic(a, t, s);
     }
