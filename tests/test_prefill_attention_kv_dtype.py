@@ -147,6 +147,26 @@ def test_every_cache_value_reads_back_exactly(q_dtype, cache_dtype):
         torch.testing.assert_close(got, vals.float(), rtol=0, atol=0, equal_nan=True, msg=isa)
 
 
+@pytest.mark.parametrize("bits", [0x7C, 0x7F])  # e5m2's inf and a NaN
+def test_a_key_hidden_from_a_tile_adds_nothing_even_if_not_finite(bits):
+    """Two tiles share a task on a narrow cache: tokens at positions 1-16 (keys 0-16, an odd
+    count) and 17-32. Key 17's value is inf / NaN: the first tile's outputs stay those of
+    the keys it sees (its weight 0 must not meet the value: 0 x inf is NaN)."""
+    hq = hkv = 1
+    d = 64
+    for q_dtype in (torch.float32, torch.bfloat16):
+        for isa in ("generic", "avx512"):
+            if not isa_usable(isa, q_dtype, d):
+                continue
+            q, kc, vc, spans = mixed_case([(32, 1)], hq, hkv, d, q_dtype, torch.float8_e5m2, 9)
+            slot17 = int(spans[0].kv_slots[17])
+            clean = run_kernel(q, kc, vc, spans, d**-0.5, None, isa)
+            vc.view(torch.uint8)[slot17] = bits
+            ours = run_kernel(q, kc, vc, spans, d**-0.5, None, isa)
+            torch.testing.assert_close(ours[:16], clean[:16], rtol=0, atol=0, msg=isa)
+            assert not torch.isfinite(ours[16:].float()).all()  # the second tile sees it
+
+
 def test_paths_and_auto_for_the_narrow_pairs():
     """The vector path serves every pair where it serves q's dtype; AMX only bf16 on bf16;
     auto runs the kernel for the narrow pairs where the AVX-512 path runs on a CPU without AMX
