@@ -159,9 +159,9 @@ def auto_runs_kernel(
       On an AMX CPU float32 stays on SDPA until measured there (bf16 runs AMX there);
     - ``avx512`` with a narrower cache (kv_cache_dtype) on a CPU without AMX, against SDPA on
       the dequantised context (AMD Zen 4, `paged_attention` with the cache write, bench
-      spans, ``--kv-cache-dtypes``): float32 q on bf16 1.3-2.1x, on fp8 1.2-1.8x; bf16 q on
-      fp8 2.0-3.3x (taking 1.05-1.45x the time of the kernel on a cache of q's dtype). On an
-      AMX CPU SDPA until measured there;
+      spans, ``--kv-cache-dtypes``): float32 q on bf16 1.5-2.1x, on fp8 1.5-2.4x; bf16 q on
+      fp8 2.2-3.3x (0.96-1.38x the time of the kernel on a cache of q's dtype: the fp8 write
+      costs more). On an AMX CPU SDPA until measured there;
     - ``generic``: never (0.4-0.9x SDPA on both kinds of machine).
     """
     cache_dtype = dtype if cache_dtype is None else cache_dtype

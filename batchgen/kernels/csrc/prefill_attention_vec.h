@@ -18,9 +18,9 @@
 // Numerics as the AMX path's: float32 products and sums (bf16 products exact), P rounded to
 // bf16 before P V in bf16 (l from the unrounded weights), the output rounded once.
 // Serves float32 with AVX-512F (D % 16 == 0) and bf16 with AVX512-BF16 (D % 32 == 0), on a cache
-// of q's dtype (read in place) or a narrower one (each block's rows converted once per task,
-// `run_task_vec`; bf16 q on fp8: converted to bf16 exactly, so `vdpbf16ps` stays: the
-// float32-FMA route would do the float32 kernel's work, 1.6-2x the bf16 path's time).
+// of q's dtype (read in place) or a narrower one (each block's rows converted once per task of
+// two tiles, `run_task_vec`; bf16 q on fp8: converted to bf16 exactly, so `vdpbf16ps` stays:
+// the float32-FMA route would do the float32 kernel's work, 1.5-1.7x the bf16 path's time).
 #pragma once
 
 namespace {
