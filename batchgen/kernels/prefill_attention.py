@@ -1,4 +1,5 @@
-"""Paged prefill attention for CPU, float32 and bfloat16 (``csrc/prefill_attention.cpp``).
+"""Paged prefill attention for CPU, float32 and bfloat16 (``csrc/prefill_attention.cpp``), on a
+KV cache of q's dtype or a narrower ``kv_cache_dtype`` (`CACHE_DTYPES`).
 
 The torch prefill path runs one SDPA call per prefill chunk; a chunk after a sequence's first
 ``index_select``s its sequence's whole cached context out of the paged cache and builds a
@@ -9,7 +10,11 @@ cache slots with an online softmax (causal, grouped-query, sliding window; no co
 context, no mask tensor). Paths (`prefill_kernel_isa`): bf16 on AMX-BF16 (``tdpbf16ps`` for
 Q K^T and P V, float32 accumulation and softmax) where the CPU has it; else AVX-512 (float32
 FMAs; bf16 ``vdpbf16ps`` where the CPU has avx512_bf16: AMD Zen 4, Intel Cooper Lake); else
-loops the compiler vectorises. See the sources' headers for the layouts and numerics.
+loops the compiler vectorises. A narrower cache (float32 q on bf16 / fp8 e4m3fn / e5m2, bf16 q on
+fp8; ``csrc/prefill_attention_kv.h``) is read exactly: the AVX-512 path converts each key
+block's K/V rows to q's compute type once per task (bf16 q keeps ``vdpbf16ps``), the generic
+loops per element; AMX serves a bf16 cache only. See the sources' headers for the layouts and
+numerics.
 
 ``BATCHGEN_PREFILL_ATTENTION`` (`PREFILL_ATTENTION_ENV`): ``auto`` (default: the kernel where
 `auto_runs_kernel` says it measured faster than SDPA, else SDPA), ``kernel`` (the kernel for
@@ -32,7 +37,19 @@ from batchgen.kernels.profiling import kernel_scope
 from batchgen.kernels.switches import env_choice
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes the kernel serves
+_DTYPES = (torch.float32, torch.bfloat16)  # q's dtypes the kernel serves
+# The caches' dtypes (kv_cache_dtype) it reads under each q dtype, and their codes in the C++
+# source (KvCode, csrc/prefill_attention_kv.h).
+_CACHE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float8_e4m3fn: 2,
+    torch.float8_e5m2: 3,
+}
+CACHE_DTYPES = {
+    torch.float32: tuple(_CACHE_CODES),
+    torch.bfloat16: (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2),
+}
 # Paths (``isa``): auto = AMX (bf16) where usable, else AVX-512 (float32: AVX-512F; bf16:
 # AVX512-BF16), else the generic loops; the others force one (refused where the CPU lacks it).
 ISAS = {"auto": 0, "generic": 1, "avx512": 2, "amx": 3}
@@ -54,15 +71,12 @@ def _library():
         lib = load_library("prefill_attention")
         if lib is None:
             return None
-        common = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _i64, _i64]
-        for fn in (lib.batchgen_prefill_attention_f32, lib.batchgen_prefill_attention_bf16):
-            fn.argtypes = [*common, _i64, _i64]  # isa, q's row stride
-        lib.batchgen_prefill_attention_isa.argtypes = [_i64, _i64]
-        for fn in (
-            lib.batchgen_prefill_attention_f32,
-            lib.batchgen_prefill_attention_bf16,
-            lib.batchgen_prefill_attention_isa,
-        ):
+        f32 = ctypes.c_float
+        lib.batchgen_prefill_attention.argtypes = (
+            [_ptr] * 6 + [_i64] * 4 + [f32] + [_i64] * 6 + [f32, f32]
+        )  # ..., scale, window, threads, isa, q's row stride, q dtype, cache dtype, k/v scale
+        lib.batchgen_prefill_attention_isa.argtypes = [_i64, _i64, _i64]
+        for fn in (lib.batchgen_prefill_attention, lib.batchgen_prefill_attention_isa):
             fn.restype = ctypes.c_int
         _lib = lib
     return _lib
@@ -77,29 +91,48 @@ def prefill_attention_mode() -> str:
     return env_choice(PREFILL_ATTENTION_ENV, MODES)
 
 
-def prefill_kernel_isa(dtype: torch.dtype, head_size: int) -> str | None:
-    """The path the kernel runs under ``isa="auto"`` for ``dtype`` and ``head_size`` on this
-    CPU: ``"amx"`` (bf16, head size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16
-    usable), else ``"avx512"`` (float32: head size a multiple of 16 and AVX-512F/BW/DQ; bf16: a
-    multiple of 32 and avx512_bf16 too), else ``"generic"`` (loops the compiler vectorises), or
-    None when the kernel is unavailable or does not serve ``dtype``."""
+def _serves(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return cache_dtype in CACHE_DTYPES.get(dtype, ())
+
+
+def prefill_kernel_isa(
+    dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None
+) -> str | None:
+    """The path the kernel runs under ``isa="auto"`` for q's ``dtype``, ``head_size`` and the
+    caches' ``cache_dtype`` (None: ``dtype``) on this CPU: ``"amx"`` (bf16 q and cache, head
+    size a multiple of 32 up to 512, AMX-BF16 and avx512_bf16 usable), else ``"avx512"``
+    (float32 q: head size a multiple of 16 and AVX-512F/BW/DQ; bf16 q: a multiple of 32 and
+    avx512_bf16 too; any cache dtype it serves), else ``"generic"`` (loops the compiler
+    vectorises), or None when the kernel is unavailable or does not serve the pair
+    (`CACHE_DTYPES`)."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     lib = _library()
-    if lib is None or dtype not in _DTYPES:
+    if lib is None or not _serves(dtype, cache_dtype):
         return None
-    return _PATHS[lib.batchgen_prefill_attention_isa(int(dtype == torch.bfloat16), head_size)]
+    code = lib.batchgen_prefill_attention_isa(
+        int(dtype == torch.bfloat16), _CACHE_CODES[cache_dtype], head_size
+    )
+    return _PATHS[code]
 
 
-def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether `paged_attention`'s prefill chunks run this kernel: on CPU, per
-    `prefill_attention_mode` (``auto``: where `auto_runs_kernel` says so; ``kernel``: every
-    dtype the kernel serves, any path; ``sdpa``: never) and the library built.
+def use_prefill_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_size: int,
+    cache_dtype: torch.dtype | None = None,
+) -> bool:
+    """Whether `paged_attention`'s prefill chunks run this kernel for q's ``dtype`` on a cache
+    of ``cache_dtype`` (None: ``dtype``; a narrower kv_cache_dtype, `CACHE_DTYPES`): on CPU,
+    per `prefill_attention_mode` (``auto``: where `auto_runs_kernel` says so; ``kernel``:
+    every pair the kernel serves, any path; ``sdpa``: never) and the library built.
 
     Raises:
         ValueError: a bad ``BATCHGEN_PREFILL_ATTENTION``.
         RuntimeError: ``kernel`` forced on a CPU tensor where the library is unavailable.
     """
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     mode = prefill_attention_mode()
-    if mode == "sdpa" or device.type != "cpu" or dtype not in _DTYPES:
+    if mode == "sdpa" or device.type != "cpu" or not _serves(dtype, cache_dtype):
         return False
     if _library() is None:
         if mode == "kernel":
@@ -109,23 +142,34 @@ def use_prefill_kernel(device: torch.device, dtype: torch.dtype, head_size: int)
             )
         return False
     if mode == "auto":
-        return auto_runs_kernel(dtype, head_size)
+        return auto_runs_kernel(dtype, head_size, cache_dtype)
     return True
 
 
-def auto_runs_kernel(dtype: torch.dtype, head_size: int) -> bool:
-    """Whether ``BATCHGEN_PREFILL_ATTENTION=auto`` runs the kernel for ``dtype`` and
-    ``head_size`` on this CPU: where its path measured faster than torch's SDPA
-    (benchmarks/prefill_attention.py, bench shapes, one thread; docs/performance.md):
+def auto_runs_kernel(
+    dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None
+) -> bool:
+    """Whether ``BATCHGEN_PREFILL_ATTENTION=auto`` runs the kernel for q's ``dtype``,
+    ``head_size`` and ``cache_dtype`` (None: ``dtype``) on this CPU: where its path measured
+    faster than torch's SDPA (benchmarks/prefill_attention.py, bench shapes, one thread;
+    docs/performance.md):
 
     - ``amx`` (bf16): 1.2-2.2x SDPA on Intel AMX machines;
     - ``avx512`` on a CPU without AMX: 1.9-2.9x SDPA in bf16, 1.5-2.3x in float32 (AMD Zen 4).
       On an AMX CPU float32 stays on SDPA until measured there (bf16 runs AMX there);
+    - ``avx512`` with a narrower cache (kv_cache_dtype) on a CPU without AMX, against SDPA on
+      the dequantised context (AMD Zen 4, `paged_attention` with the cache write, bench
+      spans, ``--kv-cache-dtypes``): float32 q on bf16 1.5-2.1x, on fp8 1.5-2.4x; bf16 q on
+      fp8 2.2-3.3x (0.96-1.38x the time of the kernel on a cache of q's dtype: the fp8 write
+      costs more). On an AMX CPU SDPA until measured there;
     - ``generic``: never (0.4-0.9x SDPA on both kinds of machine).
     """
-    path = prefill_kernel_isa(dtype, head_size)
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    path = prefill_kernel_isa(dtype, head_size, cache_dtype)
     if path == "amx":
         return True
+    if cache_dtype != dtype:
+        return path == "avx512" and not _cpu_has_amx()
     return path == "avx512" and (dtype == torch.bfloat16 or not _cpu_has_amx())
 
 
@@ -232,6 +276,8 @@ def paged_prefill_attention(
     sliding_window: int | None,
     out: torch.Tensor,
     isa: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of every prefill span's queries to its context in the paged cache;
     writes the spans' rows of ``out`` (other rows untouched).
@@ -240,21 +286,28 @@ def paged_prefill_attention(
         q: ``[T, Hq, D]`` float32 or bfloat16, RoPE applied; read in place when only its
             rows are strided (a view of the fused QKV output,
             `batchgen.kernels.paged_attention.rows_strided_ok`), else copied contiguous.
-        k_cache, v_cache: ``[num_slots, Hkv, D]``, q's dtype, contiguous, the spans' new K/V
-            already written (Hq a multiple of Hkv; query head h reads KV head h // (Hq / Hkv)).
+        k_cache, v_cache: ``[num_slots, Hkv, D]``, contiguous, one dtype: q's, or a narrower
+            kv_cache_dtype (`CACHE_DTYPES`: float32 q reads bfloat16, float8_e4m3fn or
+            float8_e5m2; bf16 q reads the two fp8 formats); the spans' new K/V already
+            written (Hq a multiple of Hkv; query head h reads KV head h // (Hq / Hkv)).
         plan: `build_prefill_plan` for these spans and this cache's ``num_slots``.
         scale: softmax scale; sliding_window: HF's rule (key j visible to the query at
             position i iff ``j <= i`` and ``i - j < window``) or None.
         out: ``[T, Hq, D]``, q's dtype, contiguous.
         isa: ``"auto"`` (the path `prefill_kernel_isa` names), or one of `ISAS` to force a
-            path (``"amx"`` bf16 only).
-    Numerics: scores, softmax and sums in float32; bf16 rounds the unnormalised softmax weights
-    and the output to bf16 (round to nearest even), as torch's CPU SDPA does in bf16.
+            path (``"amx"``: bf16 q and cache only).
+        k_scale, v_scale: the stored K and V are multiplied by these (vLLM's per-tensor
+            scales; 1.0 for the engine's caches, `batchgen.models.layers.kv_cache_dtype`).
+    Result: SDPA in q's dtype on the dequantised context (``cache.to(q.dtype) * scale``) up to
+    summation order and where the scales are applied (folded into the score scale and the
+    output). Numerics: every cache value is read exactly; scores, softmax and sums in float32;
+    bf16 q rounds the unnormalised softmax weights and the output to bf16 (round to nearest
+    even), as torch's CPU SDPA does in bf16.
     Raises:
         RuntimeError: the kernel is unavailable, rejects the head counts, or a forced ``isa``
-            is not usable on this CPU for the dtype and head size.
-        ValueError: naming the argument, for a wrong dtype, device, shape or layout, or a plan
-            built for another cache size.
+            is not usable on this CPU for the dtypes and head size.
+        ValueError: naming the argument, for a wrong dtype (pair), device, shape or layout, or
+            a plan built for another cache size.
     """
     lib = _library()
     if lib is None:
@@ -262,20 +315,20 @@ def paged_prefill_attention(
     _check(q, k_cache, v_cache, plan, sliding_window, out, isa)
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if q.dtype == torch.bfloat16:
-        fn = lib.batchgen_prefill_attention_bf16
-    else:
-        fn = lib.batchgen_prefill_attention_f32
-    key = (q.dtype, d, hq // max(1, hkv), isa)
+    key = (q.dtype, k_cache.dtype, d, hq // max(1, hkv), isa)
     if key not in _logged:
         _logged.add(key)
-        path = prefill_kernel_isa(q.dtype, d) if isa == "auto" else f"forced {isa}"
-        logger.info("prefill attention kernel, %s, head size %d, G %d: %s path", *key[:3], path)
+        path = prefill_kernel_isa(q.dtype, d, k_cache.dtype) if isa == "auto" else f"forced {isa}"
+        logger.info(
+            "prefill attention kernel, %s on a %s cache, head size %d, G %d: %s path",
+            *key[:4],
+            path,
+        )
     if not rows_strided_ok(q):
         q = q.contiguous()
     q_stride = q.stride(0) if t > 1 else hq * d  # one row: its stride is never used
     with kernel_scope("batchgen::prefill_attention"):  # named for torch.profiler
-        rc = fn(
+        rc = lib.batchgen_prefill_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -291,27 +344,40 @@ def paged_prefill_attention(
             torch.get_num_threads(),
             ISAS[isa],
             q_stride,
+            int(q.dtype == torch.bfloat16),
+            _CACHE_CODES[k_cache.dtype],
+            k_scale,
+            v_scale,
         )
     if rc == 4:
         raise RuntimeError(
-            f"prefill attention: isa {isa!r} is not usable on this CPU for {q.dtype}, head "
-            f"size {d} (prefill_kernel_isa gives {prefill_kernel_isa(q.dtype, d)!r})"
+            f"prefill attention: isa {isa!r} is not usable on this CPU for {q.dtype} on a "
+            f"{k_cache.dtype} cache, head size {d} (prefill_kernel_isa gives "
+            f"{prefill_kernel_isa(q.dtype, d, k_cache.dtype)!r})"
         )
     if rc == 3:
         raise ValueError("prefill attention: a span's kv_len is above 2^31 - 1 positions")
     if rc != 0:
-        raise RuntimeError(f"prefill attention rejected Hq={hq}, Hkv={hkv}, D={d}")
+        raise RuntimeError(f"prefill attention rejected Hq={hq}, Hkv={hkv}, D={d} (code {rc})")
 
 
 def _check(q, k_cache, v_cache, plan, sliding_window, out, isa) -> None:
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if x.dim() != 3:
             raise ValueError(f"{name} must have 3 dimensions, got shape {tuple(x.shape)}")
-        if x.dtype != q.dtype or x.dtype not in _DTYPES or x.device.type != "cpu":
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got one on {x.device}")
+    for name, x in (("q", q), ("out", out)):
+        if x.dtype != q.dtype or x.dtype not in _DTYPES:
             raise ValueError(
-                f"{name} must be a float32 or bfloat16 CPU tensor like q, got {x.dtype} on "
-                f"{x.device}"
+                f"{name} must be a float32 or bfloat16 CPU tensor like q, got {x.dtype}"
             )
+    if v_cache.dtype != k_cache.dtype or not _serves(q.dtype, k_cache.dtype):
+        raise ValueError(
+            f"k_cache and v_cache must share a dtype the kernel reads under {q.dtype} q "
+            f"({', '.join(map(str, CACHE_DTYPES[q.dtype]))}), got {k_cache.dtype} and "
+            f"{v_cache.dtype}"
+        )
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous")

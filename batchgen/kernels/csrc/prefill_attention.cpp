@@ -1,6 +1,9 @@
 // Prefill attention on CPU, float32 and bfloat16: the query tokens of prefill chunks ("spans")
 // attend causally to their sequence's context, read in place from the paged KV cache through the
-// span's slots (no gathered copy of the context, no materialised mask).
+// span's slots (no gathered copy of the context, no materialised mask). The cache holds q's
+// dtype or a narrower kv_cache_dtype (float32 q: bf16, fp8 e4m3fn, fp8 e5m2; bf16 q: the fp8
+// formats), read exactly (prefill_attention_kv.h), times k_scale / v_scale (folded into the
+// score scale and the output).
 //
 // Flash attention (Dao et al. 2022; FlashAttention-2, Dao 2023, Sec. 3.1 loop order): one task
 // holds a block of kTQ = 16 query tokens (two such tiles on the AMX path) of one span and the
@@ -43,6 +46,7 @@
 #include "attention_exp.h"  // exp_ps, BATCHGEN_ATTN_BF16_TARGET
 #include "fused_moe_common.h"
 #include "bf16_rows.h"  // bgrows::to_f32
+#include "prefill_attention_kv.h"  // fp8_e4m3, fp8_e5m2, to_f32, stage_row, kVecUnit
 
 namespace {
 
@@ -57,17 +61,19 @@ inline void store(float* p, float x) { *p = x; }
 inline void store(bf16_t* p, float x) { *p = to_bf16(x); }
 inline float round_bf16(float x) { return to_f32(to_bf16(x)); }
 
-template <class T>
+// T: q's and out's element type; C: the caches' (T, or a narrower kv_cache_dtype).
+template <class T, class C = T>
 struct Args {
   const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   T* out;
   const int64_t* spans;  // [S, 4]
   const int64_t* slots;
   int64_t hq, hkv, d, window;
-  float scale;
+  float scale;       // the softmax scale times k_scale (times the AVX-512 path's K unit)
   int64_t q_stride;  // elements between two tokens' queries (>= hq * d; a view of fused QKV)
+  float v_scale;     // the output's factor: v_scale (times the AVX-512 path's V unit)
 };
 
 // One task's geometry: tokens i0 .. i0 + nq - 1 of a span, at positions p0 .. p0 + nq - 1,
@@ -77,8 +83,8 @@ struct Task {
   const int64_t* slots;  // the span's slots, by position
 };
 
-template <class T>
-inline Task make_task(const Args<T>& a, int64_t span, int64_t kv, int64_t i0) {
+template <class T, class C>
+inline Task make_task(const Args<T, C>& a, int64_t span, int64_t kv, int64_t i0) {
   const int64_t* sp = a.spans + 4 * span;
   const int64_t n = sp[1], base = sp[2] - n;
   Task t{span, kv, i0, std::min(kTQ, n - i0), base + i0, 0, 0, a.slots + sp[3]};
@@ -98,20 +104,20 @@ inline bool block_needs_mask(const Task& t, int64_t window, int64_t kb, int64_t 
   return kb + nk - 1 > t.p0 || (window > 0 && kb <= t.p0 + kTQ - 1 - window) || nk < kBK;
 }
 
-template <class T>
-inline const T* cache_row(const T* cache, const Args<T>& a, const Task& t, int64_t j) {
+template <class T, class C>
+inline const C* cache_row(const C* cache, const Args<T, C>& a, const Task& t, int64_t j) {
   return cache + (t.slots[j] * a.hkv + t.kv) * a.d;
 }
 
 // Writes out rows of the task: out[token][kv * G + h][dd] = ot[h][dd][q] / l[h][q].
-template <class T>
-void write_out(const Args<T>& a, const Task& t, const float* ot, const float* l) {
+template <class T, class C>
+void write_out(const Args<T, C>& a, const Task& t, const float* ot, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d;
   const int64_t tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
       T* o = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
-      const float inv = 1.0f / l[h * kTQ + q];
+      const float inv = a.v_scale / l[h * kTQ + q];
       const float* src = ot + h * d * kTQ + q;
       for (int64_t dd = 0; dd < d; ++dd) store(o + dd, src[dd * kTQ] * inv);
     }
@@ -126,8 +132,8 @@ struct Scratch {
 #endif
 };
 
-template <class T>
-void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
+template <class T, class C>
+void run_task_generic(const Args<T, C>& a, const Task& t, Scratch& s) {
   const int64_t g = a.hq / a.hkv, d = a.d;
   const int64_t tok0 = a.spans[4 * t.span] + t.i0;
   s.qt.assign(g * d * kTQ, 0.0f);  // [G][D][16]
@@ -145,8 +151,8 @@ void run_task_generic(const Args<T>& a, const Task& t, Scratch& s) {
   for (int64_t kb = t.lo; kb <= t.hi; kb += kBK) {
     const int64_t nk = std::min(kBK, t.hi + 1 - kb);
     for (int64_t k = 0; k < nk; ++k) {
-      const T* kr = cache_row(a.k_cache, a, t, kb + k);
-      const T* vr = cache_row(a.v_cache, a, t, kb + k);
+      const C* kr = cache_row(a.k_cache, a, t, kb + k);
+      const C* vr = cache_row(a.v_cache, a, t, kb + k);
       for (int64_t dd = 0; dd < d; ++dd) {
         s.kp[k * d + dd] = to_f32(kr[dd]);
         s.vp[k * d + dd] = to_f32(vr[dd]);
@@ -210,9 +216,10 @@ namespace {
 enum Path : int64_t { kGeneric = 0, kVec = 1, kAmx = 2 };
 
 // The path for isa (0 auto: AMX, else AVX-512, else generic; 1 generic; 2 AVX-512; 3 AMX) on
-// this CPU, or -1 where a forced path is unusable here.
-inline int64_t pick_path(bool bf16, int64_t d, int64_t isa) {
-  const bool amx = bf16 && amx_path_usable(d), vec = vec_path_usable(bf16, d);
+// this CPU for q's dtype (bf16 or float32) and the caches' (KvCode), or -1 where a forced path
+// is unusable here. AMX serves a bf16 cache only.
+inline int64_t pick_path(bool bf16, int64_t cache, int64_t d, int64_t isa) {
+  const bool amx = bf16 && cache == kBf16 && amx_path_usable(d), vec = vec_path_usable(bf16, d);
   switch (isa) {
     case 0: return amx ? kAmx : vec ? kVec : kGeneric;
     case 1: return kGeneric;
@@ -222,10 +229,14 @@ inline int64_t pick_path(bool bf16, int64_t d, int64_t isa) {
   }
 }
 
-template <class T>
-int run(Args<T> a, int64_t num_spans, int64_t num_threads, int64_t path) {
+template <class T, class C>
+int run(Args<T, C> a, int64_t num_spans, int64_t num_threads, int64_t path) {
   const bool amx = path == kAmx;
   if (a.hkv <= 0 || a.hq % a.hkv != 0 || a.d <= 0) return 1;
+  if (path == kVec) {  // its converters read an e4m3 cache as x / 2^8: scores and output times 2^8
+    a.scale *= kVecUnit<C>;
+    a.v_scale *= kVecUnit<C>;
+  }
   // A window at least as long as every context hides nothing: run it as none, so the AMX
   // path's int32 position compares never see a window above 2^31 - 1 (it wrapped negative).
   int64_t max_kv_len = 0;
@@ -233,8 +244,10 @@ int run(Args<T> a, int64_t num_spans, int64_t num_threads, int64_t path) {
     max_kv_len = std::max(max_kv_len, a.spans[4 * sp + 2]);
   if (max_kv_len > INT32_MAX) return 3;  // positions are int32 in the AMX masks
   if (a.window >= max_kv_len) a.window = 0;
-  // AMX tasks hold two 16-token tiles (the key blocks packed once for both).
-  const int64_t step = amx ? 2 * kTQ : kTQ;
+  // AMX tasks hold two 16-token tiles (the key blocks packed once for both), as do AVX-512
+  // tasks on a cache of another dtype (each key block converted once for both).
+  const bool two_tiles = amx || (path == kVec && !std::is_same_v<T, C>);
+  const int64_t step = two_tiles ? 2 * kTQ : kTQ;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (span, i0), the longest key ranges first
   for (int64_t sp = 0; sp < num_spans; ++sp) {
     const int64_t n = a.spans[4 * sp + 1];
@@ -253,17 +266,15 @@ int run(Args<T> a, int64_t num_spans, int64_t num_threads, int64_t path) {
     for (int64_t i = 0; i < num_tasks; ++i) {
       const auto& b = blocks[i / a.hkv];
       const Task t = make_task(a, b.first, i % a.hkv, b.second);
-      if constexpr (std::is_same_v<T, bf16_t>)
+      const bool second = two_tiles && b.second + kTQ < a.spans[4 * b.first + 1];
+      const Task tiles[2] = {t, second ? make_task(a, b.first, i % a.hkv, b.second + kTQ) : t};
+      if constexpr (std::is_same_v<T, bf16_t> && std::is_same_v<C, bf16_t>)
         if (amx) {
-          const int64_t n = a.spans[4 * b.first + 1];
-          const Task tiles[2] = {t, b.second + kTQ < n ? make_task(a, b.first, i % a.hkv,
-                                                                   b.second + kTQ)
-                                                       : t};
-          run_tiles_amx(a, tiles, b.second + kTQ < n ? 2 : 1, s);
+          run_tiles_amx(a, tiles, second ? 2 : 1, s);
           continue;
         }
       if (path == kVec)
-        run_task_vec(a, t, s);
+        run_task_vec(a, tiles, second ? 2 : 1, s);
       else
         run_task_generic(a, t, s);
     }
@@ -271,42 +282,70 @@ int run(Args<T> a, int64_t num_spans, int64_t num_threads, int64_t path) {
   return 0;
 }
 
+template <class T, class C>
+int run_pair(const void* q, const void* k_cache, const void* v_cache, void* out,
+             const int64_t* spans, const int64_t* slots, int64_t num_spans, int64_t hq,
+             int64_t hkv, int64_t d, float scale, int64_t window, int64_t num_threads,
+             int64_t path, int64_t q_stride, float k_scale, float v_scale) {
+  const Args<T, C> a{static_cast<const T*>(q),
+                     static_cast<const C*>(k_cache),
+                     static_cast<const C*>(v_cache),
+                     static_cast<T*>(out),
+                     spans,
+                     slots,
+                     hq,
+                     hkv,
+                     d,
+                     window,
+                     scale * k_scale,
+                     q_stride,
+                     v_scale};
+  return run(a, num_spans, num_threads, path);
+}
+
 }  // namespace
 
-extern "C" int batchgen_prefill_attention_f32(const float* q, const float* k_cache,
-                                              const float* v_cache, float* out,
-                                              const int64_t* spans, const int64_t* slots,
-                                              int64_t num_spans, int64_t hq, int64_t hkv,
-                                              int64_t d, float scale, int64_t window,
-                                              int64_t num_threads, int64_t isa,
-                                              int64_t q_stride) {
+// q, out: float32 (q_dtype 0) or bf16 (1); k_cache, v_cache: cache_dtype (KvCode: 0 float32,
+// 1 bf16, 2 fp8 e4m3fn, 3 fp8 e5m2), q's dtype or narrower (float32 q: any; bf16 q: bf16 or
+// fp8); k_scale, v_scale multiply the stored K and V. isa: 0 auto
+// (`batchgen_prefill_attention_isa`), 1 the generic loops, 2 AVX-512 (AVX-512F for float32,
+// AVX512-BF16 for bf16), 3 AMX (bf16 q and cache). Returns 0, or 1 bad head counts, 2 q_stride
+// below hq * d, 3 a kv_len above 2^31 - 1, 4 a forced path unusable on this CPU for the dtypes
+// and head size d, 5 a dtype pair not served.
+extern "C" int batchgen_prefill_attention(const void* q, const void* k_cache,
+                                          const void* v_cache, void* out, const int64_t* spans,
+                                          const int64_t* slots, int64_t num_spans, int64_t hq,
+                                          int64_t hkv, int64_t d, float scale, int64_t window,
+                                          int64_t num_threads, int64_t isa, int64_t q_stride,
+                                          int64_t q_dtype, int64_t cache_dtype, float k_scale,
+                                          float v_scale) {
   if (q_stride < hq * d) return 2;
-  const int64_t path = pick_path(false, d, isa);
-  if (path < 0 || path == kAmx) return 4;
-  const Args<float> a{q,  k_cache, v_cache, out,   spans,   slots,
-                      hq, hkv,     d,       window, scale,  q_stride};
-  return run(a, num_spans, num_threads, path);
-}
-
-// isa (both dtypes): 0 auto (`batchgen_prefill_attention_isa`), 1 the generic loops, 2 AVX-512
-// (AVX-512F for float32, AVX512-BF16 for bf16), 3 AMX (bf16); returns 4 where a forced path is
-// unusable on this CPU for head size d.
-extern "C" int batchgen_prefill_attention_bf16(const bf16_t* q, const bf16_t* k_cache,
-                                               const bf16_t* v_cache, bf16_t* out,
-                                               const int64_t* spans, const int64_t* slots,
-                                               int64_t num_spans, int64_t hq, int64_t hkv,
-                                               int64_t d, float scale, int64_t window,
-                                               int64_t num_threads, int64_t isa,
-                                               int64_t q_stride) {
-  if (q_stride < hq * d) return 2;
-  const int64_t path = pick_path(true, d, isa);
+  if ((q_dtype != kF32 && q_dtype != kBf16) || cache_dtype < kF32 || cache_dtype > kE5m2 ||
+      (q_dtype == kBf16 && cache_dtype == kF32))
+    return 5;
+  const int64_t path = pick_path(q_dtype == kBf16, cache_dtype, d, isa);
   if (path < 0) return 4;
-  const Args<bf16_t> a{q,  k_cache, v_cache, out,   spans,   slots,
-                       hq, hkv,     d,       window, scale,  q_stride};
-  return run(a, num_spans, num_threads, path);
+  auto go = [&](auto tq, auto tc) {
+    using T = decltype(tq);
+    using C = decltype(tc);
+    return run_pair<T, C>(q, k_cache, v_cache, out, spans, slots, num_spans, hq, hkv, d, scale,
+                          window, num_threads, path, q_stride, k_scale, v_scale);
+  };
+  if (q_dtype == kF32) switch (cache_dtype) {
+      case kF32: return go(float{}, float{});
+      case kBf16: return go(float{}, bf16_t{});
+      case kE4m3: return go(float{}, fp8_e4m3{});
+      default: return go(float{}, fp8_e5m2{});
+    }
+  switch (cache_dtype) {
+    case kBf16: return go(bf16_t{}, bf16_t{});
+    case kE4m3: return go(bf16_t{}, fp8_e4m3{});
+    default: return go(bf16_t{}, fp8_e5m2{});
+  }
 }
 
-// The path under isa 0 for bf16 (or float32) and head size d: 2 AMX, 1 AVX-512, 0 generic.
-extern "C" int batchgen_prefill_attention_isa(int64_t bf16, int64_t d) {
-  return int(pick_path(bf16 != 0, d, 0));
+// The path under isa 0 for q bf16 (or float32), the cache's KvCode and head size d: 2 AMX,
+// 1 AVX-512, 0 generic.
+extern "C" int batchgen_prefill_attention_isa(int64_t bf16, int64_t cache_dtype, int64_t d) {
+  return int(pick_path(bf16 != 0, cache_dtype, d, 0));
 }

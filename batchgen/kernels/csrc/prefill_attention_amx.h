@@ -175,14 +175,14 @@ BATCHGEN_PREFILL_AMX_TARGET inline void pack_q(const Args<bf16_t>& a, const Task
   }
 }
 
-// write_out for the AMX path: per 16 dimensions, O^T's rows times 1 / l (lanes are queries),
-// transposed to query rows, rounded to bf16 (`vcvtneps2bf16`, round to nearest even).
+// write_out for the AMX path: per 16 dimensions, O^T's rows times v_scale / l (lanes are
+// queries), transposed to query rows, rounded to bf16 (`vcvtneps2bf16`, round to nearest even).
 BATCHGEN_PREFILL_AMX_TARGET inline void write_out_amx(const Args<bf16_t>& a, const Task& t,
                                                       const float* ot, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d;
   const int64_t tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h) {
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + h * kTQ));
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a.v_scale), _mm512_loadu_ps(l + h * kTQ));
     const float* oh = ot + h * d * kTQ;
     bf16_t* out0 = a.out + (tok0 * a.hq + t.kv * g + h) * d;
     for (int64_t c = 0; c < d; c += 16) {

@@ -17,7 +17,10 @@
 //           `vpermt2w`) and each query's weight(s) broadcast.
 // Numerics as the AMX path's: float32 products and sums (bf16 products exact), P rounded to
 // bf16 before P V in bf16 (l from the unrounded weights), the output rounded once.
-// Serves float32 with AVX-512F (D % 16 == 0) and bf16 with AVX512-BF16 (D % 32 == 0).
+// Serves float32 with AVX-512F (D % 16 == 0) and bf16 with AVX512-BF16 (D % 32 == 0), on a cache
+// of q's dtype (read in place) or a narrower one (each block's rows converted once per task of
+// two tiles, `run_task_vec`; bf16 q on fp8: converted to bf16 exactly, so `vdpbf16ps` stays:
+// the float32-FMA route would do the float32 kernel's work, 1.5-1.7x the bf16 path's time).
 #pragma once
 
 namespace {
@@ -41,21 +44,20 @@ inline bool vec_path_usable(bool bf16, int64_t d) {
   return bf16 ? d % 32 == 0 && avx512_bf16_usable() : d % 16 == 0;
 }
 
-// Q^T of the task's heads: float32 [G][D][16], bf16 [G][D / 2][16] 32-bit pairs of dimensions
-// (lanes past nq zero).
-template <class T>
-inline void pack_q_vec(const Args<T>& a, const Task& t, Scratch& s) {
+// Q^T of a tile's heads into tile slot ti of the task: float32 [G][D][16], bf16 [G][D / 2][16]
+// 32-bit pairs of dimensions (lanes past nq stay zero: the caller zeroes the buffers).
+template <class T, class C>
+inline void pack_q_vec(const Args<T, C>& a, const Task& t, int64_t ti, Scratch& s) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   if constexpr (std::is_same_v<T, float>) {
-    s.qt.assign(g * d * kTQ, 0.0f);
+    float* qt = s.qt.data() + ti * g * d * kTQ;
     for (int64_t h = 0; h < g; ++h)
       for (int64_t q = 0; q < t.nq; ++q) {
         const float* qr = a.q + (tok0 + q) * a.q_stride + (t.kv * g + h) * d;
-        for (int64_t dd = 0; dd < d; ++dd) s.qt[(h * d + dd) * kTQ + q] = qr[dd];
+        for (int64_t dd = 0; dd < d; ++dd) qt[(h * d + dd) * kTQ + q] = qr[dd];
       }
   } else {
-    s.qv.assign(g * d * kTQ, 0);
-    auto* qv = reinterpret_cast<uint32_t*>(s.qv.data());
+    auto* qv = reinterpret_cast<uint32_t*>(s.qv.data() + ti * g * d * kTQ);
     for (int64_t h = 0; h < g; ++h)
       for (int64_t q = 0; q < t.nq; ++q) {
         const bf16_t* qr = a.q + (tok0 + q) * a.q_stride + (t.kv * g + h) * d;
@@ -264,24 +266,26 @@ BATCHGEN_ATTN_BF16_TARGET inline void pack_v_pairs(const bf16_t* const* rows, in
 }
 
 // out rows of the task: O[h][q][:] / l[h][q], rounded once for bf16.
-BATCHGEN_PREFILL_F32_TARGET inline void write_out_f32(const Args<float>& a, const Task& t,
+template <class C>
+BATCHGEN_PREFILL_F32_TARGET inline void write_out_f32(const Args<float, C>& a, const Task& t,
                                                       const float* o, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[h * kTQ + q]);
+      const __m512 inv = _mm512_set1_ps(a.v_scale / l[h * kTQ + q]);
       float* dst = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
       for (int64_t c = 0; c < d; c += 16)
         _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_load_ps(o + (h * kTQ + q) * d + c), inv));
     }
 }
 
-BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t>& a, const Task& t,
+template <class C>
+BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t, C>& a, const Task& t,
                                                      const float* o, const float* l) {
   const int64_t g = a.hq / a.hkv, d = a.d, tok0 = a.spans[4 * t.span] + t.i0;
   for (int64_t h = 0; h < g; ++h)
     for (int64_t q = 0; q < t.nq; ++q) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[h * kTQ + q]);
+      const __m512 inv = _mm512_set1_ps(a.v_scale / l[h * kTQ + q]);
       bf16_t* dst = a.out + ((tok0 + q) * a.hq + t.kv * g + h) * d;
       for (int64_t c = 0; c < d; c += 16) {
         const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + (h * kTQ + q) * d + c), inv);
@@ -290,60 +294,121 @@ BATCHGEN_ATTN_BF16_TARGET inline void write_out_bf16(const Args<bf16_t>& a, cons
     }
 }
 
-// One task on the AVX-512 path (float32 or bf16).
-template <class T>
-void run_task_vec(const Args<T>& a, const Task& t, Scratch& s) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
-  const int64_t g = a.hq / a.hkv, d = a.d;
-  pack_q_vec(a, t, s);
-  s.ot.assign(g * kTQ * d, 0.0f);  // O [G][16][D]
-  s.m.assign(g * kTQ, kInitMax);
-  s.l.assign(g * kTQ, 0.0f);
+// One task on the AVX-512 path (float32 or bf16 q): `nt` (1 or 2) consecutive 16-token tiles
+// of one span and KV head sharing each key block (the later tile sees more keys; a block a
+// tile cannot see is skipped), as the AMX path's tasks. A cache of another dtype C
+// (kv_cache_dtype, run with two tiles) has each block's K rows staged in q's compute type
+// (`stage_row`) and its V rows too (float32) or converted straight into key pairs (bf16,
+// `stage_pair`), once for both tiles: exact, divided by kVecUnit<C>, which `run` folded into
+// a.scale and a.v_scale. A cache of q's dtype is read in place.
+template <class T, class C>
+void run_task_vec(const Args<T, C>& a, const Task* tiles, int64_t nt, Scratch& s) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>, kStaged = !std::is_same_v<T, C>;
+  const int64_t g = a.hq / a.hkv, d = a.d, per_tile = g * kTQ * d;
+  if constexpr (kBf16)
+    s.qv.assign(nt * per_tile, 0);
+  else
+    s.qt.assign(nt * per_tile, 0.0f);
+  for (int64_t ti = 0; ti < nt; ++ti) pack_q_vec(a, tiles[ti], ti, s);
+  s.ot.assign(nt * per_tile, 0.0f);  // O [tile][G][16][D]
+  s.m.assign(nt * g * kTQ, kInitMax);
+  s.l.assign(nt * g * kTQ, 0.0f);
   s.s.resize(kBK * kTQ);
   if constexpr (kBf16) {
     s.vt.resize(kBK * d + d);  // V key pairs [16][D][2], then a zero row
     std::fill(s.vt.begin() + kBK * d, s.vt.end(), bf16_t(0));
     s.pv.resize(kBK * kTQ);
   }
+  T* kstage = nullptr;  // [32][D] K rows in T (kStaged); float32: V rows too
+  float* vstage = nullptr;
+  if constexpr (kStaged) {
+    if constexpr (kBf16) {
+      s.kb.resize(kBK * d);
+      kstage = s.kb.data();
+    } else {
+      s.kp.resize(kBK * d);
+      s.vp.resize(kBK * d);
+      kstage = s.kp.data(), vstage = s.vp.data();
+    }
+  }
   alignas(64) float alpha[kTQ];
   const T* krows[kBK];
   const T* vrows[kBK];
-  for (int64_t kb = t.lo; kb <= t.hi; kb += kBK) {
-    const int64_t nk = std::min(kBK, t.hi + 1 - kb);
-    const int64_t live = nk <= 16 ? 16 : kBK;  // keys scored: past nk masked (weight 0)
+  const int64_t lo = tiles[0].lo, hi = tiles[nt - 1].hi;
+  for (int64_t kb = lo; kb <= hi; kb += kBK) {
+    const int64_t nk = std::min(kBK, hi + 1 - kb);
     for (int64_t k = 0; k < kBK; ++k) {
-      krows[k] = cache_row(a.k_cache, a, t, kb + std::min(k, nk - 1));
-      vrows[k] = cache_row(a.v_cache, a, t, kb + std::min(k, nk - 1));
-    }
-    if constexpr (kBf16) pack_v_pairs(vrows, nk, d, s.vt.data() + kBK * d, s.vt.data());
-    const bool masked = block_needs_mask(t, a.window, kb, nk);
-    for (int64_t h = 0; h < g; ++h) {
-      float* st = s.s.data();
-      float* o = s.ot.data() + h * kTQ * d;
-      if constexpr (kBf16)
-        scores_bf16(krows, live, d, s.qv.data() + h * d * kTQ, st);
-      else
-        scores_f32(krows, live, d, s.qt.data() + h * d * kTQ, st);
-      if (softmax_block(t, a.window, a.scale, kb, nk, masked, live, st, s.m.data() + h * kTQ,
-                        s.l.data() + h * kTQ, alpha))
-        rescale_o(o, alpha, t.nq, d);
-      if constexpr (kBf16) {
-        pairs_bf16(st, live, s.pv.data());
-        pv_head<T>(o, d, t.nq, s.vt.data(), (nk + 1) / 2, s.pv.data());
+      const int64_t j = std::min(k, nk - 1);
+      if constexpr (kStaged) {
+        if (k < nk) stage_row(cache_row(a.k_cache, a, tiles[0], kb + k), d, kstage + k * d);
+        krows[k] = kstage + j * d;
+        if constexpr (!kBf16) {
+          if (k < nk) stage_row(cache_row(a.v_cache, a, tiles[0], kb + k), d, vstage + k * d);
+          vrows[k] = vstage + j * d;
+        }
       } else {
-        pv_head<T>(o, d, t.nq, vrows, nk, st);
+        krows[k] = cache_row(a.k_cache, a, tiles[0], kb + j);
+        vrows[k] = cache_row(a.v_cache, a, tiles[0], kb + j);
       }
     }
+    // bf16 V as key pairs [16][D][2]; a missing odd partner reads zeros
+    auto v_pair = [&](int64_t kp, int64_t n) {
+      if constexpr (kBf16 && kStaged) {
+        const C* r0 = cache_row(a.v_cache, a, tiles[0], kb + 2 * kp);
+        const C* r1 = 2 * kp + 1 < n ? cache_row(a.v_cache, a, tiles[0], kb + 2 * kp + 1)
+                                     : nullptr;
+        stage_pair(r0, r1, d, s.vt.data() + kp * 2 * d);
+      }
+    };
+    if constexpr (kBf16 && kStaged) {
+      for (int64_t kp = 0; kp < (nk + 1) / 2; ++kp) v_pair(kp, nk);
+    } else if constexpr (kBf16) {
+      pack_v_pairs(vrows, nk, d, s.vt.data() + kBK * d, s.vt.data());
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const Task& t = tiles[ti];
+      if (kb > t.hi || kb + nk - 1 < t.lo) continue;  // no key of the block visible to the tile
+      const int64_t tnk = std::min(nk, t.hi + 1 - kb);  // keys past the tile's last are hidden
+      const int64_t live = tnk <= 16 ? 16 : kBK;  // keys scored: past tnk masked (weight 0)
+      const bool masked = block_needs_mask(t, a.window, kb, tnk);
+      // The pair holding the tile's last key and a later one: the later one's weight is 0,
+      // but 0 x an inf / NaN value is NaN; that pair reads a zero partner for this tile.
+      const bool odd_cut = kBf16 && kStaged && tnk < nk && tnk % 2;
+      if constexpr (kBf16 && kStaged)
+        if (odd_cut) v_pair(tnk / 2, tnk);
+      for (int64_t h = 0; h < g; ++h) {
+        float* st = s.s.data();
+        float* o = s.ot.data() + ti * per_tile + h * kTQ * d;
+        float* m = s.m.data() + (ti * g + h) * kTQ;
+        float* l = s.l.data() + (ti * g + h) * kTQ;
+        if constexpr (kBf16)
+          scores_bf16(krows, live, d, s.qv.data() + ti * per_tile + h * d * kTQ, st);
+        else
+          scores_f32(krows, live, d, s.qt.data() + ti * per_tile + h * d * kTQ, st);
+        if (softmax_block(t, a.window, a.scale, kb, tnk, masked, live, st, m, l, alpha))
+          rescale_o(o, alpha, t.nq, d);
+        if constexpr (kBf16) {
+          pairs_bf16(st, live, s.pv.data());
+          pv_head<T>(o, d, t.nq, s.vt.data(), (tnk + 1) / 2, s.pv.data());
+        } else {
+          pv_head<T>(o, d, t.nq, vrows, tnk, st);
+        }
+      }
+      if constexpr (kBf16 && kStaged)
+        if (odd_cut) v_pair(tnk / 2, nk);  // back for the later tile
+    }
   }
-  if constexpr (kBf16)
-    write_out_bf16(a, t, s.ot.data(), s.l.data());
-  else
-    write_out_f32(a, t, s.ot.data(), s.l.data());
+  for (int64_t ti = 0; ti < nt; ++ti) {
+    if constexpr (kBf16)
+      write_out_bf16(a, tiles[ti], s.ot.data() + ti * per_tile, s.l.data() + ti * g * kTQ);
+    else
+      write_out_f32(a, tiles[ti], s.ot.data() + ti * per_tile, s.l.data() + ti * g * kTQ);
+  }
 }
 #else
 inline bool vec_path_usable(bool, int64_t) { return false; }
-template <class T>
-void run_task_vec(const Args<T>&, const Task&, Scratch&) {}
+template <class T, class C>
+void run_task_vec(const Args<T, C>&, const Task*, int64_t, Scratch&) {}
 #endif
 
 }  // namespace

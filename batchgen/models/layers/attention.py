@@ -270,11 +270,7 @@ def paged_attention(
             scale=scale,
         )
         out[rows] = od.reshape(b, -1, q.shape[-1])
-    if (
-        meta.prefills
-        and q.dtype == k_cache.dtype
-        and use_prefill_kernel(q.device, q.dtype, q.shape[-1])
-    ):
+    if meta.prefills and use_prefill_kernel(q.device, q.dtype, q.shape[-1], k_cache.dtype):
         if meta.prefill_plan is None or meta.prefill_plan.num_slots != k_cache.shape[0]:
             meta.prefill_plan = build_prefill_plan(meta.prefills, q.shape[0], k_cache.shape[0])
         paged_prefill_attention(q, k_cache, v_cache, meta.prefill_plan, scale, sliding_window, out)
