@@ -65,11 +65,16 @@ def test_greedy_matches_transformers_with_rounded_kv(checkpoint_dir, name, kv_ca
         assert out.outputs[0].token_ids == _hf_greedy(ref, prompt_ids, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("prefill", ["auto", "sdpa"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
 @pytest.mark.parametrize("name", ["mixtral", "mistral_sliding"])
-def test_rounded_kv_under_preemption_and_chunked_prefill(checkpoint_dir, name, kv_cache_dtype):
+def test_rounded_kv_under_preemption_and_chunked_prefill(
+    checkpoint_dir, monkeypatch, name, kv_cache_dtype, prefill
+):
     """Chunks of 8 tokens read their earlier chunks back from the rounded cache, and preempted
-    sequences are recomputed: the tokens stay the oracle's."""
+    sequences are recomputed: the tokens stay the oracle's, with prefill on the CPU kernel
+    (``auto`` where it runs) and on SDPA (which dequantises the fresh chunk itself)."""
+    monkeypatch.setenv("BATCHGEN_PREFILL_ATTENTION", prefill)
     path = checkpoint_dir(name)
     llm = LLM(
         str(path),

@@ -222,8 +222,6 @@ def paged_attention(
         kq, vq = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
         write_kv(k_cache, meta.slot_mapping, kq)
         write_kv(v_cache, meta.slot_mapping, vq)
-        if meta.prefills:  # the first chunks attend to what the cache now holds
-            k, v = kq.to(q.dtype), vq.to(q.dtype)
     elif not kv_written:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -275,6 +273,8 @@ def paged_attention(
             meta.prefill_plan = build_prefill_plan(meta.prefills, q.shape[0], k_cache.shape[0])
         paged_prefill_attention(q, k_cache, v_cache, meta.prefill_plan, scale, sliding_window, out)
         return out
+    if mixed and meta.prefills:  # SDPA's first chunks attend to what the cache now holds
+        k, v = kq.to(q.dtype), vq.to(q.dtype)
     for span in meta.prefills:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
         # 4-D [1, H, n, D] inputs: torch's CPU flash kernel takes only 4-D; 3-D inputs fall
