@@ -139,3 +139,16 @@ def test_quantize_saturates_instead_of_overflowing():
     assert torch.isnan(e4[4])
     e5 = quantize_kv(x, torch.float8_e5m2).float()
     assert e5[:2].tolist() == [57344.0, -57344.0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_decode_buckets_bound_the_converted_gather(checkpoint_dir, dtype):
+    """The torch decode path gathers a bucket's blocks from the narrower cache and converts
+    them to the model's dtype: `CPU_DECODE_GATHER_BYTES` bounds that converted tensor (what is
+    allocated and read), so an fp8 cache does not get buckets 4x the size of float32's."""
+    path = str(checkpoint_dir("mixtral"))
+    blocks = {}
+    for kv in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(path, dtype=dtype, kv_cache_dtype=kv, num_gpu_blocks_override=8)
+        blocks[kv] = llm.llm_engine.runner.max_bucket_blocks
+    assert blocks["fp8"] == blocks["fp8_e5m2"] == blocks["auto"]
