@@ -152,3 +152,18 @@ def test_cpu_decode_buckets_bound_the_converted_gather(checkpoint_dir, dtype):
         llm = LLM(path, dtype=dtype, kv_cache_dtype=kv, num_gpu_blocks_override=8)
         blocks[kv] = llm.llm_engine.runner.max_bucket_blocks
     assert blocks["fp8"] == blocks["fp8_e5m2"] == blocks["auto"]
+
+
+def test_the_kv_cache_log_line_names_the_cache_dtype(checkpoint_dir, caplog):
+    """The start-up line is where a user checks the budget: it names the format the tokens and
+    bytes are counted in (before: bytes/token only, the same line for a float32 and an fp8
+    cache of the same budget, bar the numbers)."""
+    import logging
+
+    path = str(checkpoint_dir("mixtral"))
+    for kv, name in (("auto", "float32"), ("fp8", "float8_e4m3fn"), ("bfloat16", "bfloat16")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="batchgen"):
+            LLM(path, dtype="float32", kv_cache_dtype=kv, num_gpu_blocks_override=8)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+        assert len(lines) == 1 and lines[0].endswith(f" bytes/token, {name})"), lines

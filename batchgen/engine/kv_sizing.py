@@ -67,12 +67,13 @@ def num_kv_blocks(
             "activations come out of the same memory on a GPU)"
         )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token)",
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes/token, %s)",
         num_blocks,
         c.block_size,
         num_blocks * c.block_size,
         num_blocks * per_block / (1 << 20),
         per_block // c.block_size,
+        str(cache_dtype or dtype).removeprefix("torch."),
     )
     return num_blocks
 
