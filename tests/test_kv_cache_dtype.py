@@ -53,7 +53,17 @@ def _hf_rounded(path, kv_cache_dtype: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
-@pytest.mark.parametrize("name", ["mixtral", "llama_mqa_bias_llama3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixtral",
+        "llama_mqa_bias_llama3",
+        "qwen3_moe",  # per-head q/k norm, head_dim 24, one KV head
+        "qwen2_moe_step2",  # Qwen2's qkv bias (K/V offsets rounded with them), shared expert
+        "olmoe_clip_norm",  # full q/k norm, clip_qkv before the rounding
+        "mistral_sliding",  # sliding-window decode over the rounded cache
+    ],
+)
 def test_greedy_matches_transformers_with_rounded_kv(checkpoint_dir, name, kv_cache_dtype):
     path = checkpoint_dir(name)
     llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.05)
