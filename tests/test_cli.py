@@ -138,6 +138,40 @@ def test_bench_usage_errors_exit_2_before_anything_loads(argv, message, tmp_path
     assert err.startswith("batchgen bench: error: ") and message in err, err
 
 
+def test_bench_kv_cache_dtype_an_mla_model_refuses_exits_2_before_any_mode(
+    checkpoint_dir, monkeypatch, capsys
+):
+    """Before: the hf modes ran for minutes, then each BatchGen mode 'failed' with the engine's
+    MLA error and the bench exited 0."""
+    from batchgen.bench import runner
+
+    class Ran(Exception):
+        pass
+
+    ran = []
+
+    def fake_run(**kwargs):
+        ran.append(kwargs)
+        raise Ran
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    model = str(checkpoint_dir("deepseek_v2"))
+    argv = ["bench", "--model", model, "--kv-cache-dtype", "fp8", "--modes", "hf_generate,coalesce"]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert err.startswith("batchgen bench: error: --kv-cache-dtype: kv_cache_dtype='fp8' is not "
+                          "supported for MLA models"), err  # fmt: skip
+    # the hf modes alone do not build a BatchGen engine; auto and a non-MLA model are fine
+    for other in (["--modes", "hf_generate"], ["--kv-cache-dtype", "auto"]):
+        with pytest.raises(Ran):
+            cli.main([*argv, *other])
+    with pytest.raises(Ran):
+        cli.main(["bench", "--model", str(checkpoint_dir("mixtral")), "--kv-cache-dtype", "fp8"])
+    assert len(ran) == 3
+
+
 def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])

@@ -762,6 +762,34 @@ def test_config_check_places_the_experts_of_a_local_model(tmp_path, checkpoint_d
         report(load_cluster_config(missing))
 
 
+def test_config_check_refuses_a_narrower_kv_cache_for_an_mla_model(tmp_path, checkpoint_dir):
+    """An MLA model (DeepSeek-V2/V3) takes only kv_cache_dtype auto (the engine refuses the
+    rest at start): `config check` reads the local config.json and says so before a job starts,
+    instead of printing 'valid'."""
+    from batchgen.entrypoints.config_check import report
+
+    model = checkpoint_dir("deepseek_v2")
+    text = f"batchgen_cluster:\n  model: '{model}'\n  engine:\n"
+    for kv in ("fp8", "fp8_e5m2"):
+        cfg = load_cluster_config(_write(tmp_path, text + f"    kv_cache_dtype: {kv}\n"))
+        with pytest.raises(
+            ValueError,
+            match=rf"engine.kv_cache_dtype: kv_cache_dtype={kv!r} is not supported for MLA",
+        ):
+            report(cfg)
+    with pytest.raises(ValueError, match="not supported for MLA"):  # float32 model, bf16 cache
+        both = "    dtype: float32\n    kv_cache_dtype: bfloat16\n"
+        report(load_cluster_config(_write(tmp_path, text + both)))
+    # the model's own dtype by name is auto; under dtype auto it depends on the machine
+    same = "    dtype: bfloat16\n    kv_cache_dtype: bfloat16\n"
+    assert report(load_cluster_config(_write(tmp_path, text + same)))[0].endswith(": valid")
+    lines = report(load_cluster_config(_write(tmp_path, text + "    kv_cache_dtype: bfloat16\n")))
+    assert any(line.startswith("warning: batchgen_cluster.engine.kv_cache_dtype") for line in lines)
+    plain = checkpoint_dir("mixtral")  # not MLA: every format is valid
+    fp8 = f"batchgen_cluster:\n  model: '{plain}'\n  engine:\n    kv_cache_dtype: fp8\n"
+    assert report(load_cluster_config(_write(tmp_path, fp8)))[0].endswith(": valid")
+
+
 def test_a_missing_model_directory_says_how_to_make_it(tmp_path, capsys):
     tiny = tmp_path / "batchgen-tiny-mixtral"  # the local example's model, not built yet
     text = LOCAL.read_text().replace("/tmp/batchgen-tiny-mixtral", str(tiny))

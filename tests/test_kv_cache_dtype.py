@@ -53,7 +53,17 @@ def _hf_rounded(path, kv_cache_dtype: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
-@pytest.mark.parametrize("name", ["mixtral", "llama_mqa_bias_llama3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixtral",
+        "llama_mqa_bias_llama3",
+        "qwen3_moe",  # per-head q/k norm, head_dim 24, one KV head
+        "qwen2_moe_step2",  # Qwen2's qkv bias (K/V offsets rounded with them), shared expert
+        "olmoe_clip_norm",  # full q/k norm, clip_qkv before the rounding
+        "mistral_sliding",  # sliding-window decode over the rounded cache
+    ],
+)
 def test_greedy_matches_transformers_with_rounded_kv(checkpoint_dir, name, kv_cache_dtype):
     path = checkpoint_dir(name)
     llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.05)
@@ -144,3 +154,31 @@ def test_quantize_saturates_instead_of_overflowing():
     assert torch.isnan(e4[4])
     e5 = quantize_kv(x, torch.float8_e5m2).float()
     assert e5[:2].tolist() == [57344.0, -57344.0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_decode_buckets_bound_the_converted_gather(checkpoint_dir, dtype):
+    """The torch decode path gathers a bucket's blocks from the narrower cache and converts
+    them to the model's dtype: `CPU_DECODE_GATHER_BYTES` bounds that converted tensor (what is
+    allocated and read), so an fp8 cache does not get buckets 4x the size of float32's."""
+    path = str(checkpoint_dir("mixtral"))
+    blocks = {}
+    for kv in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(path, dtype=dtype, kv_cache_dtype=kv, num_gpu_blocks_override=8)
+        blocks[kv] = llm.llm_engine.runner.max_bucket_blocks
+    assert blocks["fp8"] == blocks["fp8_e5m2"] == blocks["auto"]
+
+
+def test_the_kv_cache_log_line_names_the_cache_dtype(checkpoint_dir, caplog):
+    """The start-up line is where a user checks the budget: it names the format the tokens and
+    bytes are counted in (before: bytes/token only, the same line for a float32 and an fp8
+    cache of the same budget, bar the numbers)."""
+    import logging
+
+    path = str(checkpoint_dir("mixtral"))
+    for kv, name in (("auto", "float32"), ("fp8", "float8_e4m3fn"), ("bfloat16", "bfloat16")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="batchgen"):
+            LLM(path, dtype="float32", kv_cache_dtype=kv, num_gpu_blocks_override=8)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+        assert len(lines) == 1 and lines[0].endswith(f" bytes/token, {name})"), lines

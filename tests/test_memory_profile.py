@@ -90,6 +90,29 @@ def test_the_profiling_step_runs_every_token_and_the_decode_logits(mixtral, monk
     assert logits_rows == [3, 24]  # the step's samples (one per prompt), then max_num_seqs
 
 
+def test_the_profiling_step_runs_the_engines_kv_cache_dtype(mixtral, monkeypatch):
+    """Under kv_cache_dtype the engine's attention quantises K/V on the write and reads a
+    narrower cache (other temporaries, and on CUDA the torch decode path instead of Triton's):
+    the profiling step and the CUDA graph estimate build their runner with the engine's
+    cache dtype, so the peak they measure is the engine's."""
+    from batchgen.engine import model_runner
+
+    model, cfg = mixtral
+    dtypes = []
+    init = model_runner.ModelRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        dtypes.append(self.kv_caches[0][0].dtype)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy)
+    memory = FakeMemory(allocated=5 * GiB, peak=7 * GiB, free=0, total=0)
+    for kv, want in (("fp8", torch.float8_e4m3fn), ("bfloat16", torch.bfloat16)):
+        c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_dtype=kv)
+        profile_step_peak_bytes(model, c, cfg, torch.device("cpu"), torch.float32, memory)
+        assert dtypes.pop() == want
+
+
 def test_budget_is_vllms_formula(mixtral):
     model, cfg = mixtral
     c = EngineConfig(max_num_batched_tokens=64, max_num_seqs=24, gpu_memory_utilization=0.9)

@@ -745,6 +745,7 @@ def test_settings_are_compared_as_the_engine_resolves_them(tmp_path, checkpoint_
     default = job()
     assert default.settings == {
         "dtype": "float32",
+        "kv_cache_dtype": "auto",
         "max_model_len": limit,
         "seed": 0,
         "tokenizer": None,
@@ -762,3 +763,39 @@ def test_settings_are_compared_as_the_engine_resolves_them(tmp_path, checkpoint_
         config = EngineConfig(model=str(model))
         assert job_manifest(inp, config, ray).settings["dtype"] == "auto"
         assert job_manifest(inp, config).settings["dtype"] == "float32"
+
+
+@pytest.mark.timeout(120)
+def test_kv_cache_dtype_is_part_of_the_job(tmp_path, checkpoint_dir):
+    """An fp8 or bf16 KV cache changes the tokens, so a job resumed with another kv_cache_dtype
+    would mix the results of two numerics in one output: refused as the dtype is. ``auto`` and
+    the model's dtype by name are one job, ``fp8`` and ``fp8_e4m3`` are, and a manifest written
+    before the setting existed (no key) was an ``auto`` job."""
+    import dataclasses
+
+    from batchgen.config import EngineConfig
+    from batchgen.entrypoints.snapshot_store import job_manifest
+
+    inp = _job(tmp_path, 3)
+    model = checkpoint_dir("mixtral")
+
+    def job(**settings) -> Manifest:
+        return job_manifest(inp, EngineConfig(model=str(model), device="cpu", **settings))
+
+    auto, fp8 = job(), job(kv_cache_dtype="fp8")
+    assert auto.differences(fp8) == ["kv_cache_dtype: snapshot 'auto', this run 'fp8_e4m3'"]
+    assert fp8.differences(job(kv_cache_dtype="fp8_e4m3")) == []
+    assert auto.differences(job(kv_cache_dtype="bfloat16")) == [
+        "kv_cache_dtype: snapshot 'auto', this run 'bfloat16'"  # under a float32 model
+    ]
+    assert job(dtype="bfloat16").differences(job(dtype="bfloat16", kv_cache_dtype="bfloat16")) == []
+    old = dataclasses.replace(
+        auto, settings={k: v for k, v in auto.settings.items() if k != "kv_cache_dtype"}
+    )
+    assert old.differences(auto) == [] and auto.differences(old) == []
+    assert old.differences(fp8) == ["kv_cache_dtype: snapshot 'auto', this run 'fp8_e4m3'"]
+    store = SnapshotStore(str(tmp_path / "snap"))
+    store.open_job(auto)
+    store.write_segment(1, "aa", [result_line("c00")])
+    with pytest.raises(SnapshotError, match="kv_cache_dtype: snapshot 'auto', this run 'fp8_e4m3'"):
+        SnapshotStore(str(tmp_path / "snap")).open_job(fp8)

@@ -294,6 +294,26 @@ def _usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
+def _check_kv_cache_dtype(args, modes: tuple[str, ...]) -> None:
+    """A usage error (exit 2) for a ``--kv-cache-dtype`` the bench's model refuses (an MLA
+    model takes only auto), before any mode runs: else the hf modes run first and every
+    BatchGen mode then fails with the engine's error."""
+    kv = getattr(args, "kv_cache_dtype", None)
+    if kv in (None, "auto") or not {"lockstep", "coalesce"} & set(modes):
+        return
+    from transformers import AutoConfig
+
+    from batchgen.models.layers.kv_cache_dtype import resolve_kv_cache_dtype
+    from batchgen.models.model_config import ModelConfig
+
+    path = args.model or bench_model_path(args.arch)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    try:  # the bench's dtype is never auto (float32 by default)
+        resolve_kv_cache_dtype(kv, getattr(torch, args.dtype), cfg.mla is not None)
+    except ValueError as err:
+        _usage_error(f"--kv-cache-dtype: {err}")
+
+
 def run_from_args(args) -> int:
     from batchgen.bench.args import resolve_settings
     from batchgen.cluster_config import ClusterConfigError
@@ -309,6 +329,7 @@ def run_from_args(args) -> int:
     workloads = tuple(args.workloads.split(",")) if args.workloads else None
     if args.rollouts_requests is not None and args.rollouts_requests < 1:
         _usage_error(f"--rollouts-requests: must be >= 1, got {args.rollouts_requests}")
+    _check_kv_cache_dtype(args, modes)
     if getattr(args, "data_parallel_size", 1) > 1:
         from batchgen.bench.distributed import (
             PARALLEL_FLAGS,

@@ -124,7 +124,9 @@ def profile_step_peak_bytes(
     memory.reset_peak()
     before = memory.allocated()
     num_blocks = sum(-(-n // bs) for n in lengths)
-    runner = ModelRunner(model, num_blocks, bs, device, dtype)
+    runner = ModelRunner(
+        model, num_blocks, bs, device, dtype, kv_cache_dtype=_cache_dtype(c, cfg, dtype)
+    )
     for i, n in enumerate(lengths):
         request = Request(f"profile-{i}", None, [0] * n, params, arrival_index=i)
         seq = SequenceCoroutine(i, request, 0)
@@ -146,6 +148,15 @@ def profile_step_peak_bytes(
     peak = max(0, memory.peak() - before)
     del runner, executor, scheduled, rows
     return peak
+
+
+def _cache_dtype(c: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The engine's KV cache dtype (``kv_cache_dtype`` under a model of ``dtype``): the
+    profiling runners use it, since a narrower cache runs another attention path (quantised
+    writes; on CUDA the torch decode path, `decode_attention_backend`)."""
+    from batchgen.models.layers.kv_cache_dtype import resolve_kv_cache_dtype
+
+    return resolve_kv_cache_dtype(c.kv_cache_dtype, dtype, cfg.mla is not None)
 
 
 GRAPH_SAMPLES = 2  # graphs captured to estimate the memory of all of them (vLLM's two)
@@ -190,7 +201,8 @@ def estimate_cuda_graph_bytes(
     free_before = memory.free_total()[0]
     # As the engine's runner: batch_invariant keeps MLA's decode in buckets (no graphs).
     runner = ModelRunner(model, 1, c.block_size, device, dtype, c.batch_invariant,
-                         reserve_dummy_block=True)  # fmt: skip
+                         reserve_dummy_block=True,
+                         kv_cache_dtype=_cache_dtype(c, cfg, dtype))  # fmt: skip
     max_len = c.max_model_len or cfg.max_position_embeddings
     try:
         graphs = CUDAGraphRunner(

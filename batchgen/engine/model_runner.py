@@ -36,7 +36,8 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * per_layer * itemsize
 
 
-# CPU: the most bytes one decode bucket gathers from one cache tensor. glibc serves larger
+# CPU: the most bytes one decode bucket gathers from one cache tensor (counted in the model's
+# dtype when the cache is narrower: the torch path converts the gather to it). glibc serves larger
 # allocations with fresh mmap pages (page faults and zeroing on every gather: 117 MB took 74 ms
 # against 16 ms into reused memory), and a smaller gather is still in cache when attention reads
 # it. Measured on 512 decode rows x 448 positions (2 KV heads x 64, fp32): 224 ms per layer
@@ -118,7 +119,10 @@ class ModelRunner:
             # so the batch-invariant mode keeps one bucket per row
             in_place = mla_decode_backend(device, dtype) == "triton" and not batch_invariant
         self.decode_in_place = in_place
-        block_bytes = max(c[0].numel() * c.element_size() * block_size for c in self.kv_caches[0])
+        # The torch path gathers a bucket and converts it to the model's dtype (a narrower
+        # kv_cache_dtype): the bound is on the wider of the two, what is allocated and read.
+        itemsize = max(torch.empty((), dtype=d).element_size() for d in (dtype, cache_dtype))
+        block_bytes = max(c[0].numel() * itemsize * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (
             max(1, CPU_DECODE_GATHER_BYTES // block_bytes) if device.type == "cpu" else None
         )

@@ -63,7 +63,7 @@ def report(cluster: ClusterConfig) -> list[str]:
     Raises:
         ValueError: a problem only this machine can see: a model path that does not exist, an
             unreadable or unsupported local model, fewer experts than expert-parallel ranks,
-            more local ranks than CUDA devices.
+            more local ranks than CUDA devices, a kv_cache_dtype an MLA model refuses.
     """
     from batchgen.distributed.layout import (
         ExpertPlacement,
@@ -110,6 +110,7 @@ def report(cluster: ClusterConfig) -> list[str]:
             )
 
         lines += _listed(ep, holds, lambda a, b: f"  ... expert-parallel ranks {a}-{b}")
+    lines += _kv_cache_dtype_warnings(cluster, model_config)
     check_local_devices(parallel, cluster.engine.device)
     try:
         check_device_available(cluster.engine.device)
@@ -122,6 +123,35 @@ def report(cluster: ClusterConfig) -> list[str]:
     lines += [f"warning: {w}" for w in parallel.ineffective_settings()]
     lines.append("the same as flags: " + shlex.join(cluster.flags()))
     return lines
+
+
+def _kv_cache_dtype_warnings(cluster: ClusterConfig, model_config: ModelConfig | None) -> list:
+    """Warning lines for ``engine.kv_cache_dtype`` on the local model: an MLA model
+    (DeepSeek-V2/V3) takes only its own dtype (`resolve_kv_cache_dtype`), which under
+    ``dtype: auto`` is the machine's choice (a warning then).
+
+    Raises:
+        ValueError: a format the engine would refuse at start, whatever the machine."""
+    import torch
+
+    from batchgen.models.layers.kv_cache_dtype import resolve_kv_cache_dtype
+
+    engine = cluster.engine
+    kv, dtype = engine.kv_cache_dtype, engine.dtype
+    if model_config is None or model_config.mla is None or kv == "auto":
+        return []
+    key = "batchgen_cluster.engine.kv_cache_dtype"
+    if dtype == "auto" and kv == "bfloat16":  # valid where auto resolves to it
+        return [
+            f"warning: {key}: {kv!r} on an MLA model runs only where dtype 'auto' resolves to "
+            f"{kv} (else the engine refuses it at start); set dtype: {kv} or kv_cache_dtype: auto"
+        ]
+    model_dtype = getattr(torch, dtype) if dtype != "auto" else None  # config.DTYPES names
+    try:
+        resolve_kv_cache_dtype(kv, model_dtype, mla=True)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    return []
 
 
 def _started_here(parallel: ParallelConfig, device: str) -> str:

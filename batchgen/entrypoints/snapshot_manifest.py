@@ -104,7 +104,8 @@ class Manifest:
         if self.model_fingerprint is not None and other.model_fingerprint is not None:
             out += _fingerprint_differences(self.model_fingerprint, other.model_fingerprint)
         for name in sorted(set(self.settings) | set(other.settings)):
-            mine, theirs = self.settings.get(name), other.settings.get(name)
+            mine = self.settings.get(name, _SETTINGS_BEFORE.get(name))
+            theirs = other.settings.get(name, _SETTINGS_BEFORE.get(name))
             if mine != theirs:
                 out.append(f"{name}: snapshot {mine!r}, this run {theirs!r}")
         return out
@@ -135,7 +136,9 @@ def _fingerprint_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> li
 
 
 # EngineConfig fields that change what a request's result is.
-OUTPUT_SETTINGS = ("tokenizer", "dtype", "seed", "max_model_len")
+OUTPUT_SETTINGS = ("tokenizer", "dtype", "seed", "max_model_len", "kv_cache_dtype")
+# A setting a manifest written before it existed lacks: the value those jobs ran with.
+_SETTINGS_BEFORE = {"kv_cache_dtype": "auto"}
 # config.json keys shown in the fingerprint (readable; the config's sha256 covers all of it).
 FINGERPRINT_CONFIG_KEYS = (
     "model_type",
@@ -211,6 +214,8 @@ def resolved_settings(
       further to the KV cache's capacity, which memory settings decide, not the job).
     - ``tokenizer``: None when it is the model's own (unset, or the model's directory), a
       local directory's name (not its path), or the hub id.
+    - ``kv_cache_dtype``: by the format the cache stores (`_kv_cache_dtype_name`); manifests
+      written before it was a setting compare as ``auto``.
     """
     settings = {name: getattr(engine_config, name) for name in OUTPUT_SETTINGS}
     config: dict[str, Any] = {}
@@ -223,7 +228,17 @@ def resolved_settings(
     if settings["max_model_len"] is None and isinstance(config.get("max_position_embeddings"), int):
         settings["max_model_len"] = config["max_position_embeddings"]
     settings["tokenizer"] = _tokenizer_name(settings["tokenizer"], engine_config.model)
+    kv = settings["kv_cache_dtype"]
+    settings["kv_cache_dtype"] = _kv_cache_dtype_name(kv, settings["dtype"])
     return settings
+
+
+def _kv_cache_dtype_name(kv_cache_dtype: str, dtype: str) -> str:
+    """``kv_cache_dtype`` by the format it stores: ``auto`` for the model's own dtype by name
+    (``bfloat16`` under a bfloat16 model), ``fp8_e4m3`` for ``fp8`` (vLLM's alias)."""
+    if kv_cache_dtype == dtype:
+        return "auto"
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
 def _resolved_dtype(
