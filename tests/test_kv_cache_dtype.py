@@ -136,6 +136,12 @@ def test_bad_kv_cache_dtype_names_the_field_and_choices():
         resolve_kv_cache_dtype("int8", torch.float32)
 
 
+def test_a_cache_as_wide_as_the_model_but_coarser_is_refused():
+    with pytest.raises(ValueError, match=r"'bfloat16' under a float16 model stores no fewer"):
+        resolve_kv_cache_dtype("bfloat16", torch.float16)
+    assert resolve_kv_cache_dtype("fp8", torch.float16) == torch.float8_e4m3fn
+
+
 def test_mla_takes_only_auto(checkpoint_dir):
     path = str(checkpoint_dir("deepseek_v2"))
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported for MLA"):

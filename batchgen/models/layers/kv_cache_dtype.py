@@ -48,9 +48,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, mla: bool = Fals
     Returns:
         ``model_dtype`` for ``auto`` (or a name that resolves to it), else the narrower dtype.
     Raises:
-        ValueError: ``name`` not in `KV_CACHE_DTYPES`; a format wider than the model's dtype
-        is not a choice either way (``bfloat16`` under a bf16 model is the same as ``auto``);
-        an MLA model with anything but ``auto`` (its latent cache has no narrower path yet).
+        ValueError: ``name`` not in `KV_CACHE_DTYPES`; a format as wide as the model's dtype
+        but another one (``bfloat16`` under a float16 model: no bytes saved, coarser K/V;
+        ``bfloat16`` under a bf16 model is ``auto``); an MLA model with anything but
+        ``auto`` (its latent cache has no narrower path yet).
     """
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
@@ -63,6 +64,13 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, mla: bool = Fals
         raise ValueError(
             f"kv_cache_dtype={name!r} is not supported for MLA models (DeepSeek-V2/V3: the "
             "latent cache has no narrower path yet); use kv_cache_dtype='auto'"
+        )
+    if model_dtype is not None and dtype.itemsize >= model_dtype.itemsize:
+        model = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype={name!r} under a {model} model stores no fewer bytes than the "
+            f"model's own dtype and rounds K/V more coarsely; use kv_cache_dtype='auto', or "
+            "'fp8' / 'fp8_e5m2' for a narrower cache"
         )
     return dtype
 
