@@ -98,8 +98,10 @@ class EngineConfig:
         metadata=meta(
             f"KV cache storage dtype, one of {KV_CACHE_DTYPES} (vLLM's): auto is the model's "
             "dtype; bfloat16 halves a float32 model's KV bytes, fp8 (= fp8_e4m3) and "
-            "fp8_e5m2 store one byte per element (scale 1.0), so decode reads less and the "
-            "budget holds more tokens, at some accuracy (docs/performance.md); not for MLA",
+            "fp8_e5m2 store one byte per element (scale 1.0): the budget holds 2-4x the "
+            "tokens and CPU decode reads less, at some accuracy; on CUDA the narrower cache "
+            "runs the torch decode path without CUDA graphs, capacity rather than speed "
+            "(docs/performance.md); not for MLA",
             choices=KV_CACHE_DTYPES,
         ),
     )

@@ -785,9 +785,12 @@ def test_config_check_refuses_a_narrower_kv_cache_for_an_mla_model(tmp_path, che
     assert report(load_cluster_config(_write(tmp_path, text + same)))[0].endswith(": valid")
     lines = report(load_cluster_config(_write(tmp_path, text + "    kv_cache_dtype: bfloat16\n")))
     assert any(line.startswith("warning: batchgen_cluster.engine.kv_cache_dtype") for line in lines)
-    plain = checkpoint_dir("mixtral")  # not MLA: every format is valid
+    plain = checkpoint_dir("mixtral")  # not MLA: every narrower format is valid
     fp8 = f"batchgen_cluster:\n  model: '{plain}'\n  engine:\n    kv_cache_dtype: fp8\n"
     assert report(load_cluster_config(_write(tmp_path, fp8)))[0].endswith(": valid")
+    f16 = fp8.replace("kv_cache_dtype: fp8", "dtype: float16\n    kv_cache_dtype: bfloat16")
+    with pytest.raises(ValueError, match="'bfloat16' under a float16 model stores no fewer"):
+        report(load_cluster_config(_write(tmp_path, f16)))
 
 
 def test_a_missing_model_directory_says_how_to_make_it(tmp_path, capsys):

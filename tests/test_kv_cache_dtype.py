@@ -142,7 +142,13 @@ def test_a_cache_as_wide_as_the_model_but_coarser_is_refused():
     assert resolve_kv_cache_dtype("fp8", torch.float16) == torch.float8_e4m3fn
 
 
-def test_mla_takes_only_auto(checkpoint_dir):
+def test_mla_takes_only_auto(checkpoint_dir, monkeypatch):
+    import batchgen.engine.llm_engine as llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr(llm_engine, "load_engine_model", no_load)  # refused before loading
     path = str(checkpoint_dir("deepseek_v2"))
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is not supported for MLA"):
         LLM(path, dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_gb=0.05)

@@ -120,6 +120,10 @@ class LLMEngine(EngineRequests, RequestOutputs, EngineMetricsView):
         self.dtype = resolve_dtype(config.dtype, self.device, cfg, config.batch_invariant)
         if config.batch_invariant:
             check_batch_invariant_support(self.device, self.dtype)
+        # Refused here, before the weights load (an MLA model takes auto only).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, cfg.mla is not None
+        )
         check_kernel_switches()  # a bad BATCHGEN_* kernel or path switch fails here, not mid-step
         if self.device.type == "cpu":
             configure_cpu_threads()
@@ -133,9 +137,6 @@ class LLMEngine(EngineRequests, RequestOutputs, EngineMetricsView):
         # An expert-parallel rank's MoE layers cannot run before its dispatcher is installed
         # (below): no profiling forward there.
         profiled = model if rank is None else None
-        self.kv_cache_dtype = resolve_kv_cache_dtype(
-            config.kv_cache_dtype, self.dtype, cfg.mla is not None
-        )
         num_blocks = num_kv_blocks(
             config, cfg, self.dtype, self.device, profiled, self.kv_cache_dtype
         )

@@ -128,7 +128,8 @@ def report(cluster: ClusterConfig) -> list[str]:
 def _kv_cache_dtype_warnings(cluster: ClusterConfig, model_config: ModelConfig | None) -> list:
     """Warning lines for ``engine.kv_cache_dtype`` on the local model: an MLA model
     (DeepSeek-V2/V3) takes only its own dtype (`resolve_kv_cache_dtype`), which under
-    ``dtype: auto`` is the machine's choice (a warning then).
+    ``dtype: auto`` is the machine's choice (a warning then); under an explicit ``dtype`` any
+    model is checked as the engine will (``bfloat16`` under ``float16`` is refused).
 
     Raises:
         ValueError: a format the engine would refuse at start, whatever the machine."""
@@ -138,8 +139,9 @@ def _kv_cache_dtype_warnings(cluster: ClusterConfig, model_config: ModelConfig |
 
     engine = cluster.engine
     kv, dtype = engine.kv_cache_dtype, engine.dtype
-    if model_config is None or model_config.mla is None or kv == "auto":
+    if kv == "auto" or model_config is None or (model_config.mla is None and dtype == "auto"):
         return []
+    mla = model_config.mla is not None
     key = "batchgen_cluster.engine.kv_cache_dtype"
     if dtype == "auto" and kv == "bfloat16":  # valid where auto resolves to it
         return [
@@ -148,7 +150,7 @@ def _kv_cache_dtype_warnings(cluster: ClusterConfig, model_config: ModelConfig |
         ]
     model_dtype = getattr(torch, dtype) if dtype != "auto" else None  # config.DTYPES names
     try:
-        resolve_kv_cache_dtype(kv, model_dtype, mla=True)  # type: ignore[arg-type]
+        resolve_kv_cache_dtype(kv, model_dtype, mla=mla)  # type: ignore[arg-type]
     except ValueError as err:
         raise ValueError(f"{key}: {err}") from None
     return []
