@@ -194,3 +194,17 @@ def test_the_kv_cache_log_line_names_the_cache_dtype(checkpoint_dir, caplog):
             LLM(path, dtype="float32", kv_cache_dtype=kv, num_gpu_blocks_override=8)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
         assert len(lines) == 1 and lines[0].endswith(f" bytes/token, {name})"), lines
+
+
+def test_decode_backend_for_a_narrower_cache(monkeypatch):
+    """Triton reads only a cache of the queries' dtype: a narrower one runs the torch path on
+    CUDA, and forcing Triton there says why; the CPU kernel serves the mixed pairs."""
+    import batchgen.models.layers.attention_backend as ab
+
+    cpu, cuda, fp8 = torch.device("cpu"), torch.device("cuda"), torch.float8_e4m3fn
+    monkeypatch.delenv(ab.ATTENTION_BACKEND_ENV, raising=False)
+    assert ab.decode_attention_backend(cuda, torch.bfloat16, fp8) == "torch"
+    assert ab.decode_attention_backend(cpu, torch.float32, fp8) == "cpu_kernel"
+    monkeypatch.setenv(ab.ATTENTION_BACKEND_ENV, "triton")
+    with pytest.raises(ValueError, match="reads a KV cache of the queries' dtype only"):
+        ab.decode_attention_backend(cuda, torch.bfloat16, fp8)

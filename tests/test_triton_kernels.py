@@ -319,7 +319,9 @@ def test_decode_attention_backend_rules(monkeypatch, caplog):
     monkeypatch.setattr(ab, "_logged", set())
     env, cpu, cuda = ab.ATTENTION_BACKEND_ENV, torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(env, raising=False)
-    monkeypatch.setattr(ab, "decode_kernel_available", lambda dev, dt: dev.type == "cpu")
+    monkeypatch.setattr(
+        ab, "decode_kernel_available", lambda dev, dt, cache=None: dev.type == "cpu"
+    )
     assert ab.decode_attention_backend(cpu, torch.float32) == "cpu_kernel"
     monkeypatch.setattr(ab, "triton_unsupported_reason", lambda dev, dt: None)
     assert ab.decode_attention_backend(cuda, torch.bfloat16) == "triton"
