@@ -531,6 +531,18 @@ def test_gap_threshold_is_a_module_setting(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+def _released_midway(engine, rid, prompt, params):
+    """Run the request to the end on ``engine`` (the unmoved reference output), then again for
+    4 steps and release it with its K/V: ``(reference outputs by id, the released state)``."""
+    reference: dict = {}
+    engine.add_request(rid, prompt, params)
+    _finish([engine], reference)
+    engine.add_request(rid, prompt, params)
+    for _ in range(4):
+        assert not engine.step()
+    return reference, engine.release_request(rid, ship_kv=True)
+
+
 def test_shipped_kv_moves_on_when_its_request_moves_again_before_admission(checkpoint_dir):
     """A request moved with its K/V is moved again while it still waits on the second engine
     (its K/V not yet written there): the K/V goes on to the third engine unchanged, nothing is
@@ -538,13 +550,7 @@ def test_shipped_kv_moves_on_when_its_request_moves_again_before_admission(check
     path = str(checkpoint_dir("mixtral"))
     a, b, c = (LLM(path).llm_engine for _ in range(3))
     rid, prompt, params = _requests()[0]  # greedy, with logprobs
-    reference: dict = {}
-    a.add_request(rid, prompt, params)
-    _finish([a], reference)
-    a.add_request(rid, prompt, params)
-    for _ in range(4):
-        assert not a.step()
-    first = a.release_request(rid, ship_kv=True)
+    reference, first = _released_midway(a, rid, prompt, params)
     assert first.num_shipped_tokens == first.num_computed_tokens > 0
     b.add_processed_request(rid, b.input_processor.process(prompt, params), params, resume=first)
     assert b.load_report()[0][2] == first.num_computed_tokens  # held, though not admitted
@@ -566,13 +572,7 @@ def test_shipped_fp8_kv_lands_byte_for_byte(checkpoint_dir):
     path = str(checkpoint_dir("mixtral"))
     a, b = (LLM(path, kv_cache_dtype="fp8").llm_engine for _ in range(2))
     rid, prompt, params = _requests()[0]
-    reference: dict = {}
-    a.add_request(rid, prompt, params)
-    _finish([a], reference)
-    a.add_request(rid, prompt, params)
-    for _ in range(4):
-        assert not a.step()
-    moved = a.release_request(rid, ship_kv=True)
+    reference, moved = _released_midway(a, rid, prompt, params)
     assert moved.seqs[0].kv.dtype == "float8_e4m3fn" and moved.num_shipped_tokens > 0
     b.add_processed_request(rid, b.input_processor.process(prompt, params), params, resume=moved)
     done: dict = {}

@@ -121,7 +121,7 @@ class ModelRunner:
         self.decode_in_place = in_place
         # The torch path gathers a bucket and converts it to the model's dtype (a narrower
         # kv_cache_dtype): the bound is on the wider of the two, what is allocated and read.
-        itemsize = max(torch.empty((), dtype=d).element_size() for d in (dtype, cache_dtype))
+        itemsize = max(dtype.itemsize, cache_dtype.itemsize)
         block_bytes = max(c[0].numel() * itemsize * block_size for c in self.kv_caches[0])
         self.max_bucket_blocks = (
             max(1, CPU_DECODE_GATHER_BYTES // block_bytes) if device.type == "cpu" else None
