@@ -170,7 +170,20 @@ def test_bench_record_on_a_tiny_model(checkpoint_dir, capsys):
     for mode in ("lockstep", "coalesce"):
         assert 0 < w[mode]["tile_density"] <= 1
     assert w["hf_generate"]["tile_density"] is None
+    # The decode roofline of each BatchGen mode, from the bandwidth measured twice.
+    assert record["read_gbps"] == max(record["read_gbps_measurements"]) > 0
+    for mode in ("lockstep", "coalesce"):
+        extra = w[mode]["extra"]
+        roof = extra["decode_roofline"]
+        assert roof["steps"] == extra["decode_only_steps"] > 0
+        assert roof["decode_roofline_fraction"] == pytest.approx(
+            roof["roofline_s"] / extra["decode_only_seconds"]
+        )
+        assert 0 < roof["decode_mfu_ceiling"] <= 1
+        assert "weight_itemsize" not in extra and "kv_itemsize" not in extra
     table = format_table(record)
+    assert f"memory read {record['read_gbps']:.1f} GB/s" in table
+    assert "  roofline " in table and "decode MFU ceiling" in table
     assert "extraction" in table and "coalesce" in table
     # Both BatchGen modes ran LLM()'s defaults of their policy, and the table names them.
     from batchgen.config import EngineConfig
@@ -224,6 +237,16 @@ def test_bench_profile_names_the_top_operators(checkpoint_dir):
     assert [op["self_s"] for op in top] == sorted((op["self_s"] for op in top), reverse=True)
     assert any(op["name"] == "aten::mm" for op in top)  # the expert and projection GEMMs
     assert "profile extraction/coalesce" in format_table(record)
+    # The profiled steps that were decode-only, apart: no prompt's attention among them.
+    extra = record["workloads"]["extraction"]["coalesce"]["extra"]
+    decode = extra["profile_top_ops_decode_only"]
+    assert decode and all("prefill" not in op["name"] for op in decode)
+    every = {op["name"]: op for op in top}
+    for op in decode:  # a subset of the profiled steps
+        if op["name"] in every:
+            assert op["calls"] <= every[op["name"]]["calls"], op["name"]
+            assert op["self_s"] <= every[op["name"]]["self_s"] + 1e-9, op["name"]
+    assert "profile of the decode-only steps, extraction/coalesce" in format_table(record)
 
 
 def test_sequence_flops_counts_a_shared_prompt_once(checkpoint_dir):

@@ -39,7 +39,9 @@ def engine_settings(config) -> dict:
 
 class _SampledProfile:
     """torch.profiler over one engine step in `PROFILE_EVERY_STEPS`, operator self times
-    summed over the profiled steps (a whole-run trace takes minutes to aggregate)."""
+    summed over the profiled steps (a whole-run trace takes minutes to aggregate), and apart
+    over the profiled steps that were decode-only (``step_decode_only``, set by the caller
+    before each ``prof.step()``)."""
 
     def __init__(self, device: torch.device) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
@@ -50,6 +52,8 @@ class _SampledProfile:
         self.cuda = device.type == "cuda"
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.totals: dict[str, list[float]] = {}  # name -> [self microseconds, calls]
+        self.decode_totals: dict[str, list[float]] = {}  # the same, decode-only steps
+        self.step_decode_only = False
         self.prof = profile(
             activities=acts,
             schedule=schedule(wait=PROFILE_EVERY_STEPS - 2, warmup=1, active=1),
@@ -57,16 +61,21 @@ class _SampledProfile:
         )
 
     def _collect(self, prof) -> None:
+        targets = [self.totals] + ([self.decode_totals] if self.step_decode_only else [])
         for e in prof.key_averages():
-            t = self.totals.setdefault(e.key, [0.0, 0])
-            t[0] += e.self_device_time_total if self.cuda else e.self_cpu_time_total
-            t[1] += e.count
+            us = e.self_device_time_total if self.cuda else e.self_cpu_time_total
+            for totals in targets:
+                t = totals.setdefault(e.key, [0.0, 0])
+                t[0] += us
+                t[1] += e.count
 
-    def top_ops(self) -> list[dict]:
+    def top_ops(self, decode_only: bool = False) -> list[dict]:
         """``[{"name", "self_s", "share", "calls"}]``: the operators with the most self time
-        over the profiled steps, share of all operators' self time."""
-        total = sum(t[0] for t in self.totals.values()) or 1.0
-        top = sorted(self.totals.items(), key=lambda kv: kv[1][0], reverse=True)
+        over the profiled steps (``decode_only``: the decode-only ones), share of all
+        operators' self time in those steps."""
+        totals = self.decode_totals if decode_only else self.totals
+        total = sum(t[0] for t in totals.values()) or 1.0
+        top = sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)
         return [
             {"name": name, "self_s": us / 1e6, "share": us / total, "calls": int(calls)}
             for name, (us, calls) in top[:PROFILE_TOP_OPS]
@@ -149,8 +158,10 @@ def run_batchgen(
     counted = [engine.stats.num_generated_tokens]
 
     def bench_step():
+        before = engine.metrics.decode_only_steps
         out = step()
         if sampled is not None:
+            sampled.step_decode_only = engine.metrics.decode_only_steps > before
             sampled.prof.step()
         bar.update(engine.stats.num_generated_tokens - counted[0])
         counted[0] = engine.stats.num_generated_tokens
@@ -200,6 +211,7 @@ def run_batchgen(
     )
     if sampled is not None:
         result.extra["profile_top_ops"] = sampled.top_ops()
+        result.extra["profile_top_ops_decode_only"] = sampled.top_ops(decode_only=True)
         result.extra["profiled_steps"] = f"1 in {PROFILE_EVERY_STEPS}"
     if m["decode_only_seconds"] > 0:
         per_tok = 2 * active_params_per_token(cfg) + attention_flops(
@@ -208,6 +220,11 @@ def run_batchgen(
         result.extra["decode_flops_per_s"] = (
             per_tok * m["decode_only_tokens"] / m["decode_only_seconds"]
         )
+        # `batchgen.bench.roofline.decode_roofline`'s inputs; the runner adds the peaks.
+        result.extra["decode_only_steps"] = m["decode_only_steps"]
+        result.extra["decode_only_step_tokens"] = m["decode_only_step_tokens"]
+        result.extra["weight_itemsize"] = engine.dtype.itemsize
+        result.extra["kv_itemsize"] = engine.kv_cache_dtype.itemsize
     del llm
     gc.collect()
     return result, greedy

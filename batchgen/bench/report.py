@@ -37,7 +37,9 @@ def format_table(record: dict) -> str:
     settings = _settings_lines(record)
     lines = [
         f"peak {record['peak_gflops']:.1f} GFLOP/s ({record['dtype']}, {record['device']},"
-        f" {record['torch_threads']} threads)" + ("; engine settings:" if settings else ""),
+        f" {record['torch_threads']} threads)"
+        + (f", memory read {record['read_gbps']:.1f} GB/s" if record.get("read_gbps") else "")
+        + ("; engine settings:" if settings else ""),
         *settings,
         f"{'workload':<11} {'mode':<18} {'tok/s':>9} {'x hf_gen':>8} {'tile dens':>9} "
         f"{'rows/GEMM':>9} {'MFU':>6} {'dec MFU':>7} {'secs':>7}",
@@ -83,6 +85,17 @@ def format_table(record: dict) -> str:
                     f"decode-only {name}/{mode}: {extra['decode_only_tokens']} tokens in "
                     f"{extra['decode_only_seconds']:.1f} s (stage shares: {stages})"
                 )
+                roof = extra.get("decode_roofline")
+                if roof:
+                    lines.append(
+                        f"  roofline {roof['roofline_s']:.1f} s (weight multiplies "
+                        f"{roof['matmul_s']:.1f} s, {roof['matmul_memory_bound_steps']} of "
+                        f"{roof['steps']} steps bound by their weight reads; attention "
+                        f"{roof['attention_s']:.1f} s {roof['attention_bound']}-bound reading "
+                        f"{roof['kv_gb']:.1f} GB of K/V): decode at "
+                        f"{roof['decode_roofline_fraction']:.2f} of it; decode MFU ceiling "
+                        f"{roof['decode_mfu_ceiling']:.3f} (batchgen/bench/roofline.py)"
+                    )
     for name, w in record["workloads"].items():
         for mode in MODES:
             extra = w.get(mode, {}).get("extra", {})
@@ -101,15 +114,23 @@ def format_table(record: dict) -> str:
             top = w.get(mode, {}).get("extra", {}).get("profile_top_ops")
             if not top:
                 continue
-            r_shares = w[mode]["extra"].get("stage_time_share", {})
-            stages = ", ".join(f"{k} {v:.2f}" for k, v in r_shares.items() if v >= 0.005)
-            lines.append(f"\nprofile {name}/{mode} (stage time shares: {stages})")
-            lines.append(f"  {'operator':<52} {'self s':>8} {'share':>6} {'calls':>8}")
-            for op in top:
-                lines.append(
-                    f"  {op['name'][:52]:<52} {op['self_s']:>8.2f} {op['share']:>6.3f} "
-                    f"{op['calls']:>8}"
-                )
+            extra = w[mode]["extra"]
+            for title, ops, key in (
+                ("profile", top, "stage_time_share"),
+                ("profile of the decode-only steps,", extra.get("profile_top_ops_decode_only"),
+                 "decode_only_stage_time_share"),
+            ):
+                if not ops:
+                    continue
+                r_shares = extra.get(key, {})
+                stages = ", ".join(f"{k} {v:.2f}" for k, v in r_shares.items() if v >= 0.005)
+                lines.append(f"\n{title} {name}/{mode} (stage time shares: {stages})")
+                lines.append(f"  {'operator':<52} {'self s':>8} {'share':>6} {'calls':>8}")
+                for op in ops:
+                    lines.append(
+                        f"  {op['name'][:52]:<52} {op['self_s']:>8.2f} {op['share']:>6.3f} "
+                        f"{op['calls']:>8}"
+                    )
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from batchgen.bench.args import MODES, add_arguments  # noqa: F401  (re-exported for the CLI)
 from batchgen.bench.flops import measure_peak_gflops, sequence_flops
+from batchgen.bench.roofline import decode_roofline, measure_read_gbps
 from batchgen.bench.workloads import (
     TreeSearch,
     Workload,
@@ -108,8 +109,10 @@ def run(
     torch_dtype = _DTYPES[dtype]
     path = model or bench_model_path(arch)
     peak = measure_peak_gflops(torch_dtype, dev)
+    read_gbps = measure_read_gbps(dev)
     record: dict = {
         "peak_gflops": peak,
+        "read_gbps": read_gbps,
         "dtype": dtype,
         "device": str(dev),
         "model": path,
@@ -213,7 +216,7 @@ def run(
         except Exception as exc:  # the other workloads' figures stand
             logger.warning("extraction-json failed: %s", exc)
             record["structured"] = {"extraction-json": {"error": f"{type(exc).__name__}: {exc}"}}
-    return _finish_record(record, torch_dtype, dev, peak)
+    return _finish_record(record, torch_dtype, dev, peak, cfg)
 
 
 def _run_mode(
@@ -261,13 +264,20 @@ def _run_mode(
     return asdict(res)
 
 
-def _finish_record(record: dict, torch_dtype: torch.dtype, dev: torch.device, peak: float) -> dict:
-    """Fill in every successful mode's MFU and decode MFU against the better peak."""
-    # The matmul peak moves with the machine's load: measure it again at the end and divide by
-    # the better of the two, so a slow first measurement cannot inflate every MFU.
+def _finish_record(
+    record: dict, torch_dtype: torch.dtype, dev: torch.device, peak: float, cfg
+) -> dict:
+    """Fill in every successful mode's MFU, decode MFU and decode roofline
+    (`batchgen.bench.roofline`) against the better of two peaks and two bandwidths."""
+    # The matmul peak and the read bandwidth move with the machine's load: measure them again
+    # at the end and divide by the better of the two, so a slow first measurement cannot
+    # inflate every MFU or roofline fraction.
     end_peak = measure_peak_gflops(torch_dtype, dev)
     record["peak_gflops_measurements"] = [peak, end_peak]
     peak = record["peak_gflops"] = max(peak, end_peak)
+    end_gbps = measure_read_gbps(dev)
+    record["read_gbps_measurements"] = [record["read_gbps"], end_gbps]
+    read_gbps = record["read_gbps"] = max(record["read_gbps"], end_gbps)
     for w in record["workloads"].values():
         for mode in MODES:
             if mode not in w or "error" in w[mode]:
@@ -276,6 +286,18 @@ def _finish_record(record: dict, torch_dtype: torch.dtype, dev: torch.device, pe
             r["mfu"] = r["extra"]["useful_flops"] / r["seconds"] / (peak * 1e9)
             if "decode_flops_per_s" in r["extra"]:
                 r["decode_mfu"] = r["extra"].pop("decode_flops_per_s") / (peak * 1e9)
+            e = r["extra"]
+            if e.get("decode_only_step_tokens"):
+                e["decode_roofline"] = decode_roofline(
+                    cfg,
+                    step_tokens=e["decode_only_step_tokens"],
+                    mean_context=e["decode_only_mean_context"],
+                    seconds=e["decode_only_seconds"],
+                    weight_itemsize=e.pop("weight_itemsize"),
+                    kv_itemsize=e.pop("kv_itemsize"),
+                    peak_gflops=peak,
+                    read_gbps=read_gbps,
+                )
     return record
 
 

@@ -330,6 +330,8 @@ class LLMEngine(EngineRequests, RequestOutputs, EngineMetricsView):
         elapsed = time.perf_counter() - t0
         if decode_only:
             m.decode_only_tokens += len(sched.scheduled)
+            m.decode_only_steps += 1
+            m.decode_only_step_tokens[len(sched.scheduled)] += 1
             m.decode_only_seconds += elapsed
             m.decode_only_context_tokens += context
             for stage, seconds in m.stage_seconds.items():

@@ -159,6 +159,9 @@ class EngineMetrics:
     busy_seconds: float = 0.0  # time inside engine steps
     # Steps made only of decode tokens: the decode phase's own throughput and FLOP rate.
     decode_only_tokens: int = 0
+    decode_only_steps: int = 0
+    # tokens in a decode-only step -> how many such steps (the decode roofline's weight reads)
+    decode_only_step_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     decode_only_seconds: float = 0.0
     decode_only_context_tokens: int = 0  # sum of the decoded tokens' context lengths
     decode_only_stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -210,6 +213,8 @@ class EngineMetrics:
             "total_tokens_per_s": processed / busy,
             "generated_tokens_per_s": self.generated_tokens / busy,
             "decode_only_tokens": self.decode_only_tokens,
+            "decode_only_steps": self.decode_only_steps,
+            "decode_only_step_tokens": dict(sorted(self.decode_only_step_tokens.items())),
             "decode_only_seconds": self.decode_only_seconds,
             "decode_only_mean_context": (
                 self.decode_only_context_tokens / self.decode_only_tokens
