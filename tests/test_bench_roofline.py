@@ -110,3 +110,12 @@ def test_engine_counts_its_decode_only_steps_by_size(checkpoint_dir):
     assert sum(n * k for n, k in hist.items()) == m["decode_only_tokens"]
     # All five start together and leave one by one: the last steps decode the longest alone.
     assert max(hist) <= 5 and hist.get(1, 0) >= 14 - 9 - 1
+
+
+def test_measured_rates_are_positive_even_past_their_deadline():
+    from batchgen.bench.flops import measure_peak_gflops
+
+    # seconds=0: the deadline has passed after the warm-up call (as float16 matmuls on a CPU
+    # take longer than the default second): one timed call still gives a rate, not 0.
+    assert measure_peak_gflops(torch.float32, torch.device("cpu"), size=64, seconds=0.0) > 0
+    assert measure_read_gbps(torch.device("cpu"), mib=4, seconds=0.0) > 0

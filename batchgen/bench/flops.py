@@ -74,13 +74,14 @@ def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int, n: int = 
 def measure_peak_gflops(
     dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 1.0
 ) -> float:
-    """Best dense ``size x size`` matmul rate (GFLOP/s) over ~``seconds`` of repeats."""
+    """Best dense ``size x size`` matmul rate (GFLOP/s) over ~``seconds`` of repeats, at least
+    one timed (float16 on a CPU takes longer than ``seconds`` for its warm-up call alone)."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     best = 0.0
     deadline = time.perf_counter() + seconds
     torch.mm(a, b)
-    while time.perf_counter() < deadline:
+    while best == 0.0 or time.perf_counter() < deadline:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -96,6 +96,12 @@ def format_table(record: dict) -> str:
                         f"{roof['decode_roofline_fraction']:.2f} of it; decode MFU ceiling "
                         f"{roof['decode_mfu_ceiling']:.3f} (batchgen/bench/roofline.py)"
                     )
+                    if (roof["decode_roofline_fraction"] or 0) > 1.0:
+                        lines.append(
+                            "  (above 1: the engine beat the bound, so the measured matmul peak "
+                            "or read bandwidth understates what this machine reaches here, e.g. "
+                            "weights or K/V held in its caches)"
+                        )
     for name, w in record["workloads"].items():
         for mode in MODES:
             extra = w.get(mode, {}).get("extra", {})
