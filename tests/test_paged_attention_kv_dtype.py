@@ -315,3 +315,28 @@ def test_log_line_names_the_cache_dtype(monkeypatch, caplog):
         "paged decode attention, torch.float32, head size 48, 4 query heads per KV head, "
         "blocks of 16, torch.bfloat16 KV cache: forced generic path",
     ]
+
+
+def test_log_line_says_why_a_narrower_cache_takes_the_generic_loops(monkeypatch, caplog):
+    """The narrower-cache AVX-512F path covers head sizes 64 and 128; elsewhere the log names
+    the rule instead of leaving "generic path" unexplained on an AVX-512 CPU."""
+    import logging
+
+    from batchgen.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_logged", set())
+    monkeypatch.setattr(pa, "cpu_flags", lambda: "flags : fpu avx2 avx512f")
+    monkeypatch.setattr(pa, "decode_kernel_isa", lambda *a: "generic" if a[1] == 96 else "avx512f")
+    with caplog.at_level(logging.INFO, logger="batchgen.kernels.paged_attention"):
+        pa._log_once(torch.float32, 96, 4, 16, "auto", torch.float8_e4m3fn)
+        pa._log_once(torch.float32, 64, 4, 16, "auto", torch.float8_e4m3fn)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "paged decode attention, torch.float32, head size 96, 4 query heads per KV head, blocks "
+        "of 16, torch.float8_e4m3fn KV cache: generic path (the AVX-512F path for a narrower KV "
+        "cache needs head size 64 or 128)",
+        "paged decode attention, torch.float32, head size 64, 4 query heads per KV head, blocks "
+        "of 16, torch.float8_e4m3fn KV cache: avx512f path",
+    ]
+    monkeypatch.setattr(pa, "cpu_flags", lambda: "flags : fpu avx2")  # no AVX-512: no reason
+    assert pa._why_generic_mixed("generic") == ""

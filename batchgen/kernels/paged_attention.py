@@ -201,8 +201,15 @@ def _log_once(
             *key[:4],
             cache,
             chosen,
-            _why_not_avx512(dtype, chosen) if not cache else "",
+            _why_not_avx512(dtype, chosen) if not cache else _why_generic_mixed(chosen),
         )
+
+
+def _why_generic_mixed(chosen: str | None) -> str:
+    """Why a narrower cache (kv_cache_dtype) takes the generic loops on an AVX-512 CPU."""
+    if chosen != "generic" or "avx512f" not in cpu_flags().split():
+        return ""
+    return " (the AVX-512F path for a narrower KV cache needs head size 64 or 128)"
 
 
 def _why_not_avx512(dtype: torch.dtype, chosen: str | None) -> str:
