@@ -139,7 +139,7 @@ def test_bench_usage_errors_exit_2_before_anything_loads(argv, message, tmp_path
 
 
 def test_bench_kv_cache_dtype_an_mla_model_refuses_exits_2_before_any_mode(
-    checkpoint_dir, monkeypatch, capsys
+    checkpoint_dir, monkeypatch, capsys, tmp_path
 ):
     """Before: the hf modes ran for minutes, then each BatchGen mode 'failed' with the engine's
     MLA error and the bench exited 0."""
@@ -170,6 +170,16 @@ def test_bench_kv_cache_dtype_an_mla_model_refuses_exits_2_before_any_mode(
     with pytest.raises(Ran):
         cli.main(["bench", "--model", str(checkpoint_dir("mixtral")), "--kv-cache-dtype", "fp8"])
     assert len(ran) == 3
+    # From a cluster file the error names the file's key, not a flag that was not given.
+    config = tmp_path / "c.yaml"
+    config.write_text(f"batchgen_cluster:\n  model: {model}\n  engine:\n    kv_cache_dtype: fp8\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--config", str(config), "--modes", "coalesce"])
+    assert info.value.code == 2 and len(ran) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"batchgen bench: error: batchgen_cluster.engine.kv_cache_dtype in "
+                          f"{config}: "
+                          "kv_cache_dtype='fp8' is not supported for MLA models"), err  # fmt: skip
 
 
 def test_serve_help_states_the_real_max_in_flight_default(serve_calls, tmp_path, capsys):

@@ -110,6 +110,7 @@ def resolve_settings(args) -> None:
     used = {*BENCH_DEFAULTS, *PARALLEL_FLAGS}
     ignored = [f"--{n.replace('_', '-')}" for n in ParallelConfig.field_names() if n not in used]
     ignored = [flag for flag in ignored if hasattr(args, flag[2:].replace("-", "_"))]
+    args.from_config_file = {}  # setting name -> its key in the --config file, for errors
     if getattr(args, "config", None):
         from batchgen.cluster_config import load_cluster_config, schema_keys
 
@@ -119,6 +120,7 @@ def resolve_settings(args) -> None:
                 ignored.append(paths[name])
             elif not hasattr(args, name):
                 setattr(args, name, value)
+                args.from_config_file[name] = paths[name]
     for name, value in BENCH_DEFAULTS.items():
         if not hasattr(args, name):
             setattr(args, name, value)

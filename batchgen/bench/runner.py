@@ -333,7 +333,8 @@ def _check_kv_cache_dtype(args, modes: tuple[str, ...]) -> None:
     try:  # the bench's dtype is never auto (float32 by default)
         resolve_kv_cache_dtype(kv, getattr(torch, args.dtype), cfg.mla is not None)
     except ValueError as err:
-        _usage_error(f"--kv-cache-dtype: {err}")
+        key = getattr(args, "from_config_file", {}).get("kv_cache_dtype")
+        _usage_error(f"{key} in {args.config}: {err}" if key else f"--kv-cache-dtype: {err}")
 
 
 def run_from_args(args) -> int:
