@@ -38,6 +38,16 @@ def test_kv_and_weight_bytes_by_hand(mixtral_cfg):
     layer += c.num_local_experts * 3 * h * c.moe_intermediate_size
     assert weight_bytes(c, 4) == 4 * (c.num_hidden_layers * layer + h * c.vocab_size)
     assert weight_bytes(c, 4) > 4 * active_params_per_token(c)  # top-k < experts
+    # A step of one token reads its top-k experts only; of n tokens the expected number of
+    # distinct experts under uniform routing, E (1 - (1 - k / E)^n), nearly all from dozens.
+    e, k = c.num_local_experts, c.num_experts_per_tok
+    expert = 3 * h * c.moe_intermediate_size * 4
+    assert weight_bytes(c, 4, 1) == pytest.approx(4 * active_params_per_token(c))
+    touched = e * (1 - (1 - k / e) ** 3)
+    assert weight_bytes(c, 4, 3) == pytest.approx(
+        4 * active_params_per_token(c) + c.num_hidden_layers * (touched - k) * expert
+    )
+    assert weight_bytes(c, 4, 10_000) == pytest.approx(weight_bytes(c, 4))
     # MLA caches one latent + RoPE key per position and layer, shared by the heads.
     mla = dataclasses.make_dataclass("M", [("kv_lora_rank", int), ("qk_rope_head_dim", int)])
     c_mla = dataclasses.replace(c, mla=mla(kv_lora_rank=32, qk_rope_head_dim=8))
@@ -48,10 +58,11 @@ def test_decode_roofline_by_hand(mixtral_cfg):
     c = mixtral_cfg
     peak_gflops, read_gbps = 100.0, 20.0
     per_token = 2 * active_params_per_token(c)
-    weights_s = weight_bytes(c, 4) / 20e9
+    weights_s = weight_bytes(c, 4, 1) / 20e9  # one token: its top-k experts
     # Steps of 1 token wait on their weights; steps of 10,000 tokens on their FLOPs.
     big = 10_000
-    assert big * per_token / 100e9 > weights_s > per_token / 100e9
+    assert big * per_token / 100e9 > weight_bytes(c, 4, big) / 20e9
+    assert weights_s > per_token / 100e9
     steps = {1: 3, big: 2}
     tokens = 3 + 2 * big
     ctx = 100.0
@@ -81,6 +92,13 @@ def test_decode_roofline_by_hand(mixtral_cfg):
         (dict(peak_gflops=0.0), "peak_gflops and read_gbps must be > 0, got 0.0"),
         (dict(read_gbps=-1.0), "read_gbps must be > 0, got 1.0 and -1.0"),
         (dict(step_tokens={0: 4}), "step_tokens holds no step with tokens"),
+        (dict(peak_gflops=float("nan")), "peak_gflops and read_gbps must be > 0, got nan"),
+        (dict(read_gbps=float("nan")), "must be > 0, got 1.0 and nan"),
+        (dict(mean_context=-1.0), "mean_context must be >= 0, got -1.0"),
+        (dict(kv_itemsize=0), "weight_itemsize and kv_itemsize must be >= 1 byte, got 4 and 0"),
+        (dict(step_tokens={"1.0": 3}), "step_tokens keys must be whole token counts, got '1.0'"),
+        (dict(step_tokens={2: 1.5}), "step counts \\(ints >= 0\\), got 2: 1.5"),
+        (dict(step_tokens={-2: 1}), "got -2: 1"),
     ],
 )
 def test_decode_roofline_refuses_what_it_cannot_bound(mixtral_cfg, kwargs, match):
@@ -119,3 +137,34 @@ def test_measured_rates_are_positive_even_past_their_deadline():
     # take longer than the default second): one timed call still gives a rate, not 0.
     assert measure_peak_gflops(torch.float32, torch.device("cpu"), size=64, seconds=0.0) > 0
     assert measure_read_gbps(torch.device("cpu"), mib=4, seconds=0.0) > 0
+
+
+def test_decode_roofline_sums_equal_keys_and_formats_without_a_fraction(mixtral_cfg):
+    from batchgen.bench.report import _roofline_lines
+
+    args = dict(mean_context=10.0, weight_itemsize=4, kv_itemsize=4, peak_gflops=100.0,
+                read_gbps=20.0)
+    mixed = decode_roofline(mixtral_cfg, step_tokens={"1": 3, 1: 2}, seconds=1.0, **args)
+    assert mixed["steps"] == 5  # "1" and 1 are the same step size: counts add
+    assert mixed == decode_roofline(mixtral_cfg, step_tokens={1: 5}, seconds=1.0, **args)
+    none = decode_roofline(mixtral_cfg, step_tokens={1: 5}, seconds=0.0, **args)
+    assert none["decode_roofline_fraction"] is None
+    assert "decode at - of it" in _roofline_lines(none)[0] and len(_roofline_lines(none)) == 1
+    fast = decode_roofline(mixtral_cfg, step_tokens={1: 5}, seconds=1e-9, **args)
+    assert fast["decode_roofline_fraction"] > 1 and "above 1" in _roofline_lines(fast)[1]
+
+
+def test_table_says_when_mfu_exceeds_1():
+    """float16 on a CPU: torch's float16 matmul (the measured peak) is far slower than the
+    engine's paths, so MFU came out at 15-21 with no word on why."""
+    from batchgen.bench.report import format_table
+
+    mode = dict(tokens_per_s=10.0, seconds=1.0, useful_tokens=10, mfu=14.9, tile_density=None,
+                decode_mfu=4.4, mean_rows_per_expert_gemm=None, num_expert_gemms=None, extra={})
+    record = dict(peak_gflops=1.0, dtype="float16", device="cpu", torch_threads=2,
+                  workloads={"extraction": {"requests": 1, "coalesce": mode}})
+    table = format_table(record)
+    assert ("MFU above 1 (extraction/coalesce): the measured matmul peak (1.0 GFLOP/s in "
+            "float16) is below what the engine reached") in table
+    mode["mfu"] = 0.5
+    assert "MFU above 1" not in format_table(record)

@@ -67,6 +67,19 @@ def format_table(record: dict) -> str:
                 f"{rows:>9} {r['mfu']:>6.3f} {dm:>7} {r['seconds']:>7.1f}"
             )
     lines += _legend(record)
+    over = [
+        f"{name}/{mode}"
+        for name, w in record["workloads"].items()
+        for mode in MODES
+        if mode in w and "error" not in w[mode] and (w[mode].get("mfu") or 0) > 1.0
+    ]
+    if over:
+        lines.append(
+            f"MFU above 1 ({', '.join(over)}): the measured matmul peak "
+            f"({record['peak_gflops']:.1f} GFLOP/s in {record['dtype']}) is below what the "
+            "engine reached, so its MFU, decode MFU and roofline mean little here (torch's "
+            "float16 matmul on a CPU is one such case)"
+        )
     structured = record.get("structured", {}).get("extraction-json")
     if structured is not None:
         from batchgen.bench.structured import format_extraction_json
@@ -87,21 +100,7 @@ def format_table(record: dict) -> str:
                 )
                 roof = extra.get("decode_roofline")
                 if roof:
-                    lines.append(
-                        f"  roofline {roof['roofline_s']:.1f} s (weight multiplies "
-                        f"{roof['matmul_s']:.1f} s, {roof['matmul_memory_bound_steps']} of "
-                        f"{roof['steps']} steps bound by their weight reads; attention "
-                        f"{roof['attention_s']:.1f} s {roof['attention_bound']}-bound reading "
-                        f"{roof['kv_gb']:.1f} GB of K/V): decode at "
-                        f"{roof['decode_roofline_fraction']:.2f} of it; decode MFU ceiling "
-                        f"{roof['decode_mfu_ceiling']:.3f} (batchgen/bench/roofline.py)"
-                    )
-                    if (roof["decode_roofline_fraction"] or 0) > 1.0:
-                        lines.append(
-                            "  (above 1: the engine beat the bound, so the measured matmul peak "
-                            "or read bandwidth understates what this machine reaches here, e.g. "
-                            "weights or K/V held in its caches)"
-                        )
+                    lines += _roofline_lines(roof)
     for name, w in record["workloads"].items():
         for mode in MODES:
             extra = w.get(mode, {}).get("extra", {})
@@ -138,6 +137,28 @@ def format_table(record: dict) -> str:
                         f"{op['calls']:>8}"
                     )
     return "\n".join(lines)
+
+
+def _roofline_lines(roof: dict) -> list[str]:
+    """The ``roofline`` line under a mode's ``decode-only`` line (`batchgen.bench.roofline`),
+    and what a fraction above 1 can mean."""
+    frac = roof["decode_roofline_fraction"]
+    lines = [
+        f"  roofline {roof['roofline_s']:.3g} s (weight multiplies {roof['matmul_s']:.3g} s, "
+        f"{roof['matmul_memory_bound_steps']} of {roof['steps']} steps bound by their weight "
+        f"reads; attention {roof['attention_s']:.3g} s {roof['attention_bound']}-bound reading "
+        f"{roof['kv_gb']:.3g} GB of K/V): decode at "
+        + (f"{frac:.2f}" if frac is not None else "-")
+        + f" of it; decode MFU ceiling {roof['decode_mfu_ceiling']:.3f} "
+        "(batchgen/bench/roofline.py)"
+    ]
+    if frac is not None and frac > 1.0:
+        lines.append(
+            "  (above 1: the engine beat the estimate: routing more skewed than uniform, "
+            "weights or K/V held in cache, or a measured peak or bandwidth below what the "
+            "engine's kernels reach)"
+        )
+    return lines
 
 
 def _sampled(workload: dict, mode: str) -> bool:
