@@ -5,7 +5,7 @@ memory read bandwidth.
 Decode is two kinds of work. The weight multiplies (attention projections, router, experts,
 LM head: ``2 * active_params_per_token`` FLOPs per token, `batchgen.bench.flops`) run as GEMMs
 over the step's batch and are compute-bound once the batch is a few dozen rows; they also read
-every weight once per step. Attention's ``QK^T`` and ``AV`` read each sequence's whole K/V
+each weight they use once per step. Attention's ``QK^T`` and ``AV`` read each sequence's whole K/V
 cache for one query token (4 FLOPs per cached element and query head, one read of the element
 per KV head): 4-16 FLOPs per byte, memory-bound on CPUs. The roofline (Williams, Waterman and
 Patterson, "Roofline: an insightful visual performance model", CACM 2009) bounds each part by
