@@ -247,6 +247,9 @@ def test_bench_profile_names_the_top_operators(checkpoint_dir):
             assert op["calls"] <= every[op["name"]]["calls"], op["name"]
             assert op["self_s"] <= every[op["name"]]["self_s"] + 1e-9, op["name"]
     assert "profile of the decode-only steps, extraction/coalesce" in format_table(record)
+    counts = extra["profiled_step_counts"]
+    assert 1 <= counts["decode_only"] <= counts["all"]
+    assert f"profile extraction/coalesce ({counts['all']} steps traced; " in format_table(record)
 
 
 def test_sequence_flops_counts_a_shared_prompt_once(checkpoint_dir):

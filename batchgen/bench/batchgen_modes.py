@@ -54,6 +54,7 @@ class _SampledProfile:
         self.totals: dict[str, list[float]] = {}  # name -> [self microseconds, calls]
         self.decode_totals: dict[str, list[float]] = {}  # the same, decode-only steps
         self.step_decode_only = False
+        self.traced_steps = self.traced_decode_steps = 0
         self.prof = profile(
             activities=acts,
             schedule=schedule(wait=PROFILE_EVERY_STEPS - 2, warmup=1, active=1),
@@ -62,6 +63,8 @@ class _SampledProfile:
 
     def _collect(self, prof) -> None:
         targets = [self.totals] + ([self.decode_totals] if self.step_decode_only else [])
+        self.traced_steps += 1
+        self.traced_decode_steps += self.step_decode_only
         for e in prof.key_averages():
             us = e.self_device_time_total if self.cuda else e.self_cpu_time_total
             for totals in targets:
@@ -213,6 +216,10 @@ def run_batchgen(
         result.extra["profile_top_ops"] = sampled.top_ops()
         result.extra["profile_top_ops_decode_only"] = sampled.top_ops(decode_only=True)
         result.extra["profiled_steps"] = f"1 in {PROFILE_EVERY_STEPS}"
+        result.extra["profiled_step_counts"] = {
+            "all": sampled.traced_steps,
+            "decode_only": sampled.traced_decode_steps,
+        }
     if m["decode_only_seconds"] > 0:
         per_tok = 2 * active_params_per_token(cfg) + attention_flops(
             cfg, int(m["decode_only_mean_context"])

@@ -120,16 +120,20 @@ def format_table(record: dict) -> str:
             if not top:
                 continue
             extra = w[mode]["extra"]
-            for title, ops, key in (
-                ("profile", top, "stage_time_share"),
+            counts = extra.get("profiled_step_counts", {})
+            for title, ops, key, which, over in (
+                ("profile", top, "stage_time_share", "all", "the whole run's"),
                 ("profile of the decode-only steps,", extra.get("profile_top_ops_decode_only"),
-                 "decode_only_stage_time_share"),
+                 "decode_only_stage_time_share", "decode_only", "all decode-only steps'"),
             ):
                 if not ops:
                     continue
                 r_shares = extra.get(key, {})
                 stages = ", ".join(f"{k} {v:.2f}" for k, v in r_shares.items() if v >= 0.005)
-                lines.append(f"\n{title} {name}/{mode} (stage time shares: {stages})")
+                traced = f"{counts[which]} steps traced; " if which in counts else ""
+                lines.append(
+                    f"\n{title} {name}/{mode} ({traced}{over} stage time shares: {stages})"
+                )
                 lines.append(f"  {'operator':<52} {'self s':>8} {'share':>6} {'calls':>8}")
                 for op in ops:
                     lines.append(
@@ -149,8 +153,7 @@ def _roofline_lines(roof: dict) -> list[str]:
         f"reads; attention {roof['attention_s']:.3g} s {roof['attention_bound']}-bound reading "
         f"{roof['kv_gb']:.3g} GB of K/V): decode at "
         + (f"{frac:.2f}" if frac is not None else "-")
-        + f" of it; decode MFU ceiling {roof['decode_mfu_ceiling']:.3f} "
-        "(batchgen/bench/roofline.py)"
+        + f" of it; decode MFU ceiling {roof['decode_mfu_ceiling']:.3f} (docs/bench.md)"
     ]
     if frac is not None and frac > 1.0:
         lines.append(
