@@ -78,7 +78,8 @@ def test_decode_roofline_by_hand(mixtral_cfg):
     assert r["matmul_s"] == pytest.approx(matmul_s, rel=1e-12)
     assert r["matmul_memory_bound_steps"] == 3 and r["steps"] == 5
     assert r["attention_s"] == pytest.approx(attention_s, rel=1e-12)
-    assert r["attention_bound"] == ("memory" if kv_bytes / 20e9 >= attn_flops / 100e9 else "compute")
+    memory_bound = kv_bytes / 20e9 >= attn_flops / 100e9
+    assert r["attention_bound"] == ("memory" if memory_bound else "compute")
     assert r["kv_gb"] == pytest.approx(kv_bytes / 1e9, rel=1e-12)
     assert r["roofline_s"] == pytest.approx(matmul_s + attention_s, rel=1e-12)
     assert r["decode_roofline_fraction"] == pytest.approx((matmul_s + attention_s) / 4.0)

@@ -38,8 +38,7 @@ from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
 
-# Seconds a start that failed or was interrupted waits for ranks to leave by themselves
-# before killing them (`shutdown`; a finished job's shutdown waits up to 30 s instead).
+# Seconds a failed or interrupted start waits for ranks to leave before killing them.
 START_SHUTDOWN_GRACE_S = 3.0
 # Ranks must connect within max(distributed_timeout_s, this).
 MIN_CONNECT_TIMEOUT_S = 60.0
@@ -80,9 +79,8 @@ class RankSet(RankFailures):
         try:
             self.ready = self._start()
         except BaseException:
-            # Interrupted (Ctrl-C, SIGTERM) or failed before every rank was ready: no request
-            # was taken, so no result is at stake; ranks still loading their weights read
-            # the Shutdown only once loaded, so they get a short grace, then are killed.
+            # No request taken yet: ranks still loading (they read Shutdown only once loaded)
+            # get a short grace, then are killed.
             self.shutdown(timeout=START_SHUTDOWN_GRACE_S)
             raise
 
