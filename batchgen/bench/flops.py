@@ -71,22 +71,28 @@ def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int, n: int = 
     return prefill + n * decode
 
 
-def measure_peak_gflops(
-    dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 1.0
-) -> float:
-    """Best dense ``size x size`` matmul rate (GFLOP/s) over ~``seconds`` of repeats, at least
-    one timed (float16 on a CPU takes longer than ``seconds`` for its warm-up call alone)."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+def best_rate(fn, work: float, device: torch.device, seconds: float) -> float:
+    """The best ``work / seconds-per-call`` of ``fn()`` over ~``seconds`` of repeats after one
+    warm-up call, at least one timed (float16 on a CPU takes longer than ``seconds`` for its
+    warm-up alone); CUDA calls are synchronised around each timing."""
+    fn()
     best = 0.0
     deadline = time.perf_counter() + seconds
-    torch.mm(a, b)
     while best == 0.0 or time.perf_counter() < deadline:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 2 * size**3 / (time.perf_counter() - t0) / 1e9)
+        best = max(best, work / (time.perf_counter() - t0))
     return best
+
+
+def measure_peak_gflops(
+    dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 1.0
+) -> float:
+    """Best dense ``size x size`` matmul rate (GFLOP/s) over ~``seconds`` (`best_rate`)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    return best_rate(lambda: torch.mm(a, b), 2 * size**3 / 1e9, device, seconds)

@@ -36,12 +36,13 @@ the engine's paths).
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Mapping
 
 import torch
 
-from batchgen.bench.flops import active_params_per_token, attention_flops
+from batchgen.bench.flops import active_params_per_token, attention_flops, best_rate
+from batchgen.models.decoder import kv_cache_token_shapes
 from batchgen.models.model_config import ModelConfig
 
 READ_BUFFER_MIB = 512  # well above any CPU's last-level cache (32 MiB on the bench machines)
@@ -50,34 +51,21 @@ READ_BUFFER_MIB = 512  # well above any CPU's last-level cache (32 MiB on the be
 def measure_read_gbps(
     device: torch.device, mib: int = READ_BUFFER_MIB, seconds: float = 2.0
 ) -> float:
-    """Best rate (GB/s, 1e9 bytes) of summing a ``mib`` MiB float32 buffer over ~``seconds``:
-    the memory read bandwidth the engine's threads reach (torch's reduction runs on all of
-    them, as the decode kernels do). A buffer's first few hundred milliseconds read slower on
-    the bench machines (AMD EPYC VM: 28-34 GB/s, then 52-58 GB/s for as long as it lives; the
-    engine's weights and KV cache live for the run), hence the best of ~``seconds``."""
+    """Best rate (GB/s, 1e9 bytes) of summing a ``mib`` MiB float32 buffer over ~``seconds``
+    (`best_rate`): the memory read bandwidth the engine's threads reach (torch's reduction
+    runs on all of them, as the decode kernels do). A buffer's first few hundred milliseconds
+    read slower on the bench machines (AMD EPYC VM: 28-34 GB/s, then 52-58 GB/s for as long as
+    it lives; the engine's weights and KV cache live for the run), hence the best of
+    ~``seconds``."""
     a = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
-    a.sum()
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while True:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, a.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-        if time.perf_counter() >= deadline:
-            return best
+    return best_rate(a.sum, a.numel() * 4 / 1e9, device, seconds)
 
 
 def kv_bytes_per_position(cfg: ModelConfig, kv_itemsize: int) -> int:
-    """Bytes of K/V cache one position holds over all layers: K and V of every KV head, or
-    MLA's compressed latent plus its RoPE key (one vector shared by the heads)."""
-    if cfg.mla is not None:
-        per_layer = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-    else:
-        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
+    """Bytes of K/V cache one position holds over all layers, by the engine's own cache shapes
+    (`batchgen.models.decoder.kv_cache_token_shapes`: K and V of every KV head, or MLA's
+    latent plus its RoPE key)."""
+    per_layer = sum(math.prod(shape) for shape in kv_cache_token_shapes(cfg))
     return per_layer * kv_itemsize * cfg.num_hidden_layers
 
 
