@@ -83,6 +83,14 @@ def test_expert_parallel_matches_one_process(checkpoint_dir, reference, arch, wo
     assert [r["rank"] for r in ranks] == list(range(world))
     assert sum(r["num_preemptions"] for r in ranks) > 0  # preemption happened on some rank
     assert all(r["generated_tokens"] > 0 for r in ranks)  # every rank ran requests
+    # The job's decode-only steps: every rank's, their histograms merged by step size.
+    assert metrics["decode_only_steps"] == sum(r["decode_only_steps"] for r in ranks) > 0
+    merged: dict[int, int] = {}
+    for r in ranks:
+        for tokens, steps in r["decode_only_step_tokens"].items():
+            merged[tokens] = merged.get(tokens, 0) + steps
+    assert metrics["decode_only_step_tokens"] == merged
+    assert sum(n * k for n, k in merged.items()) == metrics["decode_only_tokens"]
     # Each rank holds its share of the routed experts, together exactly the model's.
     full = single["routed_expert_bytes"]
     cfg = _model_config(checkpoint_dir(arch))

@@ -345,6 +345,29 @@ def test_aggregate_rates_use_the_busiest_ranks_busy_time():
     assert m["wall_seconds"] == 99
 
 
+def test_aggregate_sums_decode_only_steps_and_merges_their_histogram():
+    from batchgen.distributed.metrics import aggregate_metrics
+
+    def snap(hist: dict[int, int]) -> dict:
+        return {
+            "decode_only_tokens": sum(n * k for n, k in hist.items()),
+            "decode_only_steps": sum(hist.values()),
+            "decode_only_step_tokens": hist,
+            "num_expert_gemms": 0,
+            "mean_rows_per_expert_gemm": 0.0,
+            "tile_density": None,
+            "busy_seconds": 1.0,
+            "peak_memory_bytes": 5,
+            "stage_time_share": {},
+        }
+
+    m = aggregate_metrics([snap({1: 2, 4: 3}), snap({4: 5, 7: 1}), snap({})], 1.0)
+    assert m["decode_only_step_tokens"] == {1: 2, 4: 8, 7: 1}
+    assert list(m["decode_only_step_tokens"]) == [1, 4, 7]  # sorted, as one rank's
+    assert m["decode_only_steps"] == 11
+    assert m["decode_only_tokens"] == 2 + 12 + 20 + 7
+
+
 def test_vllm_short_flag_for_data_parallel_size():
     from batchgen.entrypoints.cli import build_parser, engine_kwargs
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
     """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`).
 
-    Token counts are summed. Rates divide by the busiest rank's ``busy_seconds`` (time inside
-    engine steps; ranks step side by side), as one process divides by its own: so the figures
-    compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
+    Token and step counts are summed (``decode_only_step_tokens``, a histogram, by key: the
+    number of decode-only steps of each size over all ranks). Rates divide by the busiest
+    rank's ``busy_seconds`` (time inside engine steps; ranks step side by side), as one process
+    divides by its own: so the figures compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
     over ranks; ``wall_seconds`` is the time since start or the last `reset_metrics`.
     """
     total = {
@@ -18,6 +19,8 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
             "decode_tokens",
             "generated_tokens",
             "num_steps",
+            "decode_only_tokens",
+            "decode_only_steps",
             "num_preemptions",
             "num_expert_gemms",
             "routed_expert_bytes",
@@ -35,6 +38,10 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
         for s in ranks
         if s.get("tile_density")
     )
+    step_tokens: dict[int, int] = {}
+    for s in ranks:
+        for tokens, steps in s.get("decode_only_step_tokens", {}).items():
+            step_tokens[tokens] = step_tokens.get(tokens, 0) + steps
     busy = max(s["busy_seconds"] for s in ranks) or 1e-12
     weights = [s["busy_seconds"] for s in ranks]
     shares: dict[str, float] = {}
@@ -44,6 +51,7 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
     return {
         **total,
         "data_parallel_size": len(ranks),
+        "decode_only_step_tokens": dict(sorted(step_tokens.items())),
         "busy_seconds": busy,
         "wall_seconds": wall_seconds,
         "prefill_tokens_per_s": total["prefill_tokens"] / busy,
