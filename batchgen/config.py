@@ -50,8 +50,8 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=meta(
-            "HF model directory or hub id (default: the embedded random-weights model; "
-            "required in the cluster YAML)",
+            "HF model directory or hub id (default: the embedded random-weights model, "
+            "also named batchgen/default-mixtral-v1; required in the cluster YAML)",
             section=TOP_LEVEL,
         ),
     )
@@ -190,6 +190,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        from batchgen.models.default_model import names_default_model
+
+        if isinstance(self.model, str) and names_default_model(self.model):
+            self.model = None  # the default model's name: the same as no model given
         self.validate()
 
     def validate(self) -> None:

@@ -92,6 +92,26 @@ def test_run_examples_with_default_model(tmp_path):
     assert policy in ("OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=10000")  # busy / idle machine
 
 
+def test_run_takes_the_default_models_name_as_its_model(tmp_path):
+    """``--model batchgen/default-mixtral-v1``, the name results carry, is the default model."""
+    name = f"batchgen/{DEFAULT_MODEL_NAME}"
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(_completion("a", "hello", max_tokens=3, model=name) + "\n")
+    proc = subprocess.run(
+        [*BATCHGEN, "run", "-i", str(inp), "-o", str(out), "--no-progress", "--model", name],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [result] = _lines(out)
+    assert result["error"] is None and result["response"]["body"]["model"] == name
+    built = tmp_path / "cache" / DEFAULT_MODEL_NAME
+    assert f"building the default model into {built} (first use, random weights)" in proc.stderr
+    assert "line names model" not in proc.stderr  # the line names the model that ran
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     from batchgen.models.make_model import make_model

@@ -668,7 +668,8 @@ def test_every_field_is_one_key_and_the_docs_table_is_current():
     row = next(r for r in schema_markdown().splitlines() if r.startswith("| `model` |"))
     assert row == (
         "| `model` | `--model` | see meaning | HF model directory or hub id (default: the "
-        "embedded random-weights model; required in the cluster YAML) |"
+        "embedded random-weights model, also named batchgen/default-mixtral-v1; required in the "
+        "cluster YAML) |"
     )
 
 

@@ -98,8 +98,8 @@ def add_arguments(p) -> None:
 
 def resolve_settings(args) -> None:
     """Set the bench's settings on ``args``: the flags given, else the ``--config`` file's, else
-    `BENCH_DEFAULTS`; log a warning naming what the file or the flags set that the bench does
-    not use.
+    `BENCH_DEFAULTS` (a ``model`` naming the default model becomes its checkpoint directory);
+    log a warning naming what the file or the flags set that the bench does not use.
 
     Raises:
         batchgen.cluster_config.ClusterConfigError: an invalid cluster file.
@@ -124,6 +124,10 @@ def resolve_settings(args) -> None:
     for name, value in BENCH_DEFAULTS.items():
         if not hasattr(args, name):
             setattr(args, name, value)
+    from batchgen.models.default_model import default_model_path, names_default_model
+
+    if args.model is not None and names_default_model(args.model):
+        args.model = default_model_path()  # the bench runs a checkpoint directory
     if ignored:
         logger.warning(
             "batchgen bench runs the engine's default settings (docs/bench.md) and does not use: %s",

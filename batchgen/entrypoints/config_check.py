@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchgen.entrypoints.cli_flags import CliError
+from batchgen.models.default_model import DEFAULT_MODEL_ID
 
 if TYPE_CHECKING:
     from batchgen.cluster_config import ClusterConfig
@@ -73,11 +74,11 @@ def report(cluster: ClusterConfig) -> list[str]:
 
     layout, parallel = cluster.layout, cluster.parallel
     world, ep, replicas = layout.world_size, layout.expert_parallel_size, layout.num_expert_replicas
-    model = cluster.engine.model
+    model = cluster.engine.model  # None: the file names the default model
     model_config, found = _local_model_config(model)
     lines = [
         f"{cluster.path}: valid",
-        f"model: {model} ({found})",
+        f"model: {model or DEFAULT_MODEL_ID} ({found})",
         f"world size: {world} ranks = {replicas} replica{'s' * (replicas != 1)} "
         f"(data_parallel_size) x {ep} rank{'s' * (ep != 1)} per expert-parallel group "
         "(expert_parallel_size)",
@@ -184,8 +185,9 @@ def _started_here(parallel: ParallelConfig, device: str) -> str:
     )
 
 
-def _local_model_config(model: str) -> tuple[ModelConfig | None, str]:
-    """(`ModelConfig` or None, how the model was found), reading only a local config.json.
+def _local_model_config(model: str | None) -> tuple[ModelConfig | None, str]:
+    """(`ModelConfig` or None, how the model was found), reading only a local config.json
+    (None, the default model: its checkpoint, built on first use as a run would).
 
     Raises:
         ValueError: a local path that does not exist or is not a checkpoint directory, or a
@@ -193,11 +195,13 @@ def _local_model_config(model: str) -> tuple[ModelConfig | None, str]:
     """
     from huggingface_hub import try_to_load_from_cache
 
+    from batchgen.models.default_model import default_model_path
     from batchgen.models.loader import resolve_model_path
 
     try:
-        path = Path(model).expanduser()
-        if path.exists():
+        if model is None:
+            config_dir, found = Path(default_model_path()), "the embedded default model"
+        elif Path(model).expanduser().exists():
             config_dir, found = resolve_model_path(model), "local directory"
         else:
             try:

@@ -17,6 +17,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "default-mixtral-v1"
+# The name results and /v1/models carry for it; ``--model`` / ``LLM(model=...)`` accept it too.
+DEFAULT_MODEL_ID = f"batchgen/{DEFAULT_MODEL_NAME}"
 # What `batchgen run` / `serve` / `LLM()` say when they run it: at start and in the run summary.
 RANDOM_WEIGHTS_NOTE = (
     f"the default model batchgen/{DEFAULT_MODEL_NAME} has random weights, so its text is "
@@ -25,6 +27,14 @@ RANDOM_WEIGHTS_NOTE = (
     "(an MoE of 6.9B parameters: about 28 GB of memory in float32 on CPU, 14 GB in "
     "bfloat16; Mixtral-8x7B needs about 187 GB / 94 GB)"
 )
+
+
+def names_default_model(model: str) -> bool:
+    """Whether ``model`` (a ``--model`` / ``LLM(model=...)`` value) names the default model:
+    ``batchgen/default-mixtral-v1`` (the name it is served under) or ``default-mixtral-v1``
+    (its folder's name), unless a local directory of that name exists (a directory wins, as
+    it does over a hub id). `EngineConfig` then takes it as no model given."""
+    return model in (DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME) and not Path(model).is_dir()
 
 
 def cache_dir() -> Path:
