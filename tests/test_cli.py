@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -344,3 +345,70 @@ def test_run_turns_sigterm_into_an_orderly_stop_unless_the_parent_ignores_it(cap
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_run(body):
+    """`_run_command` on a ``run`` whose work is ``body()`` (it sends signals to itself),
+    with SIGINT and SIGTERM at Python's defaults around it; returns (code, stderr) and
+    checks that both handlers were put back."""
+    import argparse
+    import os
+    import signal
+
+    from batchgen.entrypoints.cli_flags import Subcommand
+
+    run = Subcommand("run", "", lambda p: None, lambda args: body(os, signal), uses_torch=False)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        code = cli._run_command(run, argparse.Namespace())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def test_a_second_signal_does_not_break_into_the_orderly_stop(capsys):
+    """SIGTERM, then SIGINT while the run unwinds (writing what it finished): the unwind runs
+    to its end and the run exits 143, with one line and no traceback."""
+    unwound = []
+
+    def body(os, signal):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the SIGINT's handler runs here
+            unwound.append("done")
+        return 0
+
+    assert _signal_run(body) == 143
+    assert unwound == ["done"]
+    assert capsys.readouterr().err == (
+        "batchgen run: terminated by SIGTERM (rerun with --resume to continue)\n"
+    )
+
+
+def test_signals_that_land_together_exit_143_if_one_is_sigterm(capsys):
+    """SIGTERM and SIGINT pending at once (both sent during one long C call) reach Python
+    SIGINT first; the SIGTERM among them still makes the stop a termination."""
+
+    def body(os, signal):
+        both = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+        time.sleep(5)
+        return 0
+
+    assert _signal_run(body) == 143
+    assert capsys.readouterr().err == (
+        "batchgen run: terminated by SIGTERM (rerun with --resume to continue)\n"
+    )

@@ -24,6 +24,7 @@ so ``batchgen --help`` is instant; before one is, the OpenMP wait policy is set
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -198,14 +199,10 @@ class Terminated(KeyboardInterrupt):
     the engine and its ranks shut down), then the command exits 143 (128 + SIGTERM)."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
 def _exit_now(code: int):
-    """A SIGTERM handler for after the command has finished: the process exits at once with
+    """A signal handler for after the command has finished: the process exits at once with
     the command's own exit code (a finished job stays a success) instead of dying of the
-    signal while the interpreter shuts down."""
+    signal, or printing a KeyboardInterrupt traceback, while the interpreter shuts down."""
 
     def handler(signum, frame) -> None:
         sys.stdout.flush()
@@ -215,28 +212,76 @@ def _exit_now(code: int):
     return handler
 
 
+class _OrderlyStop:
+    """SIGINT and SIGTERM during `batchgen run`. The first one raises (`KeyboardInterrupt`, or
+    `Terminated` for SIGTERM) and so starts the orderly stop: the results finished so far are
+    written, the engine and its ranks shut down. A later one is only noted: raised inside that
+    stop it would cut it short (a traceback, the kept-results line lost, the wrong exit code);
+    SIGKILL still stops the process at once. A SIGTERM among them makes the stop exit 143 (two
+    signals that land during one long step reach Python together, SIGINT first).
+
+    A signal ignored on entry (SIG_IGN from the parent) stays ignored, as Python leaves an
+    ignored SIGINT and POSIX shells an ignored trap; a SIGINT handler other than Python's own
+    is left alone."""
+
+    def __init__(self) -> None:
+        self.received: set[int] = set()
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            if current is signal.SIG_IGN or (
+                sig == signal.SIGINT and current is not signal.default_int_handler
+            ):
+                continue
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        first = not self.received
+        self.received.add(signum)
+        if first:
+            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def terminated(self, err: BaseException) -> bool:
+        return isinstance(err, Terminated) or signal.SIGTERM in self.received
+
+    def uninstall(self, code: int, process_entry: bool) -> None:
+        """After the command: the ``batchgen`` script exits at once with ``code`` on either
+        signal (`_exit_now`), and ignores them once the interpreter exits (which puts Python's
+        handlers back to SIG_DFL before it tears down the modules: a signal then killed the
+        process, exit -2 or -15, not ``code``); in-process callers get their handlers back."""
+        for sig, previous in self.previous.items():
+            if process_entry:
+                signal.signal(sig, _exit_now(code))
+            else:  # None: a handler from outside Python, which only SIG_DFL can stand for
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        if process_entry and self.previous:
+            atexit.register(_ignore_signals, list(self.previous))
+
+
+def _ignore_signals(signals: list[int]) -> None:
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _run_command(
     command: Subcommand, args: argparse.Namespace, process_entry: bool = False
 ) -> int:
     """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted,
     143 when terminated: `batchgen run` turns SIGTERM, what ``kill``, ``timeout`` and container
-    runtimes send, into the same orderly stop as Ctrl-C, unless the parent ignores it).
-    ``process_entry`` (the ``batchgen`` script, ``python -m batchgen``): a SIGTERM after the
-    command finished exits with its code (`_exit_now`); in-process callers get their SIGTERM
-    handler back instead."""
+    runtimes send, into the same orderly stop as Ctrl-C, and a second signal does not break
+    into that stop (`_OrderlyStop`)). ``process_entry`` (the ``batchgen`` script, ``python -m
+    batchgen``): a signal after the command finished exits with its code (`_exit_now`);
+    in-process callers get their handlers back instead."""
     if command.uses_torch:
         from batchgen.engine.cpu_threads import set_openmp_wait_policy
 
         set_openmp_wait_policy()
     given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
-    # A SIGTERM ignored on entry (SIG_IGN from the parent) stays ignored, as Python leaves an
-    # ignored SIGINT and POSIX shells an ignored trap.
-    on_term = (
-        command.name == "run"
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    )
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_term else None
+    stop = _OrderlyStop()
+    if command.name == "run" and threading.current_thread() is threading.main_thread():
+        stop.install()
     hint = " (rerun with --resume to continue)" if command.name == "run" else ""
     code = 1  # an exception that escapes below
     try:
@@ -244,17 +289,15 @@ def _run_command(
     except CliError as err:
         print(f"{PROG} {command.name}: error: {err}", file=sys.stderr)
         code = 2
-    except (Terminated, KeyboardInterrupt) as err:
+    except KeyboardInterrupt as err:  # `Terminated` included
         # What `run_batch_file` kept on disk ("" when stopped before it wrote results).
         kept = getattr(err, "batchgen_kept", "")
-        how = "terminated by SIGTERM" if isinstance(err, Terminated) else "interrupted"
+        terminated = stop.terminated(err)
+        how = "terminated by SIGTERM" if terminated else "interrupted"
         print(f"{PROG} {command.name}: {how}{'; ' + kept if kept else ''}{hint}", file=sys.stderr)
-        code = 143 if isinstance(err, Terminated) else 130
+        code = 143 if terminated else 130
     finally:
-        if on_term and process_entry:
-            signal.signal(signal.SIGTERM, _exit_now(code))
-        elif on_term:  # None: a handler from outside Python, which only SIG_DFL can stand for
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        stop.uninstall(code, process_entry)
         GIVEN_AS.reset(given_as)
     return code
 
