@@ -1,6 +1,7 @@
 """The module splits of this round (service/store.py, service/engine_loop.py, service/client.py,
-sampling_params.py, parallel_config.py) keep every public name importable from the old module,
-as the same object as in its new home, and keep the log names of the messages they moved."""
+sampling_params.py, parallel_config.py, distributed/rank_set.py) keep every public name
+importable from the old module, as the same object as in its new home, and keep the log names of
+the messages they moved."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ OLD_PUBLIC_NAMES = {
         "PREFILL_STRATEGIES", "ParallelConfig", "SEGMENT_MAX_AGE_S", "SEGMENT_MAX_RESULTS",
         "check_tensor_parallel_size",
     ],
+    # rank_set.py before its messaging moved to rank_messages.py (commit 491e313): its own names
+    # and the imported ones that other modules import or tests patch from it.
+    "batchgen.distributed.rank_set": [
+        "MIN_CONNECT_TIMEOUT_S", "RankFailedError", "RankHandle", "RankSet",
+        "START_SHUTDOWN_GRACE_S", "logger", "start_local_ranks",
+    ],
 }
 # The split-off modules, by the module they came out of.
 NEW_MODULES = {
@@ -48,6 +55,7 @@ NEW_MODULES = {
     "batchgen.service.client_input": "batchgen.service.client",
     "batchgen.sampling_params_checks": "batchgen.sampling_params",
     "batchgen.parallel_config_checks": "batchgen.parallel_config",
+    "batchgen.distributed.rank_messages": "batchgen.distributed.rank_set",
 }
 
 
@@ -73,6 +81,24 @@ def test_a_moved_name_is_the_same_object_in_its_new_home():
                 assert getattr(new, name) is getattr(old, name), (new_name, name)
                 shared += 1
     assert shared > 10  # the moved names were found, the loop is not vacuous
+
+
+def test_rank_set_keeps_every_method_it_defined_before_its_split():
+    """`RankSet` gets its messaging from the mixin `RankMessages` now; every method its class
+    body defined before (commit 491e313, by ast) is still there, and the moved ones are the
+    mixin's own (not shadowed by a stale copy)."""
+    from batchgen.distributed.rank_messages import RankMessages
+    from batchgen.distributed.rank_set import RankSet
+
+    before = [
+        "__init__", "_accept", "_can_replace", "_collect", "_connect_timeout", "_joined_again",
+        "_kill", "_launch", "_listen", "_num_local", "_set_up", "_sort", "_start",
+        "_take_joining", "_wait_ready", "_worlds", "broadcast", "joining", "max_model_len",
+        "receive", "replace", "restartable", "send", "shutdown", "take_held",
+    ]
+    assert [name for name in before if not hasattr(RankSet, name)] == []
+    moved = ["send", "broadcast", "receive", "take_held", "_collect", "_sort"]
+    assert all(getattr(RankSet, name) is getattr(RankMessages, name) for name in moved)
 
 
 def test_log_names_are_unchanged():

@@ -4,7 +4,7 @@ the deaths to show, name the dead, then the stuck, then the ranks that failed on
 the ranks at fault (the others run on), else every rank.
 
 It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
-``_sort``, ``_can_replace`` and ``shutdown``.
+``_can_replace`` and ``shutdown``, and `RankMessages`' ``_sort`` (rank_messages.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ way messages come in, and it is where failures are found:
 Every failure raises `RankFailedError` and stops the remaining ranks, or, for elastic recovery,
 only the restart groups of the ranks at fault (`replace` starts them again, and `receive` takes
 them in as they connect and load, while the others run on).
+
+This module starts, replaces and stops the ranks; the messaging (`send`, `broadcast`,
+`receive`) is the mixin `RankMessages` (`rank_messages.py`), the naming and containing of a
+failure the mixin `RankFailures` (`rank_failures.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from batchgen.distributed.layout import resolve_layout
 from batchgen.distributed.mailbox import CLOSED, Mailbox
 from batchgen.distributed.rank_accept import accept_ranks, start_accepting
 from batchgen.distributed.rank_failures import RankFailures, close
-from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence, where
+from batchgen.distributed.rank_handle import RankFailedError, RankHandle, where
 from batchgen.distributed.rank_join import Joining
+from batchgen.distributed.rank_messages import RankMessages
 from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
@@ -44,7 +49,7 @@ START_SHUTDOWN_GRACE_S = 3.0
 MIN_CONNECT_TIMEOUT_S = 60.0
 
 
-class RankSet(RankFailures):
+class RankSet(RankMessages, RankFailures):
     """Start ``parallel.data_parallel_size`` ranks and hand them ``config``.
 
     Raises:
@@ -264,91 +269,6 @@ class RankSet(RankFailures):
         rank.joining = False
         self.ready[rank.rank] = ready
         logger.info("rank %d joined again (%s); the others ran on", rank.rank, where(rank))
-
-    # ---- messages ------------------------------------------------------------------------
-    def send(self, rank: RankHandle, message) -> None:
-        """Queue ``message`` for ``rank``; never blocks (see `Mailbox`).
-
-        Raises:
-            RuntimeError: ``rank`` is started again and not connected yet (queue requests in
-                its ``pending`` instead).
-        """
-        if rank.mailbox is None:
-            raise RuntimeError(f"rank {rank.rank} is not connected yet")
-        rank.mailbox.send(message)
-
-    def broadcast(self, message) -> None:
-        """Send ``message`` to every running rank (not to ranks started again and not ready
-        yet)."""
-        for rank in self.ranks:
-            if not rank.joining and not rank.retired:
-                rank.mailbox.send(message)
-
-    def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
-        """Messages that arrive within ``timeout`` seconds (all that are in once one is),
-        after those kept while ranks started again or while a failure was found.
-
-        Raises:
-            RankFailedError: a rank's connection closed or its process exited, a rank sent
-                `Failed`, or a rank was silent for ``distributed_timeout_s``. The messages
-                that came with the failure are kept for the next call (`take_held`).
-        """
-        if self.failure is not None:
-            raise self.failure
-        got = self._collect(0 if self._held else timeout)
-        held, self._held = self._held, []
-        return held + got
-
-    def take_held(self) -> list[tuple[RankHandle, object]]:
-        """The messages kept back (see `receive`), e.g. outputs that arrived with a failure."""
-        held, self._held = self._held, []
-        return held
-
-    def _collect(self, timeout: float) -> list[tuple[RankHandle, object]]:
-        """Read the inbox (see `receive`): messages of ranks replaced since are dropped."""
-        if self._joining.active:
-            self._take_joining()
-        items = []
-        try:
-            items.append(
-                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-            )
-            while True:
-                items.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        broken: list[RankHandle] = []
-        failed: list[tuple[RankHandle, str]] = []
-        got: list[tuple[RankHandle, object]] = []
-        for rank, message in items:
-            self._sort(rank, message, broken, failed, got)
-        if broken or failed:
-            self._fail(broken, failed, got)
-        now = time.monotonic()
-        timeout = self.parallel.distributed_timeout_s
-        silent = [
-            r
-            for r in self.ranks
-            if r.conn is not None and not r.retired and now - r.last_seen > timeout
-        ]
-        if silent:
-            self._held += got
-            ids = [r.rank for r in silent]
-            text = "; ".join(silence(r, now) for r in silent)
-            self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
-        return got
-
-    def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
-        if rank.retired:
-            return  # a rank replaced after a failure: its last words were read then
-        if message is CLOSED:
-            broken.append(rank)
-        elif isinstance(message, msg.Failed):
-            failed.append((rank, message.message))
-        elif isinstance(message, msg.Ready) and rank.joining:
-            self._joined_again(rank, message)
-        elif not isinstance(message, msg.Heartbeat):
-            got.append((rank, message))
 
     # ---- shutdown ------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -1,0 +1,105 @@
+"""How `RankSet` talks to its ranks (a mixin of `RankSet`): `send` and `broadcast` queue
+messages on the ranks' mailboxes, `receive` is the only way messages come in, and it is where
+failures are found (a closed connection, `Failed`, a rank silent for ``distributed_timeout_s``:
+see `rank_set`'s docstring).
+
+It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
+``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and ``_fail_with``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from batchgen.distributed import protocol as msg
+from batchgen.distributed.mailbox import CLOSED
+from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence
+
+
+class RankMessages:
+    """`RankSet`'s messaging (see the module docstring)."""
+
+    def send(self, rank: RankHandle, message) -> None:
+        """Queue ``message`` for ``rank``; never blocks (see `Mailbox`).
+
+        Raises:
+            RuntimeError: ``rank`` is started again and not connected yet (queue requests in
+                its ``pending`` instead).
+        """
+        if rank.mailbox is None:
+            raise RuntimeError(f"rank {rank.rank} is not connected yet")
+        rank.mailbox.send(message)
+
+    def broadcast(self, message) -> None:
+        """Send ``message`` to every running rank (not to ranks started again and not ready
+        yet)."""
+        for rank in self.ranks:
+            if not rank.joining and not rank.retired:
+                rank.mailbox.send(message)
+
+    def receive(self, timeout: float) -> list[tuple[RankHandle, object]]:
+        """Messages that arrive within ``timeout`` seconds (all that are in once one is),
+        after those kept while ranks started again or while a failure was found.
+
+        Raises:
+            RankFailedError: a rank's connection closed or its process exited, a rank sent
+                `Failed`, or a rank was silent for ``distributed_timeout_s``. The messages
+                that came with the failure are kept for the next call (`take_held`).
+        """
+        if self.failure is not None:
+            raise self.failure
+        got = self._collect(0 if self._held else timeout)
+        held, self._held = self._held, []
+        return held + got
+
+    def take_held(self) -> list[tuple[RankHandle, object]]:
+        """The messages kept back (see `receive`), e.g. outputs that arrived with a failure."""
+        held, self._held = self._held, []
+        return held
+
+    def _collect(self, timeout: float) -> list[tuple[RankHandle, object]]:
+        """Read the inbox (see `receive`): messages of ranks replaced since are dropped."""
+        if self._joining.active:
+            self._take_joining()
+        items = []
+        try:
+            items.append(
+                self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            )
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        broken: list[RankHandle] = []
+        failed: list[tuple[RankHandle, str]] = []
+        got: list[tuple[RankHandle, object]] = []
+        for rank, message in items:
+            self._sort(rank, message, broken, failed, got)
+        if broken or failed:
+            self._fail(broken, failed, got)
+        now = time.monotonic()
+        timeout = self.parallel.distributed_timeout_s
+        silent = [
+            r
+            for r in self.ranks
+            if r.conn is not None and not r.retired and now - r.last_seen > timeout
+        ]
+        if silent:
+            self._held += got
+            ids = [r.rank for r in silent]
+            text = "; ".join(silence(r, now) for r in silent)
+            self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
+        return got
+
+    def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
+        if rank.retired:
+            return  # a rank replaced after a failure: its last words were read then
+        if message is CLOSED:
+            broken.append(rank)
+        elif isinstance(message, msg.Failed):
+            failed.append((rank, message.message))
+        elif isinstance(message, msg.Ready) and rank.joining:
+            self._joined_again(rank, message)
+        elif not isinstance(message, msg.Heartbeat):
+            got.append((rank, message))
