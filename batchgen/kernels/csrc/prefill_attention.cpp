@@ -26,12 +26,12 @@
 // Paths: bf16 with AMX-BF16 where the CPU has it and Linux grants the tile state, D % 32 == 0
 // (S^T by `tdpbf16ps` with A = 16 key rows x 32 dims copied from the cache, B = Q^T in pairs;
 // O^T by `tdpbf16ps` with A = V^T [16 dims][32 keys], B = P^T in pairs; softmax with the decode
-// kernel's `exp_ps`); else AVX-512 where the CPU has it (prefill_attention_vec.h: float32
-// FMAs, D % 16 == 0; bf16 `vdpbf16ps`, D % 32 == 0 and avx512_bf16; the AMX path's layout for
-// S^T, O not transposed); else loops the compiler vectorises (float32, bf16 widened exactly to
-// float32). Numerics: products and sums in float32; bf16 rounds the unnormalised weights P to
-// bf16 before P V (the sum l stays float32) and the output once, as torch's CPU SDPA does in
-// bf16.
+// kernel's `exp_ps`); else AVX-512 where the CPU has it (prefill_attention_vec.h, its per-block
+// steps in prefill_attention_vec_steps.h: float32 FMAs, D % 16 == 0; bf16 `vdpbf16ps`,
+// D % 32 == 0 and avx512_bf16; the AMX path's layout for S^T, O not transposed); else loops
+// the compiler vectorises (float32, bf16 widened exactly to float32). Numerics: products and
+// sums in float32; bf16 rounds the unnormalised weights P to bf16 before P V (the sum l stays
+// float32) and the output once, as torch's CPU SDPA does in bf16.
 //
 // Tasks (span, KV head, query block) are spread over OpenMP threads (dynamic: the later blocks
 // of a span see more keys), in torch's OpenMP runtime (see paged_decode_attention.cpp).
@@ -210,7 +210,7 @@ void run_task_generic(const Args<T, C>& a, const Task& t, Scratch& s) {
 
 }  // namespace
 #include "prefill_attention_amx.h"  // run_tiles_amx, amx_path_usable
-#include "prefill_attention_vec.h"  // run_task_vec, vec_path_usable
+#include "prefill_attention_vec.h"  // run_task_vec, vec_path_usable (+ its _steps.h)
 namespace {
 
 enum Path : int64_t { kGeneric = 0, kVec = 1, kAmx = 2 };
