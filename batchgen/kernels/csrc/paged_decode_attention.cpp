@@ -38,7 +38,8 @@
 // A third entry, batchgen_paged_decode_attention_mixed, reads a KV cache narrower than q (q
 // float32 over bf16, e4m3fn or e5m2; q bf16 over fp8; vLLM's kv_cache_dtype) with per-cache
 // scales: AVX-512F for head sizes 64 and 128, else generic loops
-// (paged_decode_attention_mixed.h).
+// (paged_decode_attention_mixed.h; the cache's element types and their conversion to float32:
+// paged_decode_attention_kv.h, which it includes).
 //
 // Sequences are spread over OpenMP threads, longest context first, one at a time. The library is built with -fopenmp and loaded
 // after torch, so it joins torch's own OpenMP runtime (libgomp.so.1, already in the process)
@@ -300,7 +301,7 @@ int run(const Args<T>& a, int64_t num_seqs, int64_t num_threads) {
 }
 
 }  // namespace
-#include "paged_decode_attention_mixed.h"  // q over a narrower KV cache (kv_cache_dtype)
+#include "paged_decode_attention_mixed.h"  // q over a narrower KV cache (+ its _kv.h types)
 
 extern "C" int batchgen_paged_decode_attention_f32(
     const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,

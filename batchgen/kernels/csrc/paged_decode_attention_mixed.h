@@ -13,22 +13,15 @@
 // Paths: AVX-512F where D is 64 or 128 (`run_seq_mixed_avx512`), any number of query heads;
 // else generic loops (`run_seq_mixed_generic`: each row decoded once into float32, by
 // AVX-512F where the build has it and isa allows, else by table; the same floats either way),
-// also under a forced isa of `avx2` or `generic` (decoding by table). The AVX-512F path keeps the float32 path's structure
-// (paged_decode_attention_f32.h): two query heads per zmm for the scores (8 positions a tile),
-// a 16-lane softmax, each query head's P @ V accumulators in registers. The K rows of a score
-// tile are converted to float32 once into an L1 buffer that the score loop reads (its
-// broadcast loads are free in the load unit; converting there would repeat per head pair);
-// P @ V converts each value chunk in registers once per pass for the pass's heads of one KV
-// head (a buffer's stores and reloads took 10% more time with the cache in L2).
-// Conversions, 16 values a zmm (exact):
-//   bf16:   zero-extended to 32 bits, shifted left 16.
-//   e5m2:   the byte is the high byte of an IEEE half: zero-extended to 16 bits, shifted left 8,
-//           `vcvtph2ps`.
-//   e4m3fn: half bits ((b & 0x80) << 8) | ((b & 0x7F) << 7), i.e. b sign-extended to 16 bits,
-//           shifted left 7, bit 14 (a copy of the sign) cleared; `vcvtph2ps` gives the value
-//           x 2^-8 for normals and subnormals alike (half's exponent bias is 8 more than e4m3's), and the
-//           2^8 is folded into the scales (kUnit). NaN (0x7F, 0xFF) is never stored: the writer
-//           clamps to the finite range.
+// also under a forced isa of `avx2` or `generic` (decoding by table). The AVX-512F path keeps
+// the float32 path's structure (paged_decode_attention_f32.h): two query heads per zmm for the
+// scores (8 positions a tile), a 16-lane softmax, each query head's P @ V accumulators in
+// registers. The K rows of a score tile are converted to float32 once into an L1 buffer that
+// the score loop reads (its broadcast loads are free in the load unit; converting there would
+// repeat per head pair); P @ V converts each value chunk in registers once per pass for the
+// pass's heads of one KV head (a buffer's stores and reloads took 10% more time with the cache
+// in L2).
+// The cache's element types and their exact conversions to float32: paged_decode_attention_kv.h.
 // Prefetch: whole rows (every KV head, per 64-byte line of the narrower rows) kF32PrefetchRows
 // positions ahead into L2, one row per row converted: K during the scores (V's first rows
 // during the last tiles), V during P @ V.
@@ -40,72 +33,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_decode_attention_kv.h"  // KvDtype, KvBf16, KvE5m2, KvE4m3, decode_row
+
 namespace {
-
-enum KvDtype : int64_t { kKvBf16 = 0, kKvE4m3 = 1, kKvE5m2 = 2 };
-
-// The value of an fp8 byte (e4m3fn: bias 7, 3 mantissa bits, no infinities; e5m2: bias 15, 2
-// mantissa bits), exact; NaN encodings (never stored) decode as 0.
-inline float fp8_value(uint32_t b, bool e4m3) {
-  const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
-  const uint32_t e = (b & 0x7F) >> mbits, m = b & ((1u << mbits) - 1);
-  if ((e4m3 && (b & 0x7F) == 0x7F) || (!e4m3 && e == 31)) return 0.0f;
-  // e == 0: subnormal, m x 2^(1 - bias - mbits); else (2^mbits + m) x 2^(e - bias - mbits).
-  const float mag = e == 0 ? std::ldexp(float(m), 1 - bias - mbits)
-                           : std::ldexp(float((1u << mbits) + m), int(e) - bias - mbits);
-  return (b & 0x80) ? -mag : mag;
-}
-
-// Every byte's value, built once.
-template <bool E4m3>
-inline const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (uint32_t b = 0; b < 256; ++b) t[b] = fp8_value(b, E4m3);
-    return t;
-  }();
-  return table.data();
-}
-
-// Cache element types: storage T, the exact scalar value, and (AVX-512F) 16 values as float32
-// (their values / kUnit: the scales are multiplied by kUnit).
-struct KvBf16 {
-  using T = bf16_t;
-  static constexpr float kUnit = 1.0f;
-  static float value(T x) { return to_f32(x); }
-#if defined(__AVX512F__)
-  static __m512 load16(const T* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-#endif
-};
-
-struct KvE5m2 {
-  using T = uint8_t;
-  static constexpr float kUnit = 1.0f;
-  static float value(T x) { return fp8_table<false>()[x]; }
-#if defined(__AVX512F__)
-  static __m512 load16(const T* p) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
-  }
-#endif
-};
-
-struct KvE4m3 {
-  using T = uint8_t;
-  static constexpr float kUnit = 256.0f;  // load16 gives the value / 2^8
-  static float value(T x) { return fp8_table<true>()[x]; }
-#if defined(__AVX512F__)
-  static __m512 load16(const T* p) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    // Sign-extended and shifted left 7: bits 15 and 14 hold the sign, 13-7 the rest.
-    const __m256i t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
-    return _mm512_cvtph_ps(_mm256_and_si256(t, _mm256_set1_epi16(int16_t(0xBFFF))));
-  }
-#endif
-};
 
 template <class Q, class KV>
 struct MixedArgs {
@@ -124,23 +54,6 @@ void end_seq_mixed(const MixedArgs<Q, KV>& m, int64_t b, const Scratch& s, doubl
     const float f = float(double(s.inv_sum[hq]) * v_factor);
     for (int64_t i = 0; i < a.d; ++i) store(out + hq * a.d + i, s.acc[hq * a.d + i] * f);
   }
-}
-
-// One cache row of `row` values decoded exactly into float32: by table (scalar), or where
-// `vec` (AVX-512F build, row a multiple of 16) by KV::load16 and rescaled by kUnit (a power of
-// two: the same floats).
-template <class KV>
-inline void decode_row(const typename KV::T* src, float* dst, int64_t row, bool vec) {
-#if defined(__AVX512F__)
-  if (vec) {
-    const __m512 unit = _mm512_set1_ps(KV::kUnit);
-    for (int64_t c = 0; c < row; c += 16)
-      _mm512_storeu_ps(dst + c, _mm512_mul_ps(KV::load16(src + c), unit));
-    return;
-  }
-#endif
-  (void)vec;
-  for (int64_t i = 0; i < row; ++i) dst[i] = KV::value(src[i]);
 }
 
 // Each cache row is decoded once into `rowf` (`decode_row`; `vec`: by vector where it can),
@@ -195,11 +108,6 @@ inline void prefetch_bytes_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// One cache row of `row` values (a multiple of 16) as float32 (values / KV::kUnit) into dst.
-template <class KV>
-inline void convert_row(const typename KV::T* src, float* dst, int64_t row) {
-  for (int64_t c = 0; c < row; c += 16) _mm512_storeu_ps(dst + c, KV::load16(src + c));
-}
 
 // Per-thread buffers of the mixed AVX-512F path: row pointers [n rounded up to 8] and a score
 // tile's K rows as float32 [8, row].
