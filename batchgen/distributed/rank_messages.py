@@ -16,6 +16,10 @@ from batchgen.distributed import protocol as msg
 from batchgen.distributed.mailbox import CLOSED
 from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence
 
+# A rank not ready yet may be silent this long at least (`RankMessages._silence_s`); ranks
+# must also connect within it (`RankSet._connect_timeout`).
+STARTING_SILENCE_S = 60.0
+
 
 class RankMessages:
     """`RankSet`'s messaging (see the module docstring)."""
@@ -79,11 +83,10 @@ class RankMessages:
         if broken or failed:
             self._fail(broken, failed, got)
         now = time.monotonic()
-        timeout = self.parallel.distributed_timeout_s
         silent = [
             r
             for r in self.ranks
-            if r.conn is not None and not r.retired and now - r.last_seen > timeout
+            if r.conn is not None and not r.retired and now - r.last_seen > self._silence_s(r)
         ]
         if silent:
             self._held += got
@@ -91,6 +94,18 @@ class RankMessages:
             text = "; ".join(silence(r, now) for r in silent)
             self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
         return got
+
+    def _silence_s(self, rank: RankHandle) -> float:
+        """How long ``rank`` may go unheard before it is named stuck: ``distributed_timeout_s``,
+        or while it starts (not ready yet: connecting, joining its groups, loading) at least
+        `STARTING_SILENCE_S`, the bound of its connection (`RankSet._connect_timeout`). A rank
+        that loads weights or touches its KV cache for the first time can miss heartbeats for
+        seconds (measured: 4 s, a 1 GiB cache backed by huge pages in a VM, two ranks on two
+        cores), and a short timeout is for hangs in steps."""
+        timeout = self.parallel.distributed_timeout_s
+        if rank.ready_at is None:
+            return max(timeout, STARTING_SILENCE_S)
+        return timeout
 
     def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
         if rank.retired:

@@ -38,7 +38,7 @@ from batchgen.distributed.rank_accept import accept_ranks, start_accepting
 from batchgen.distributed.rank_failures import RankFailures, close
 from batchgen.distributed.rank_handle import RankFailedError, RankHandle, where
 from batchgen.distributed.rank_join import Joining
-from batchgen.distributed.rank_messages import RankMessages
+from batchgen.distributed.rank_messages import STARTING_SILENCE_S, RankMessages
 from batchgen.distributed.rank_process import RankProcess, start_local_ranks
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # Seconds a failed or interrupted start waits for ranks to leave before killing them.
 START_SHUTDOWN_GRACE_S = 3.0
 # Ranks must connect within max(distributed_timeout_s, this).
-MIN_CONNECT_TIMEOUT_S = 60.0
+MIN_CONNECT_TIMEOUT_S = STARTING_SILENCE_S
 
 
 class RankSet(RankMessages, RankFailures):

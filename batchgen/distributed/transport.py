@@ -50,6 +50,22 @@ class GlooAllToAll:
         pass
 
 
+def _wait_for_every_rank(data_group) -> None:
+    """Return once every rank of ``data_group`` (the expert-parallel group on the device's
+    backend, whose timeout is the rendezvous's, `groups.INIT_TIMEOUT_S`) has called this.
+
+    The ranks reach the setup exchange after their own start-up work (loading weights, the
+    KV cache's first touch: seconds per GiB where the OS backs it with huge pages in a VM), which
+    can differ between them by more than the control group's timeout
+    (``distributed_timeout_s``, seconds in tests and for fast hang detection), and that group
+    runs the exchange (a barrier on it, even `monitored_barrier` with a longer timeout, still
+    fails after the group's own). A rank that dies or hangs before it gets here is the
+    frontend's to find (its connection closes, or it stays silent), and the frontend stops
+    the ranks waiting here.
+    """
+    dist.barrier(group=data_group)
+
+
 def make_transport(group, device: torch.device, timeout_s: float, setup_group=None):
     """The all-to-all for an expert-parallel ``group``: `ShmAllToAll` when every rank is on this
     host and can share memory (module docstring), else `GlooAllToAll` on ``group``.
@@ -93,6 +109,7 @@ def make_transport(group, device: torch.device, timeout_s: float, setup_group=No
         if why is not None:
             logger.info("no shared-memory all-to-all: %s", why)
             ok = False
+    _wait_for_every_rank(data_group)
     token = [(secrets.token_hex(8), os.getpid()) if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
     prefix = f"{SHM_DIR}/batchgen_a2a_{token[0][0]}"
