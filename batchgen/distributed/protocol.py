@@ -26,6 +26,10 @@ from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 HEARTBEAT_S = 1.0
+# A loading rank's `Heartbeat.phase` once it has loaded and waits for the other ranks of its
+# expert-parallel group (their first collective), so that the frontend can tell the rank
+# that holds them up (`RankMessages._loading_laggards`).
+WAITING_FOR_PEERS = "waiting for peers"
 
 
 @dataclass

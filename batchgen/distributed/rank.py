@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from batchgen.distributed.deepep_dispatcher import DeepEPDispatcher, resolve_ep_
 from batchgen.distributed.ep_moe import ExpertParallelMoE
 from batchgen.distributed.groups import ProcessGroups
 from batchgen.distributed.layout import ExpertPlacement
+from batchgen.distributed.protocol import WAITING_FOR_PEERS
 from batchgen.distributed.transport import make_transport
 from batchgen.distributed.weight_stream import ExpertWeightStreamer
 from batchgen.models.decoder import CausalLM
@@ -62,11 +64,15 @@ def pad_dispatch_rows(top_k: int, ep_size: int) -> bool:
 @dataclass
 class RankContext:
     """One rank's coordinates and settings: its `ProcessGroups`, the job's `ParallelConfig`
-    and the device it computes on (``cuda:<local rank>`` on GPUs)."""
+    and the device it computes on (``cuda:<local rank>`` on GPUs). ``set_phase`` (optional)
+    tells the frontend, through the heartbeat, what the rank is doing while it loads: it is
+    `WAITING_FOR_PEERS` while this rank has loaded and waits for the ranks of its
+    expert-parallel group (`RankMessages` names a peer that lags too long)."""
 
     groups: ProcessGroups
     parallel: ParallelConfig
     device: torch.device
+    set_phase: Callable[[str], None] | None = None
 
     @property
     def expert_parallel(self) -> bool:
@@ -101,12 +107,16 @@ class RankContext:
         if kind == "deepep":
             dispatcher = DeepEPDispatcher(self.groups.ep_group, placement, cfg.hidden_size, stats)
         else:
+            if self.set_phase is not None:
+                self.set_phase(WAITING_FOR_PEERS)  # its first collective waits for every peer
             transport = make_transport(
                 self.groups.ep_group,
                 device,
                 self.parallel.distributed_timeout_s,
                 setup_group=self.groups.control,
             )
+            if self.set_phase is not None:
+                self.set_phase("loading")
             dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, stats, transport)
             dispatcher.pad_rows = pad_dispatch_rows(cfg.num_experts_per_tok, placement.ep_size)
         logger.info("rank %d: expert-parallel dispatcher %s (%s)", self.groups.rank, kind, why)

@@ -55,6 +55,9 @@ class RankHandle:
     retired: bool = False
     joining: bool = False  # started again after a failure, not ready yet
     ready_at: float | None = None  # when its `Ready` arrived (time.monotonic)
+    set_up_at: float | None = None  # when it was sent `Setup` (it starts loading then)
+    # when it first reported `WAITING_FOR_PEERS` (loaded, waiting for its group's ranks)
+    waiting_since: float | None = None
 
     def note(self, message: object) -> None:
         """Called by the mailbox's reader thread for each message, as it arrives."""
@@ -64,6 +67,8 @@ class RankHandle:
         elif isinstance(message, msg.Heartbeat):
             self.step_id, self.phase = message.step_id, message.phase
             self.counters = message.counters
+            if message.phase == msg.WAITING_FOR_PEERS and self.waiting_since is None:
+                self.waiting_since = self.last_seen
 
 
 def where(rank: RankHandle) -> str:

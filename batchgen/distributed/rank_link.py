@@ -115,6 +115,18 @@ class Link:
         with self._lock:
             self.conn.send(message)
 
+    def set_phase(self, phase: str) -> None:
+        """What the rank does now: a heartbeat says it at once (`Heartbeat.phase`), so that
+        the frontend knows this rank reached its group's first collective before any peer
+        can pass it (`RankMessages._loading_laggards`).
+
+        Raises:
+            OSError: the connection to the frontend is gone.
+        """
+        self.phase = phase
+        counters = self.counters() if self.counters is not None else {}
+        self.send(msg.Heartbeat(self.rank, self.step_id, phase, counters))
+
     def start_heartbeat(self) -> None:
         def beat():
             while not self._stop.wait(msg.HEARTBEAT_S):

@@ -1,7 +1,7 @@
 """How `RankSet` talks to its ranks (a mixin of `RankSet`): `send` and `broadcast` queue
 messages on the ranks' mailboxes, `receive` is the only way messages come in, and it is where
-failures are found (a closed connection, `Failed`, a rank silent for ``distributed_timeout_s``:
-see `rank_set`'s docstring).
+failures are found (a closed connection, `Failed`, a rank silent for ``distributed_timeout_s``,
+a rank that holds up its group's start: see `rank_set`'s docstring).
 
 It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
 ``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and ``_fail_with``.
@@ -14,7 +14,7 @@ import time
 
 from batchgen.distributed import protocol as msg
 from batchgen.distributed.mailbox import CLOSED
-from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence
+from batchgen.distributed.rank_handle import RankFailedError, RankHandle, silence, where
 
 # A rank not ready yet may be silent this long at least (`RankMessages._silence_s`); ranks
 # must also connect within it (`RankSet._connect_timeout`).
@@ -93,6 +93,12 @@ class RankMessages:
             ids = [r.rank for r in silent]
             text = "; ".join(silence(r, now) for r in silent)
             self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
+        lagging = self._loading_laggards(now)
+        if lagging:
+            self._held += got
+            ids = [r.rank for r, _ in lagging]
+            text = "; ".join(why for _, why in lagging)
+            self._fail_with(RankFailedError(text, ids, recoverable=True), set(ids))
         return got
 
     def _silence_s(self, rank: RankHandle) -> float:
@@ -106,6 +112,46 @@ class RankMessages:
         if rank.ready_at is None:
             return max(timeout, STARTING_SILENCE_S)
         return timeout
+
+    def _loading_laggards(self, now: float) -> list[tuple[RankHandle, str]]:
+        """Ranks that hold up their expert-parallel group's start: still loading (no
+        `WAITING_FOR_PEERS` heard from them) while a peer has waited for them longer than
+        ``max(distributed_timeout_s, STARTING_SILENCE_S, the time that peer took to load)``.
+
+        A rank that hangs while loading but still heartbeats is not silent; without this its
+        peers would wait in their first collective for the rendezvous's timeout
+        (`groups.INIT_TIMEOUT_S`, 30 minutes). Ranks of a group load about the same weights
+        and KV cache, so one that takes more than twice as long as the first to finish (and
+        more than a minute longer) is named. Returns (rank, why) pairs."""
+        if self.failure is not None:
+            return []
+        layout = self._joining.layout
+        live = {r.rank: r for r in self.ranks if not r.retired and r.conn is not None}
+        out = []
+        for rank in live.values():
+            if rank.ready_at is not None or rank.waiting_since is not None:
+                continue
+            peers = [
+                live[m]
+                for m in layout.restart_group(rank.rank)
+                if m in live and live[m].phase == msg.WAITING_FOR_PEERS
+                and live[m].waiting_since is not None and live[m].set_up_at is not None
+            ]
+            if not peers:
+                continue
+            first = min(peers, key=lambda p: p.waiting_since)
+            took = first.waiting_since - first.set_up_at
+            bound = max(self.parallel.distributed_timeout_s, STARTING_SILENCE_S, took)
+            lag = now - first.waiting_since
+            if lag > bound:
+                out.append((rank, (
+                    f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s after "
+                    f"rank {first.rank} of its expert-parallel group finished loading in "
+                    f"{took:.0f} s and began waiting for it (a rank may lag the first by "
+                    f"max(distributed_timeout_s, {STARTING_SILENCE_S:.0f} s, the first's "
+                    f"load time) = {bound:.0f} s): stuck while loading"
+                )))
+        return out
 
     def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
         if rank.retired:

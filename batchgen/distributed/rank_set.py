@@ -175,7 +175,7 @@ class RankSet(RankMessages, RankFailures):
         """Start the mailboxes of the ranks that just joined and send them `Setup`."""
         worlds = self._worlds(joined)
         for r, (rank, _, _) in sorted(joined.items()):
-            rank.last_seen = time.monotonic()
+            rank.last_seen = rank.set_up_at = time.monotonic()
             rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
             init_method, world_ranks = worlds[r]
             rank.mailbox.send(

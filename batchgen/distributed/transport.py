@@ -60,8 +60,9 @@ def _wait_for_every_rank(data_group) -> None:
     (``distributed_timeout_s``, seconds in tests and for fast hang detection), and that group
     runs the exchange (a barrier on it, even `monitored_barrier` with a longer timeout, still
     fails after the group's own). A rank that dies or hangs before it gets here is the
-    frontend's to find (its connection closes, or it stays silent), and the frontend stops
-    the ranks waiting here.
+    frontend's to find (its connection closes, it stays silent, or its peers have reported
+    `WAITING_FOR_PEERS` for too long: `RankMessages._loading_laggards`), and the frontend
+    stops the ranks waiting here.
     """
     dist.barrier(group=data_group)
 

@@ -140,7 +140,9 @@ class RankLoop:
             setup.world_ranks,
         )
         link.phase = "loading"
-        self.engine = LLMEngine(setup.engine, RankContext(groups, setup.parallel, device))
+        self.engine = LLMEngine(
+            setup.engine, RankContext(groups, setup.parallel, device, link.set_phase)
+        )
         for update in setup.weight_updates:  # a rank started again runs the current weights
             apply_update(self.engine, update)
         # Ranks step together only when the model has collectives (sharded experts).
