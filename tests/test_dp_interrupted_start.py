@@ -5,34 +5,15 @@ process is left."""
 
 from __future__ import annotations
 
-import os
-import textwrap
 import time
 
 import psutil
 import pytest
 
 from batchgen import LLM
+from rank_hooks import slow_model_load
+
 from batchgen.distributed import rank_set
-
-# Loaded into every rank process (not this one: it has started): model loading sleeps first.
-SLOW_LOAD = textwrap.dedent(
-    """
-    import os
-    if os.environ.get("BATCHGEN_TEST_SLOW_LOAD"):
-        import time
-
-        import batchgen.engine.llm_engine as llm_engine
-
-        _load = llm_engine.load_engine_model
-
-        def _slow(*args, **kwargs):
-            time.sleep(float(os.environ["BATCHGEN_TEST_SLOW_LOAD"]))
-            return _load(*args, **kwargs)
-
-        llm_engine.load_engine_model = _slow
-    """
-)
 
 
 def _children() -> list[psutil.Process]:
@@ -41,12 +22,7 @@ def _children() -> list[psutil.Process]:
 
 @pytest.mark.timeout(180)
 def test_interrupted_start_kills_ranks_still_loading(checkpoint_dir, tmp_path, monkeypatch):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_LOAD)
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(hook) + (os.pathsep + path if path else ""))
-    monkeypatch.setenv("BATCHGEN_TEST_SLOW_LOAD", "120")
+    slow_model_load(tmp_path, monkeypatch, 120)
     before = {p.pid for p in _children()}
     raised_at = []
 

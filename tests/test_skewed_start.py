@@ -10,37 +10,16 @@ Every case carries a timeout; the LLM's ranks are stopped before it returns.
 
 from __future__ import annotations
 
-import os
-import textwrap
 import time
 
 import psutil
 import pytest
+from rank_hooks import slow_model_load
 from test_partial_recovery import _rank_set
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import ParallelConfig
 from batchgen.distributed.rank_set import RankFailedError
-
-# Loaded into every rank process: rank 1's model load sleeps first (a slow disk, a big cache).
-SLOW_RANK = textwrap.dedent(
-    """
-    import os, sys
-    if os.environ.get("BATCHGEN_TEST_SLOW_RANK_S"):
-        import time
-
-        import batchgen.engine.llm_engine as llm_engine
-
-        _load = llm_engine.load_engine_model
-
-        def _slow(*args, **kwargs):
-            if "--rank" in sys.argv and sys.argv[sys.argv.index("--rank") + 1] == "1":
-                time.sleep(float(os.environ["BATCHGEN_TEST_SLOW_RANK_S"]))
-            return _load(*args, **kwargs)
-
-        llm_engine.load_engine_model = _slow
-    """
-)
 
 PROMPTS = ["the skewed start", "a second prompt, longer than the first one"]
 
@@ -49,12 +28,7 @@ PROMPTS = ["the skewed start", "a second prompt, longer than the first one"]
 def test_a_rank_slower_to_start_than_the_timeout_does_not_fail_the_start(
     checkpoint_dir, tmp_path, monkeypatch
 ):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_RANK)
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(hook) + (os.pathsep + path if path else ""))
-    monkeypatch.setenv("BATCHGEN_TEST_SLOW_RANK_S", "9")
+    slow_model_load(tmp_path, monkeypatch, 9, rank=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     started = time.monotonic()
     llm = LLM(
@@ -68,7 +42,7 @@ def test_a_rank_slower_to_start_than_the_timeout_does_not_fail_the_start(
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     finally:
         llm.shutdown()
-    monkeypatch.delenv("BATCHGEN_TEST_SLOW_RANK_S")
+    monkeypatch.delenv("BATCHGEN_TEST_SLOW_LOAD_S")
     ref = LLM(str(checkpoint_dir("mixtral"))).generate(PROMPTS, greedy, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in ref]
 
@@ -181,12 +155,7 @@ def test_a_rank_that_hangs_while_loading_fails_the_start_naming_it(
     5 s), naming rank 1, instead of after the rendezvous's 30 minutes; no rank is left."""
     import batchgen.distributed.rank_messages as rank_messages
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_RANK)
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(hook) + (os.pathsep + path if path else ""))
-    monkeypatch.setenv("BATCHGEN_TEST_SLOW_RANK_S", "3600")
+    slow_model_load(tmp_path, monkeypatch, 3600, rank=1)
     monkeypatch.setattr(rank_messages, "STARTING_SILENCE_S", 5.0)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
