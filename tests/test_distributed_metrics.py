@@ -59,3 +59,61 @@ def test_aggregate_sums_decode_only_steps_and_merges_their_histogram():
     assert list(m["decode_only_step_tokens"]) == [1, 4, 7]  # sorted, as one rank's
     assert m["decode_only_steps"] == 11
     assert m["decode_only_tokens"] == 2 + 12 + 20 + 7
+
+
+def _rank_snapshot(step_sizes: dict[int, int], busy: float = 1.0) -> dict:
+    """A real `EngineMetrics.snapshot` of a rank that ran ``step_sizes`` (tokens in a
+    decode-only step -> how many such steps)."""
+    import torch
+
+    from batchgen.engine.metrics import EngineMetrics
+
+    m = EngineMetrics()
+    for tokens, steps in step_sizes.items():
+        m.decode_only_step_tokens[tokens] += steps
+        m.decode_only_steps += steps
+        m.decode_only_tokens += tokens * steps
+    m.decode_tokens = m.generated_tokens = m.decode_only_tokens
+    m.num_steps = m.decode_only_steps
+    m.busy_seconds = busy
+    return m.snapshot(torch.device("cpu"))
+
+
+def test_histograms_merge_by_size_whatever_the_key_type_or_a_missing_one():
+    """One rank's snapshot as it is (int keys), one through JSON (str keys: "4", "10"), one
+    through pickle, one with no histogram (None): sizes merge as numbers, sorted as numbers
+    (10 after 7, not after 1), and the merged histogram adds up to the summed counts."""
+    import json
+    import pickle
+
+    from batchgen.distributed.metrics import aggregate_metrics
+
+    as_is = _rank_snapshot({1: 2, 4: 3, 10: 1})
+    via_json = json.loads(json.dumps(_rank_snapshot({4: 5, 7: 1, 10: 2}, busy=2.0)))
+    assert set(via_json["decode_only_step_tokens"]) == {"4", "7", "10"}
+    via_pickle = pickle.loads(pickle.dumps(_rank_snapshot({2: 1})))
+    none = {**_rank_snapshot({}), "decode_only_step_tokens": None, "stage_time_share": None}
+    m = aggregate_metrics([as_is, via_json, via_pickle, none], 3.0)
+    assert m["decode_only_step_tokens"] == {1: 2, 2: 1, 4: 8, 7: 1, 10: 3}
+    assert list(m["decode_only_step_tokens"]) == [1, 2, 4, 7, 10]
+    assert m["decode_only_steps"] == 2 + 3 + 1 + 5 + 1 + 2 + 1 == 15
+    assert m["decode_only_tokens"] == 2 + 12 + 10 + 20 + 7 + 20 + 2 == 73
+    assert m["decode_only_steps"] == sum(m["decode_only_step_tokens"].values())
+    assert m["decode_only_tokens"] == sum(k * n for k, n in m["decode_only_step_tokens"].items())
+    assert m["decode_tokens"] == 73 and m["decode_tokens_per_s"] == 73 / 2.0
+    assert m["data_parallel_size"] == 4
+    # No stage ran inside these steps: all of each rank's busy time is Python overhead, and
+    # the rank without a breakdown does not dilute that.
+    assert m["stage_time_share"]["python_overhead"] == pytest.approx(1.0)
+    assert m["stage_time_share"]["attention"] == 0.0
+
+
+def test_a_histogram_size_that_is_not_a_number_names_the_rank_and_field():
+    from batchgen.distributed.metrics import aggregate_metrics
+
+    for size in ("four", 4.5, None):
+        bad = {**_rank_snapshot({4: 1}), "decode_only_step_tokens": {size: 1}, "rank": 3}
+        with pytest.raises(
+            ValueError, match=rf"rank 3's decode_only_step_tokens: size {size!r} is not a whole"
+        ):
+            aggregate_metrics([_rank_snapshot({4: 1}), bad], 1.0)
