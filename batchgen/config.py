@@ -55,7 +55,13 @@ class EngineConfig:
             section=TOP_LEVEL,
         ),
     )
-    tokenizer: str | None = field(default=None, metadata=meta("tokenizer path (default: model)"))
+    tokenizer: str | None = field(
+        default=None,
+        metadata=meta(
+            "tokenizer path or hub id (default: the model's); batchgen/default-mixtral-v1 is "
+            "the default model's"
+        ),
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=meta(
@@ -190,10 +196,14 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        from batchgen.models.default_model import names_default_model
+        from batchgen.models.default_model import DEFAULT_MODEL_ID, names_default_model
 
         if isinstance(self.model, str) and names_default_model(self.model):
             self.model = None  # the default model's name: the same as no model given
+        if isinstance(self.tokenizer, str) and names_default_model(self.tokenizer):
+            # the default model's tokenizer: its own when it runs, else under its one name
+            # (`resolve_tokenizer` finds its folder when the engine starts)
+            self.tokenizer = None if self.model is None else DEFAULT_MODEL_ID
         self.validate()
 
     def validate(self) -> None:

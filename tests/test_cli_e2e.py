@@ -212,10 +212,11 @@ def test_mixed_good_and_bad_lines(tmp_path, tiny_model):
     assert "random weights" not in proc.stderr  # said of the default model only
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGHUP"])
 def test_kill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model, sig):
-    """Killed mid-run (SIGKILL: nothing runs after it; SIGTERM: an orderly stop, exit 143 and a
-    line that says how to go on), --resume finishes each custom_id once, as a clean run."""
+    """Killed mid-run (SIGKILL: nothing runs after it; SIGTERM, or SIGHUP from a closed
+    terminal: an orderly stop, exit 143 / 129 and a line that says how to go on), --resume
+    finishes each custom_id once, as a clean run."""
     inp = tmp_path / "in.jsonl"
     ids = [f"req-{i:03d}" for i in range(40)]
     inp.write_text(
@@ -255,12 +256,12 @@ def test_kill_then_resume_gives_each_custom_id_once(tmp_path, tiny_model, sig):
         time.sleep(0.05)
     proc.send_signal(getattr(signal, sig))
     _, stderr = proc.communicate(timeout=120)
-    if sig == "SIGTERM":
-        assert proc.returncode == 143, stderr
+    if sig != "SIGKILL":
+        assert proc.returncode == 128 + getattr(signal, sig), stderr
         kept = out.read_text().count("\n")
         noun = "result" if kept == 1 else "results"
         assert (
-            f"batchgen run: terminated by SIGTERM; {kept} {noun} written by this run in {out} "
+            f"batchgen run: terminated by {sig}; {kept} {noun} written by this run in {out} "
             "(rerun with --resume to continue)"
         ) in stderr
         assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]

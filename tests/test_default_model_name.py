@@ -85,3 +85,30 @@ def test_a_cluster_file_may_name_the_default_model(tiny_default, tmp_path):
     lines = report(cluster)
     assert f"model: {DEFAULT_MODEL_ID} (the embedded default model)" in lines
     assert "experts per rank: all 4 (replicated)" in lines  # the tiny default's config.json
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_default_models_name_as_the_tokenizer(tmp_path, monkeypatch, name):
+    """``--tokenizer`` takes the default model's names as ``--model`` does: with the default
+    model it is the model's own (None), with another model it stands for the default model's
+    tokenizer under its one name; a local directory of that name still wins."""
+    assert EngineConfig(tokenizer=name).tokenizer is None
+    assert EngineConfig(model=str(tmp_path), tokenizer=name).tokenizer == DEFAULT_MODEL_ID
+    assert EngineConfig(model=DEFAULT_MODEL_ID, tokenizer=name).tokenizer is None
+    args = cli.build_parser().parse_args(["run", "-i", "x", "-o", "y", "--tokenizer", name])
+    assert EngineConfig(**cli.engine_kwargs(args)).tokenizer is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).mkdir(parents=True)
+    assert EngineConfig(tokenizer=name).tokenizer == name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_another_model_with_the_default_models_tokenizer(tiny_default, checkpoint_dir, name):
+    """``LLM(model=other, tokenizer="batchgen/default-mixtral-v1")`` loads the default model's
+    tokenizer (its folder, built on first use), not a hub id of that name (which failed)."""
+    llama = str(checkpoint_dir("llama"))
+    llm = LLM(model=llama, tokenizer=name)
+    assert llm.llm_engine.model_name == llama.rsplit("/", 1)[-1]
+    assert llm.llm_engine.config.model == llama
+    assert llm.get_tokenizer().name_or_path == tiny_default
+    assert len(_tokens(llm)) == 4

@@ -63,6 +63,7 @@ from batchgen.distributed.rebalance import Rebalancer
 from batchgen.distributed.recovery import MAX_RECOVERIES, ElasticRecovery  # noqa: F401
 from batchgen.engine.input_processor import InputProcessor, ProcessedPrompt, load_tokenizer
 from batchgen.engine.migration import RequestState
+from batchgen.models.default_model import resolve_tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -139,7 +140,7 @@ class DPEngineClient(FrontendMetrics, FrontendRecovery, FrontendWeights):
         ep = parallel.resolved_expert_parallel_size
         if ep > 1 and self.model_config.is_moe:  # fail here, not in every rank after loading
             ExpertPlacement(self.model_config.num_local_experts, ep)
-        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer, path))
         self.requests: dict[str, _Request] = {}  # unfinished, in arrival order
         self._answer_token = itertools.count()
         self._answers: dict[tuple[int, int], object] = {}

@@ -6,11 +6,15 @@ from __future__ import annotations
 def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
     """Job totals over per-rank metric snapshots (see `DPEngineClient.get_metrics`).
 
-    Token and step counts are summed (``decode_only_step_tokens``, a histogram, by key: the
-    number of decode-only steps of each size over all ranks). Rates divide by the busiest
-    rank's ``busy_seconds`` (time inside engine steps; ranks step side by side), as one process
-    divides by its own: so the figures compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
-    over ranks; ``wall_seconds`` is the time since start or the last `reset_metrics`.
+    Token and step counts are summed (``decode_only_step_tokens``, a histogram, by size:
+    `merge_histograms`). Rates divide by the busiest rank's ``busy_seconds`` (time inside
+    engine steps; ranks step side by side), as one process divides by its own: so the figures
+    compare with `LLMEngine.get_metrics`. ``stage_time_share`` is the busy-time-weighted mean
+    over the ranks that report one; ``wall_seconds`` is the time since start or
+    the last `reset_metrics`.
+
+    Raises:
+        ValueError: a histogram size that is not a whole number (`merge_histograms`).
     """
     total = {
         key: sum(s.get(key, 0) for s in ranks)
@@ -38,20 +42,18 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
         for s in ranks
         if s.get("tile_density")
     )
-    step_tokens: dict[int, int] = {}
-    for s in ranks:
-        for tokens, steps in s.get("decode_only_step_tokens", {}).items():
-            step_tokens[tokens] = step_tokens.get(tokens, 0) + steps
+    step_tokens = merge_histograms(ranks, "decode_only_step_tokens")
     busy = max(s["busy_seconds"] for s in ranks) or 1e-12
-    weights = [s["busy_seconds"] for s in ranks]
+    staged = [s for s in ranks if s.get("stage_time_share")]
+    weight_sum = sum(s["busy_seconds"] for s in staged) or 1e-12
     shares: dict[str, float] = {}
-    for s, weight in zip(ranks, weights, strict=True):
+    for s in staged:
         for stage, share in s["stage_time_share"].items():
-            shares[stage] = shares.get(stage, 0.0) + share * weight / (sum(weights) or 1e-12)
+            shares[stage] = shares.get(stage, 0.0) + share * s["busy_seconds"] / weight_sum
     return {
         **total,
         "data_parallel_size": len(ranks),
-        "decode_only_step_tokens": dict(sorted(step_tokens.items())),
+        "decode_only_step_tokens": step_tokens,
         "busy_seconds": busy,
         "wall_seconds": wall_seconds,
         "prefill_tokens_per_s": total["prefill_tokens"] / busy,
@@ -71,3 +73,30 @@ def aggregate_metrics(ranks: list[dict], wall_seconds: float) -> dict:
         "peak_memory_bytes": max(s["peak_memory_bytes"] for s in ranks),
         "ranks": ranks,
     }
+
+
+def merge_histograms(ranks: list[dict], key: str) -> dict[int, int]:
+    """The sum over ``ranks`` of the histogram at ``key`` (size -> count), sorted by size.
+
+    A snapshot that crossed JSON has its sizes as strings ("4"), one that stayed in Python as
+    ints (4): both are the size 4. A rank whose histogram is None or absent adds nothing.
+
+    Raises:
+        ValueError: a size that is not a whole number, naming the rank (its ``rank`` field, else
+            its place in ``ranks``) and ``key``.
+    """
+    merged: dict[int, int] = {}
+    for place, snapshot in enumerate(ranks):
+        for size, count in (snapshot.get(key) or {}).items():
+            try:
+                tokens = int(size)
+                whole = tokens == float(size)  # 4.5 is not size 4
+            except (TypeError, ValueError, OverflowError):
+                whole = False
+            if not whole:
+                rank = snapshot.get("rank", place)
+                raise ValueError(
+                    f"rank {rank}'s {key}: size {size!r} is not a whole number"
+                ) from None
+            merged[tokens] = merged.get(tokens, 0) + count
+    return dict(sorted(merged.items()))

@@ -57,6 +57,7 @@ from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.kernels.switches import check_kernel_switches
 from batchgen.models.batch_invariant import check_batch_invariant_support
+from batchgen.models.default_model import resolve_tokenizer
 from batchgen.models.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from batchgen.models.layers.moe import SparseMoeBlock
 from batchgen.models.layers.norm import RMSNorm
@@ -131,7 +132,7 @@ class LLMEngine(EngineRequests, RequestOutputs, EngineMetricsView):
         torch.manual_seed(config.seed)
         held = rank.held_experts(cfg) if rank is not None else None
         model = load_engine_model(path, cfg, self.device, self.dtype, held, config.batch_invariant)
-        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer, path))
         self.eos_token_ids = eos_token_ids(path, cfg)
 
         # An expert-parallel rank's MoE layers cannot run before its dispatcher is installed

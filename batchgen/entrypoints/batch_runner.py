@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +247,7 @@ def run_batch_file(
     max_in_flight: int = 1024,
     progress: bool = True,
     snapshot: SnapshotWriter | None = None,
+    on_complete: Callable[[], None] | None = None,
 ) -> BatchRunSummary:
     """Run every request of an OpenAI Batch input file and write one result line per input line.
 
@@ -269,6 +270,10 @@ def run_batch_file(
             output holds but the snapshot lacks are stored first (module docstring). Only
             results for a request of this input are copied; any other (another job's) is
             counted in ``ignored``, with a warning. Needs a regular input file.
+        on_complete: called once every result is written (the output flushed and synced, the
+            snapshot stored), before the files close: ``batchgen run`` marks its work done
+            there (`cli_signals.work_done`), so that a signal from then on does not turn the
+            finished run into an interrupted one.
 
     Returns:
         The counts of this run.
@@ -335,6 +340,8 @@ def run_batch_file(
                 logger.warning("could not store the last results in the snapshot: %s", close_err)
             raise
         writer.close(finished=True)
+        if on_complete is not None:
+            on_complete()
         note_prefix_cache(summary, engine)
         summary.restored = restored
         summary.ignored = ignored

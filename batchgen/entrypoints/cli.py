@@ -19,15 +19,15 @@ the subcommand does not know prints that subcommand's usage first, as argparse d
 errors. Heavy modules (torch, the engine) are imported only by the subcommand that needs them,
 so ``batchgen --help`` is instant; before one is, the OpenMP wait policy is set
 (`batchgen.engine.cpu_threads`), which OpenMP reads only once, when torch loads it.
+Signals during ``batchgen run`` (the orderly stop: exit 130, 143 or 129, and a signal once the
+work is done changing nothing) are `batchgen.entrypoints.cli_signals`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -46,6 +46,12 @@ from batchgen.entrypoints.cli_flags import (  # noqa: F401  (re-exported)
 )
 from batchgen.entrypoints.cli_run import SNAPSHOT_FIELDS  # noqa: F401  (re-exported)
 from batchgen.entrypoints.cli_service import api_key as _api_key  # noqa: F401  (re-exported)
+from batchgen.entrypoints.cli_signals import (  # noqa: F401  (Terminated: re-exported)
+    OrderlyStop,
+    Terminated,
+    say,
+    stop_line,
+)
 
 LOG_LEVEL_ENV = "BATCHGEN_LOG_LEVEL"  # the "batchgen" logger's level on stderr (default INFO)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -159,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchgen`` script. Returns the exit code.
 
     0: done (individual requests may still have failed: see the output file and summary);
-    2: usage or user error; 130: interrupted (SIGINT, Ctrl-C), 143: terminated (SIGTERM), in
-    both cases after the results finished so far are written (rerun with ``--resume``).
+    2: usage or user error; 130: interrupted (SIGINT, Ctrl-C), 143: terminated (SIGTERM), 129:
+    hung up (SIGHUP, the terminal closed), in each case after the results finished so far are
+    written (rerun with ``--resume``); a signal once every result is written changes nothing.
     """
     args, unknown = build_parser().parse_known_args(argv)
     command: Subcommand = args._subcommand
@@ -194,111 +201,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         root.setLevel(previous_level)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during a command: unwinds like Ctrl-C (the results finished so far are written,
-    the engine and its ranks shut down), then the command exits 143 (128 + SIGTERM)."""
-
-
-def _exit_now(code: int):
-    """A signal handler for after the command has finished: the process exits at once with
-    the command's own exit code (a finished job stays a success) instead of dying of the
-    signal, or printing a KeyboardInterrupt traceback, while the interpreter shuts down."""
-
-    def handler(signum, frame) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    return handler
-
-
-class _OrderlyStop:
-    """SIGINT and SIGTERM during `batchgen run`. The first one raises (`KeyboardInterrupt`, or
-    `Terminated` for SIGTERM) and so starts the orderly stop: the results finished so far are
-    written, the engine and its ranks shut down. A later one is only noted: raised inside that
-    stop it would cut it short (a traceback, the kept-results line lost, the wrong exit code);
-    SIGKILL still stops the process at once. A SIGTERM among them makes the stop exit 143 (two
-    signals that land during one long step reach Python together, SIGINT first).
-
-    A signal ignored on entry (SIG_IGN from the parent) stays ignored, as Python leaves an
-    ignored SIGINT and POSIX shells an ignored trap; a SIGINT handler other than Python's own
-    is left alone."""
-
-    def __init__(self) -> None:
-        self.received: set[int] = set()
-        self.previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            current = signal.getsignal(sig)
-            if current is signal.SIG_IGN or (
-                sig == signal.SIGINT and current is not signal.default_int_handler
-            ):
-                continue
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        first = not self.received
-        self.received.add(signum)
-        if first:
-            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-    def terminated(self, err: BaseException) -> bool:
-        return isinstance(err, Terminated) or signal.SIGTERM in self.received
-
-    def uninstall(self, code: int, process_entry: bool) -> None:
-        """After the command: the ``batchgen`` script exits at once with ``code`` on either
-        signal (`_exit_now`), and ignores them once the interpreter exits (which puts Python's
-        handlers back to SIG_DFL before it tears down the modules: a signal then killed the
-        process, exit -2 or -15, not ``code``); in-process callers get their handlers back."""
-        for sig, previous in self.previous.items():
-            if process_entry:
-                signal.signal(sig, _exit_now(code))
-            else:  # None: a handler from outside Python, which only SIG_DFL can stand for
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        if process_entry and self.previous:
-            atexit.register(_ignore_signals, list(self.previous))
-
-
-def _ignore_signals(signals: list[int]) -> None:
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _run_command(
-    command: Subcommand, args: argparse.Namespace, process_entry: bool = False
-) -> int:
-    """Runs one subcommand; returns its exit code (2 for a `CliError`, 130 when interrupted,
-    143 when terminated: `batchgen run` turns SIGTERM, what ``kill``, ``timeout`` and container
-    runtimes send, into the same orderly stop as Ctrl-C, and a second signal does not break
-    into that stop (`_OrderlyStop`)). ``process_entry`` (the ``batchgen`` script, ``python -m
-    batchgen``): a signal after the command finished exits with its code (`_exit_now`);
-    in-process callers get their handlers back instead."""
-    if command.uses_torch:
-        from batchgen.engine.cpu_threads import set_openmp_wait_policy
-
-        set_openmp_wait_policy()
+def _run_command(command: Subcommand, args: argparse.Namespace, process_entry: bool = False) -> int:
+    """Runs one subcommand; returns its exit code (2 for a `CliError`; for ``batchgen run``
+    stopped by a signal, 128 + its number: 130 interrupted (SIGINT), 143 terminated (SIGTERM,
+    what ``kill``, ``timeout`` and container runtimes send), 129 hung up (SIGHUP), each the
+    same orderly stop, which a second signal does not break into; `cli_signals.OrderlyStop`).
+    The handlers go in before anything else runs; once the command's work is done
+    (`cli_signals.work_done`) a signal is only noted and the command's code stands.
+    ``process_entry`` (the ``batchgen`` script, ``python -m batchgen``): a signal after the
+    command finished exits with its code (`cli_signals.exit_now`); in-process callers get
+    their handlers back instead."""
+    stop = OrderlyStop()
     given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
-    stop = _OrderlyStop()
-    if command.name == "run" and threading.current_thread() is threading.main_thread():
-        stop.install()
     hint = " (rerun with --resume to continue)" if command.name == "run" else ""
     code = 1  # an exception that escapes below
     try:
+        if command.name == "run" and threading.current_thread() is threading.main_thread():
+            stop.install()  # first: a signal during the start-up below stops in order too
+        if command.uses_torch:
+            from batchgen.engine.cpu_threads import set_openmp_wait_policy
+
+            set_openmp_wait_policy()
         code = command.run(args)
+        stop.finish()
     except CliError as err:
-        print(f"{PROG} {command.name}: error: {err}", file=sys.stderr)
+        stop.finish()
+        say(f"{PROG} {command.name}: error: {err}")
         code = 2
     except KeyboardInterrupt as err:  # `Terminated` included
+        sig = stop.exit_signal(err)
         # What `run_batch_file` kept on disk ("" when stopped before it wrote results).
         kept = getattr(err, "batchgen_kept", "")
-        terminated = stop.terminated(err)
-        how = "terminated by SIGTERM" if terminated else "interrupted"
-        print(f"{PROG} {command.name}: {how}{'; ' + kept if kept else ''}{hint}", file=sys.stderr)
-        code = 143 if terminated else 130
+        say(stop_line(command.name, sig, kept, hint))
+        code = 128 + sig
     finally:
-        stop.uninstall(code, process_entry)
-        GIVEN_AS.reset(given_as)
+        try:
+            if late := stop.late_line(command.name, code):
+                say(late)
+        finally:
+            stop.uninstall(code, process_entry)
+            GIVEN_AS.reset(given_as)
     return code
 
 

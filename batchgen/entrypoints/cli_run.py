@@ -17,6 +17,7 @@ from pathlib import Path
 
 from batchgen.entrypoints import cli_flags
 from batchgen.entrypoints.cli_flags import PROG, CliError, add_engine_arguments, engine_kwargs
+from batchgen.entrypoints.cli_signals import say, work_done
 from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOTE
 
 
@@ -156,6 +157,8 @@ def _no_requests(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Run ``batchgen run``. Returns 0, or 1 when the run stopped early (a rank failed, the
     snapshot was taken over or could not be written; the message says where the results are).
+    Marks the work done (`cli_signals.work_done`) once every result is written, or once the
+    run has failed, before the engine's ranks shut down: a signal after that changes nothing.
 
     Raises:
         CliError: a missing input, an unusable output or snapshot, an engine that cannot start.
@@ -181,24 +184,26 @@ def run(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight or _max_running_seqs(engine),
             progress=not args.no_progress,
             snapshot=snapshot,
+            on_complete=work_done,  # every result written: a signal now changes nothing
         )
     except (SnapshotTakenOverError, SnapshotWriteError) as err:
+        work_done()  # the run ends here, with code 1, whatever signal comes now
         # Their messages say where the results are and what to do.
-        print(f"{PROG} run: error: {err}", file=sys.stderr)
+        say(f"{PROG} run: error: {err}")
         return 1
     except (BatchFileError, FileNotFoundError, PermissionError, IsADirectoryError) as err:
         raise CliError(str(err)) from err
     except RankFailedError as err:
+        work_done()
         where = f"{args.output}" + (f" and {snapshot.store.uri}" if snapshot else "")
-        print(
+        say(
             f"{PROG} run: error: {err}; every result finished before it is in {where}: "
-            "rerun with --resume to finish the rest",
-            file=sys.stderr,
+            "rerun with --resume to finish the rest"
         )
         return 1
     finally:
-        cli_flags.shutdown_engine(engine)
-    print(f"{PROG} run: {summary.describe()}; results in {args.output}", file=sys.stderr)
+        cli_flags.shutdown_engine(engine)  # a data-parallel engine's ranks leave
+    say(f"{PROG} run: {summary.describe()}; results in {args.output}")
     if getattr(engine, "model_name", None) == f"batchgen/{DEFAULT_MODEL_NAME}":
-        print(f"{PROG} run: note: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+        say(f"{PROG} run: note: {RANDOM_WEIGHTS_NOTE}")
     return 0

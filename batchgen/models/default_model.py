@@ -37,6 +37,18 @@ def names_default_model(model: str) -> bool:
     return model in (DEFAULT_MODEL_ID, DEFAULT_MODEL_NAME) and not Path(model).is_dir()
 
 
+def resolve_tokenizer(tokenizer: str | None, model_path: str) -> str:
+    """Where the engine loads its tokenizer from: ``model_path`` (the model's folder) when
+    ``tokenizer`` is None, the default model's folder (built on first use) when ``tokenizer``
+    names the default model (`names_default_model`; `EngineConfig` keeps it as
+    ``batchgen/default-mixtral-v1`` beside another model), else ``tokenizer`` as given."""
+    if tokenizer is None:
+        return model_path
+    if names_default_model(tokenizer):
+        return default_model_path()
+    return tokenizer
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE_DIR", Path.home() / ".cache" / "batchgen"))
 
