@@ -20,6 +20,9 @@ import test_cli_e2e
 from test_cli_e2e import BATCHGEN, _completion, _env, _lines
 
 IDS = [f"req-{i:03d}" for i in range(40)]
+# The first results of a module's first run wait for the kernels to compile into its fresh
+# cache (about a minute on 2 quiet cores, several on a busy machine).
+FIRST_RESULTS_S = 300
 tiny_model = test_cli_e2e.tiny_model  # the fixture: a tiny Mixtral checkpoint
 
 
@@ -73,7 +76,7 @@ def test_nohup_keeps_sighup_ignored_and_the_run_finishes(tmp_path, tiny_model, e
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
     )
     try:
-        _wait_for_results(out, 6, proc, 120)
+        _wait_for_results(out, 6, proc, FIRST_RESULTS_S)
         proc.send_signal(signal.SIGHUP)
         _, stderr = proc.communicate(timeout=180)
     finally:
@@ -104,7 +107,7 @@ def test_sighup_from_a_closed_terminal_keeps_every_finished_result(tmp_path, tin
     os.close(slave)
     drained.start()
     try:
-        _wait_for_results(out, 6, proc, 120)
+        _wait_for_results(out, 6, proc, FIRST_RESULTS_S)
         os.close(master)  # the terminal goes away: writes to it fail from now on
         proc.send_signal(signal.SIGHUP)
         proc.wait(120)

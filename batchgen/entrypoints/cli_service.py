@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -154,7 +155,16 @@ def serve(args: argparse.Namespace) -> int:
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``batchgen submit``'s flags (``-i``, ``-o``, ``--endpoint``, the API key...)."""
-    parser.add_argument("-i", "--input", required=True, help="OpenAI Batch API input (JSONL)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("-i", "--input", help="OpenAI Batch API input (JSONL)")
+    source.add_argument(
+        "--batch-id",
+        action="append",
+        metavar="ID",
+        help="collect the results of a batch already on the server instead of starting one "
+        "(repeat for several: an interrupted submit prints its batches' ids); every result "
+        "of the batch is written again from its first",
+    )
     parser.add_argument(
         "-o", "--output", required=True, help="results (JSONL, in the order they finish)"
     )
@@ -179,17 +189,20 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    """Run ``batchgen submit``. Returns 0 when every batch completed, else 1.
+    """Run ``batchgen submit``: start one batch per endpoint of ``--input``, or attach to the
+    batches ``--batch-id`` names (e.g. after an interrupted submit), and write every result
+    to ``--output`` as it arrives. Returns 0 when every batch completed, else 1.
 
     Raises:
-        CliError: a missing input or output directory, a server error (`BatchGenError`).
+        CliError: a missing input or output directory, a server error (`BatchGenError`: an
+            unknown batch id is its 404).
     """
     from tqdm import tqdm
 
     from batchgen.entrypoints.openai_protocol import dumps_line
     from batchgen.service.client import BatchGenClient, BatchGenError
 
-    if not Path(args.input).is_file():
+    if args.input is not None and not Path(args.input).is_file():
         raise CliError(f"input file {args.input!r} does not exist")
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
@@ -204,9 +217,12 @@ def submit(args: argparse.Namespace) -> int:
             open(args.output, "w", encoding="utf-8") as sink,
             tqdm(unit="req", disable=args.no_progress, file=sys.stderr) as bar,
         ):
-            jobs = client.submit_file_by_endpoint(
-                args.input, completion_window=args.completion_window
-            )
+            if args.batch_id:
+                jobs = [client.batch(batch_id) for batch_id in args.batch_id]
+            else:
+                jobs = client.submit_file_by_endpoint(
+                    args.input, completion_window=args.completion_window
+                )
             for job in jobs:
                 print(f"{PROG} submit: batch {job.id} ({job.batch['endpoint']})", file=sys.stderr)
             statuses = []
@@ -222,6 +238,13 @@ def submit(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         for job in jobs:
             print(f"{PROG} submit: batch {job.id} keeps running on the server", file=sys.stderr)
+        if jobs:
+            ids = " ".join(f"--batch-id {job.id}" for job in jobs)
+            print(
+                f"{PROG} submit: to collect its results: {PROG} submit {ids} "
+                f"-o {shlex.quote(args.output)} --endpoint {args.endpoint}",
+                file=sys.stderr,
+            )
         raise
     summary = ", ".join(f"batch {job.id} {status}" for job, status in zip(jobs, statuses))
     print(
