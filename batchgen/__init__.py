@@ -10,6 +10,33 @@ from batchgen.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
+
+def _apply_log_level_env() -> None:
+    """``$BATCHGEN_LOG_LEVEL`` (DEBUG, INFO, WARNING, ERROR, CRITICAL; any case) sets the
+    ``batchgen`` logger's level in a Python program too, as ``VLLM_LOGGING_LEVEL`` does for
+    vLLM (the ``batchgen`` commands also print INFO with it unset; a program sees WARNING and
+    above through Python's last-resort handler). A bad value is a warning here, not an error:
+    an import should not fail on it (the commands exit 2)."""
+    import logging
+    import os
+
+    raw = os.environ.get("BATCHGEN_LOG_LEVEL", "").strip()
+    if not raw:
+        return
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    if raw.upper() in levels:
+        logging.getLogger("batchgen").setLevel(raw.upper())
+    else:
+        import warnings
+
+        warnings.warn(
+            f"BATCHGEN_LOG_LEVEL={raw!r} ignored: expected one of {', '.join(levels)} (any case)",
+            stacklevel=2,
+        )
+
+
+_apply_log_level_env()
+
 __all__ = [
     "LLM",
     "CompletionOutput",
