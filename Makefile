@@ -27,7 +27,7 @@ run: install
 	$(BIN)/batchgen run -i examples/requests.jsonl -o results.jsonl
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) results.jsonl
