@@ -194,7 +194,8 @@ def test_serve_takes_the_noops_too(tmp_path, monkeypatch, capsys):
     assert "--trust-remote-code: vLLM's flag, accepted with no effect" in err
 
 
-def test_every_vllm_flag_is_in_run_help_and_the_docs_table(capsys):
+def test_every_vllm_flag_is_in_run_help_and_the_docs_table(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())

@@ -73,7 +73,11 @@ def add_config_flags(group, config_cls) -> None:
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         kind = _flag_type(hints[f.name])
-        default = "" if f.default is None else f" (default: {f.default})"
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            default = f" (default: {f.default})"
+        else:  # unset, unless the help says what that means
+            default = "" if "default" in help_text.lower() else " (default: unset)"
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -89,7 +93,7 @@ def add_config_flags(group, config_cls) -> None:
         group.add_argument(
             *names,
             "--" + f.name.replace("_", "-"),
-            help=f.metadata.get("help", "") + default,
+            help=help_text + default,
             **kwargs,
         )
 
