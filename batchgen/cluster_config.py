@@ -32,7 +32,6 @@ and the flags over it (`batchgen.cluster_merge`).
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 
@@ -60,7 +59,7 @@ from batchgen.cluster_yaml import (
     yaml_type,
 )
 from batchgen.config import EngineConfig
-from batchgen.config_fields import SECTIONS, TOP_LEVEL
+from batchgen.config_fields import SECTIONS, TOP_LEVEL, close_name
 from batchgen.distributed.layout import resolve_layout
 from batchgen.parallel_config import MAX_RANKS, ParallelConfig
 
@@ -133,8 +132,8 @@ class _Loader(ClusterFileReader):
             parent = loc[1] if len(loc) == 3 else TOP_LEVEL
             allowed = [k.name for k in self.keys if k.section == parent]
             allowed += list(SECTIONS) if parent == TOP_LEVEL else []
-            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = close_name(str(loc[-1]), allowed)
+            hint = f"did you mean {close!r}? " if close else ""
             return self.error(loc, f"unknown key; {hint}allowed: {', '.join(allowed)}")
         if e["type"] == "invalid_key":  # loc ends with the key; the line is the key's
             what = f"a key must be a string, got {value!r} ({yaml_type(value)})"

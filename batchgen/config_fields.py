@@ -11,6 +11,8 @@ in docs/cluster-config.md all come from the fields, so a new setting is one fiel
 from __future__ import annotations
 
 import contextvars
+import difflib
+from collections.abc import Iterable
 
 # Cluster YAML sections (`batchgen_cluster.<section>.<field>`); TOP_LEVEL: directly under
 # `batchgen_cluster` (the model).
@@ -67,3 +69,11 @@ def is_int(value: object) -> bool:
 def is_number(value: object) -> bool:
     """An int or float, not a bool, not NaN."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def close_name(name: str, known: Iterable[str]) -> str | None:
+    """The name of ``known`` closest to a misspelt ``name`` (`difflib`, its default cutoff
+    0.6), or None: ``close_name("max_num_seq", fields)`` is ``"max_num_seqs"``. For the
+    "did you mean" of every unknown name (LLM arguments, request fields, cluster YAML keys)."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return close[0] if close else None

@@ -151,7 +151,8 @@ class ParallelConfig:
         metadata=meta(
             "every this many steps, ranks report their load and the frontend moves requests "
             "from the most to the least loaded rank (waiting ones as they are, started ones "
-            "with their K/V shipped or by recompute; docs/distributed.md)",
+            "with their K/V shipped or by recompute; docs/distributed.md); unset: no "
+            "rebalancing",
             section="coroutine_scheduler",
         ),
     )

@@ -154,6 +154,27 @@ def test_invalid_engine_settings_name_the_field(checkpoint_dir):
         LLM(path, tensor_parallel=2)
 
 
+def test_a_misspelt_llm_argument_gets_a_did_you_mean():
+    """Before: the 43 allowed names and no hint (batch lines already had one)."""
+    from batchgen.config import EngineConfig, ParallelConfig
+
+    allowed = EngineConfig.field_names() + ParallelConfig.field_names()
+    with pytest.raises(ValueError) as info:
+        LLM(max_num_seq=3)  # fails before any model is built
+    assert str(info.value) == (
+        f"unknown LLM arguments ['max_num_seq'] (did you mean 'max_num_seqs'?); allowed: {allowed}"
+    )
+    with pytest.raises(ValueError) as info:
+        LLM(dtyp="float32", max_num_seq=3, zzz=1)
+    assert str(info.value).startswith(
+        "unknown LLM arguments ['dtyp', 'max_num_seq', 'zzz'] (did you mean 'dtype' for 'dtyp', "
+        "'max_num_seqs' for 'max_num_seq'?); allowed: ['model', "
+    )
+    with pytest.raises(ValueError) as info:
+        LLM(zzz=1)
+    assert str(info.value) == f"unknown LLM arguments ['zzz']; allowed: {allowed}"
+
+
 def test_missing_local_directory_is_named_as_such():
     with pytest.raises(ValueError, match="model directory '/tmp/no/such/dir' does not exist"):
         resolve_model_path("/tmp/no/such/dir")

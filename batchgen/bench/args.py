@@ -15,6 +15,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 MODES = ("hf_generate", "hf_generate_batch", "lockstep", "coalesce")
+# The workloads of a run without --workloads (shared-docs and tree-search run only when named).
+DEFAULT_WORKLOADS = ("rollouts", "extraction", "search", "extraction-json")
 # Settings a cluster file can give the bench, and their defaults when neither it nor a flag does.
 BENCH_DEFAULTS = {
     "model": None,
@@ -31,16 +33,27 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     dtypes = ["float32", "bfloat16", "float16"]
     p.add_argument("--dtype", default=argparse.SUPPRESS, choices=dtypes, help="default: float32")
-    p.add_argument("--device", default=argparse.SUPPRESS, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    p.add_argument(
+        "--device",
+        default=argparse.SUPPRESS,
+        choices=["auto", "cpu", "cuda"],
+        help=f"default: {BENCH_DEFAULTS['device']} (cuda when there is one)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {', '.join(MODES)} (default: all four)",
+    )
     p.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated: rollouts,extraction,search,extraction-json (structured outputs: "
-        "constrained against unconstrained),shared-docs (only when named: 16 questions per "
-        "document, the BatchGen modes with the prefix cache on and off),tree-search (only when "
-        "named: branching 4, depth 3, each level extending its parent's prompt and output, run "
-        "level by level; the BatchGen modes with the prefix cache on and off)",
+        help="comma-separated, of: rollouts, extraction, search, extraction-json (structured "
+        "outputs: constrained against unconstrained; needs lockstep or coalesce among the modes), "
+        "shared-docs (16 questions per document, the BatchGen modes with the prefix cache on and "
+        "off), tree-search (branching 4, depth 3, each level extending its parent's prompt and "
+        "output, run level by level; the BatchGen modes with the prefix cache on and off) "
+        f"(default: {','.join(DEFAULT_WORKLOADS)}: shared-docs and tree-search run only when "
+        "named)",
     )
     p.add_argument(
         "--expert-coalesce-threshold",
@@ -70,10 +83,12 @@ def add_arguments(p) -> None:
         default="mixtral",
         choices=["mixtral", "deepseek_v3"],
         help="benchmark model family, built offline on first use: Mixtral or DeepSeek-V3 "
-        "(MLA), both 64 experts top-8, hidden 512, 4 layers",
+        "(MLA), both 64 experts top-8, hidden 512, 4 layers (default: mixtral)",
     )
     p.add_argument(
-        "--model", default=argparse.SUPPRESS, help="checkpoint (overrides --arch and --config's)"
+        "--model",
+        default=argparse.SUPPRESS,
+        help="checkpoint (overrides --arch and --config's; default: the --arch model)",
     )
     from batchgen.config import ParallelConfig
     from batchgen.entrypoints.cli_flags import add_cluster_file_argument, add_config_flags

@@ -13,7 +13,7 @@ and their ``metadata["help"]``, so they follow the config without edits here. An
 not set on the namespace (``default=argparse.SUPPRESS``), so `engine_kwargs` holds only the
 flags given, and those override a ``--config`` cluster file key by key.
 
-User errors (missing input file, invalid setting, unknown architecture) print one line
+User errors (missing input file, invalid setting, an occupied make-model --out) print one line
 ``batchgen <command>: error: ...`` to stderr and exit with code 2, without a traceback; a flag
 the subcommand does not know prints that subcommand's usage first, as argparse does for its own
 errors. Heavy modules (torch, the engine) are imported only by the subcommand that needs them,
@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from batchgen import __version__
 from batchgen.config_fields import GIVEN_AS
@@ -61,18 +62,43 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from batchgen.models.model_config import SUPPORTED_MAKE_ARCHS  # no torch: --help stays fast
+
     parser.add_argument(
-        "--arch", required=True, help="architecture, e.g. mixtral (the error lists all)"
+        "--arch",
+        required=True,
+        choices=SUPPORTED_MAKE_ARCHS,
+        metavar="ARCH",
+        help=f"architecture, one of: {', '.join(SUPPORTED_MAKE_ARCHS)}",
     )
-    parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="directory to write the checkpoint to (created if missing; refused when it holds "
+        "a file make-model writes, unless --overwrite)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoint files already in --out (config.json, model.safetensors, "
+        "the tokenizer's files)",
+    )
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from batchgen.models.make_model import SUPPORTED_MAKE_ARCHS, make_model
+    from batchgen.models.make_model import CHECKPOINT_FILES, make_model
 
-    if args.arch not in SUPPORTED_MAKE_ARCHS:
-        raise CliError(f"--arch must be one of {list(SUPPORTED_MAKE_ARCHS)}, got {args.arch!r}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {args.out!r} is a file; name a directory for the checkpoint")
+    present = [name for name in CHECKPOINT_FILES if os.path.lexists(out / name)]
+    if present and not args.overwrite:
+        raise CliError(
+            f"--out {args.out!r} already holds {', '.join(present)} (a checkpoint?), which "
+            "make-model would replace: name another directory, or pass --overwrite"
+        )
     try:
         path = make_model(args.arch, args.out, seed=args.seed)
     except (ValueError, OSError) as err:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchgen.config import EngineConfig, ParallelConfig
+from batchgen.entrypoints import vllm_flags
 from batchgen.parallel_config import check_tensor_parallel_size
 
 PROG = "batchgen"
@@ -72,7 +73,11 @@ def add_config_flags(group, config_cls) -> None:
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         kind = _flag_type(hints[f.name])
-        default = "" if f.default is None else f" (default: {f.default})"
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            default = f" (default: {f.default})"
+        else:  # unset, unless the help says what that means
+            default = "" if "default" in help_text.lower() else " (default: unset)"
         kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -88,7 +93,7 @@ def add_config_flags(group, config_cls) -> None:
         group.add_argument(
             *names,
             "--" + f.name.replace("_", "-"),
-            help=f.metadata.get("help", "") + default,
+            help=help_text + default,
             **kwargs,
         )
 
@@ -106,8 +111,9 @@ def add_cluster_file_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one ``--field-name`` flag per `EngineConfig` and `ParallelConfig`
-    field (absent flags keep the file's setting or the default)."""
+    """Add ``--config``, one ``--field-name`` flag per `EngineConfig` and `ParallelConfig`
+    field (absent flags keep the file's setting or the default), and vLLM's flags without a
+    BatchGen setting (`vllm_flags.add_vllm_flags`)."""
     add_cluster_file_argument(parser)
     add_config_flags(parser.add_argument_group("engine options"), EngineConfig)
     parallel = parser.add_argument_group(
@@ -126,6 +132,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's flag, accepted at 1 (a no-op); BatchGen has no tensor parallelism: "
         "use --data-parallel-size N --enable-expert-parallel",
     )
+    vllm_flags.add_vllm_flags(parser)
 
 
 def _tensor_parallel_size(text: str) -> int:
@@ -144,7 +151,9 @@ def _tensor_parallel_size(text: str) -> int:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The `EngineConfig` and `ParallelConfig` fields given on the command line, and
-    ``config`` (the cluster file) when given: ``LLM(**engine_kwargs(args))``."""
+    ``config`` (the cluster file) when given: ``LLM(**engine_kwargs(args))``. Logs one INFO
+    line per vLLM flag given that is a no-op here (`vllm_flags.log_accepted`)."""
+    vllm_flags.log_accepted(args)
     names = ["config", *EngineConfig.field_names(), *ParallelConfig.field_names()]
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 

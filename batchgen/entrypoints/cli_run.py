@@ -12,6 +12,7 @@ settings (`SNAPSHOT_FIELDS`, which ``run`` acts on itself) and streams the file 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,12 @@ from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOT
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``batchgen run``'s flags (``-i``, ``-o``, ``--resume``...) and the engine flags."""
-    parser.add_argument("-i", "--input", required=True, help="OpenAI Batch API input (JSONL)")
+    parser.add_argument(
+        "-i",
+        "--input",
+        required=True,
+        help="OpenAI Batch API input (JSONL); - reads standard input",
+    )
     parser.add_argument("-o", "--output", required=True, help="results (JSONL, completion order)")
     parser.add_argument(
         "--resume",
@@ -62,6 +68,38 @@ def _check_run_paths(args: argparse.Namespace) -> None:
         )
     if args.max_in_flight is not None and args.max_in_flight < 1:
         raise CliError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+
+
+# What ``-i -`` reads: standard input by path, so that it goes the way of any other input (a
+# pipe: read once, as ``-i <(zcat in.jsonl.gz)``; a redirected file: a regular file).
+STDIN_PATH = "/dev/stdin"
+
+
+def _standard_input(args: argparse.Namespace) -> None:
+    """``-i -``: read the batch from standard input (``args.input`` becomes `STDIN_PATH`);
+    ``-o -`` is refused: results go to a file, the one ``--resume`` continues."""
+    if args.output == "-":
+        raise CliError(
+            "-o -: results are written to a file (the one --resume continues), not to "
+            "standard output; name one, e.g. -o results.jsonl"
+        )
+    if args.input != "-":
+        return
+    try:
+        terminal = os.isatty(0)
+        os.fstat(0)
+    except OSError:
+        raise CliError(
+            "-i -: standard input is closed; pipe the batch in or pass its path"
+        ) from None
+    if terminal:
+        raise CliError(
+            "-i -: standard input is a terminal; pipe the batch in (zcat in.jsonl.gz | "
+            "batchgen run -i - ...) or pass its path"
+        )
+    if not os.path.exists(STDIN_PATH):
+        raise CliError(f"-i -: this system has no {STDIN_PATH}; pass the input file's path")
+    args.input = STDIN_PATH
 
 
 def _max_running_seqs(engine) -> int:
@@ -167,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
     from batchgen.entrypoints.snapshot_store import SnapshotTakenOverError, SnapshotWriteError
 
+    _standard_input(args)
     _check_run_paths(args)
     kwargs = engine_kwargs(args)
     snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model

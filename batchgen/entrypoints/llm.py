@@ -10,11 +10,12 @@ import torch
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig, ParallelConfig
-from batchgen.parallel_config import check_tensor_parallel_size
+from batchgen.config_fields import close_name
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.weight_update import WeightsLike, update_weights
 from batchgen.entrypoints.openai_protocol import parse_messages
 from batchgen.outputs import RequestOutput
+from batchgen.parallel_config import check_tensor_parallel_size
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -267,6 +268,18 @@ def make_configs(
     return engine, parallel
 
 
+def _check_names(kwargs: dict, allowed: list[str]) -> None:
+    """Raises ValueError naming the unknown arguments of ``kwargs``, the allowed name each is
+    closest to (``max_num_seq``: did you mean ``max_num_seqs``?) and every allowed name."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if not unknown:
+        return
+    close = {name: close_name(name, allowed) for name in unknown}
+    hints = [f"{c!r}" + (f" for {n!r}" if len(unknown) > 1 else "") for n, c in close.items() if c]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    raise ValueError(f"unknown LLM arguments {unknown}{hint}; allowed: {allowed}")
+
+
 def _resolve_configs(
     model: str | None,
     config: str | os.PathLike | None,
@@ -283,11 +296,7 @@ def _resolve_configs(
     if "tensor_parallel_size" in kwargs:  # vLLM's; 1 is a no-op, others are refused
         kwargs = dict(kwargs)
         check_tensor_parallel_size(kwargs.pop("tensor_parallel_size"))
-    unknown = set(kwargs) - set(engine_fields) - set(parallel_fields)
-    if unknown:
-        raise ValueError(
-            f"unknown LLM arguments {sorted(unknown)}; allowed: {engine_fields + parallel_fields}"
-        )
+    _check_names(kwargs, engine_fields + parallel_fields)
     cluster, notes = None, []
     if config is not None:
         from batchgen.cluster_config import load_cluster_config

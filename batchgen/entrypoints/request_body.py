@@ -42,10 +42,10 @@ Errors are `ProtocolError` (`batchgen.entrypoints.openai_errors`) naming the off
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.config_fields import close_name
 from batchgen.entrypoints.chat_messages import parse_messages
 from batchgen.entrypoints.openai_errors import (
     INVALID_URL,
@@ -226,8 +226,8 @@ def _check_fields(body: dict[str, Any], url: str, known: frozenset[str]) -> None
     unknown = sorted(k for k in body if k not in known)
     if unknown:
         name = unknown[0]
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        close = close_name(name, known)
+        hint = f"; did you mean '{close}'?" if close else ""
         # The other endpoint's input field: point at the right one.
         if name == "prompt" and "messages" in known:
             hint = "; /v1/chat/completions takes 'messages', /v1/completions takes 'prompt'"

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import torch
 
+from batchgen.models.model_config import SUPPORTED_MAKE_ARCHS
 from batchgen.models.tokenizer_factory import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, write_tokenizer
 
-SUPPORTED_MAKE_ARCHS: tuple[str, ...] = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "llama",
-    "mistral",
-    "qwen2",
+# The files `make_model` writes into its directory: `save_pretrained`'s three, the tokenizer's.
+CHECKPOINT_FILES: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
 )
 
 _COMMON = dict(
@@ -146,7 +145,8 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
 
     Args:
         arch: one of `SUPPORTED_MAKE_ARCHS`.
-        out_dir: created if missing; existing files are overwritten.
+        out_dir: created if missing; the `CHECKPOINT_FILES` already there are replaced
+            (`batchgen make-model` refuses that without ``--overwrite``), other files are left.
         seed: torch seed for the weights (same seed, same bytes).
         overrides: HF config fields (e.g. ``num_hidden_layers=2``, ``rope_scaling={...}``).
 

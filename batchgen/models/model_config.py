@@ -25,6 +25,19 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
+# The `model_type`s `batchgen make-model --arch` writes a tiny checkpoint of (one per supported
+# architecture; `batchgen.models.make_model`). Here, without torch, so that the CLI can list them.
+SUPPORTED_MAKE_ARCHS: tuple[str, ...] = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "llama",
+    "mistral",
+    "qwen2",
+)
 
 
 def _rope_parameters(hf_config) -> dict:

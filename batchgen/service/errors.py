@@ -4,6 +4,12 @@ Every error the service returns has this shape; routes raise `APIError` and the 
 `install_error_handlers` turn it (and FastAPI's / Starlette's own errors, and anything
 unexpected) into a JSON response. Clients never see a stack trace: an unexpected exception is
 logged here and answered with a fixed 500 message.
+
+Every 400 of the Files and Batches routes carries a ``code``, as batch lines do: a required
+parameter the request lacks is ``missing_required_parameter`` (`missing_parameter`), an unknown
+one ``unsupported_parameter``, a bad value ``invalid_<param>`` (``invalid_endpoint``,
+``invalid_input_file_id``, ``invalid_purpose``...), a body that cannot be read ``invalid_json``
+or ``invalid_request``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchgen.entrypoints.openai_errors import MISSING_REQUIRED_PARAMETER
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +92,17 @@ def not_found(kind: str, object_id: str, param: str = "id") -> APIError:
     """404 for an unknown id; the message repeats the id but nothing of the server's state."""
     shown = object_id if len(object_id) <= 80 else object_id[:77] + "..."
     return APIError(404, f"No such {kind} object: {shown!r}", param=param, code="not_found")
+
+
+def missing_parameter(name: str, what: str) -> APIError:
+    """400 for a required parameter the request lacks (code ``missing_required_parameter``, as
+    batch lines are answered); ``what`` says what it takes."""
+    return APIError(
+        400,
+        f"missing required parameter '{name}' ({what})",
+        param=name,
+        code=MISSING_REQUIRED_PARAMETER,
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

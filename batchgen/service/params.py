@@ -77,6 +77,9 @@ def query_int(request: Request, name: str, default: int, low: int, high: int) ->
         value = low - 1
     if not low <= value <= high:
         raise APIError(
-            400, f"'{name}' must be an integer in [{low}, {high}], got {raw!r}", param=name
+            400,
+            f"'{name}' must be an integer in [{low}, {high}], got {raw!r}",
+            param=name,
+            code=f"invalid_{name}",
         )
     return value

@@ -12,9 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from batchgen.config_fields import close_name
+from batchgen.entrypoints.openai_errors import UNSUPPORTED_PARAMETER
 from batchgen.entrypoints.openai_protocol import SUPPORTED_URLS
 from batchgen.service import store as st
-from batchgen.service.errors import APIError, not_found
+from batchgen.service.errors import APIError, missing_parameter, not_found
 from batchgen.service.objects import batch_object, list_object
 from batchgen.service.params import json_object, parse_metadata, parse_window, query_int
 from batchgen.service.runtime import Service
@@ -22,6 +24,34 @@ from batchgen.service.runtime import Service
 _MAX_RESULTS_WAIT_S = 30
 # A batch creation body is a file id, an endpoint, a window and <= 16 short metadata pairs.
 _MAX_CREATE_BODY_BYTES = 1 << 20
+
+
+# The fields of a batch creation body: the required ones, each with what it takes.
+_REQUIRED = {
+    "input_file_id": 'the id of a file uploaded with purpose "batch"',
+    "endpoint": f"one of {list(SUPPORTED_URLS)}",
+    "completion_window": '"24h"',
+}
+_FIELDS = (*_REQUIRED, "metadata")
+
+
+def check_batch_fields(body: dict) -> None:
+    """Raises `APIError` 400 for an unknown field of a batch creation body (code
+    ``unsupported_parameter``, with the field it is closest to) or a missing required one
+    (``missing_required_parameter``), as batch lines are answered."""
+    unknown = sorted(set(body) - set(_FIELDS))
+    if unknown:
+        close = close_name(unknown[0], _FIELDS)
+        hint = f"; did you mean '{close}'?" if close else f"; the fields are {list(_FIELDS)}"
+        raise APIError(
+            400,
+            f"unknown field '{unknown[0]}'{hint}",
+            param=unknown[0],
+            code=UNSUPPORTED_PARAMETER,
+        )
+    for name, what in _REQUIRED.items():
+        if body.get(name) is None:
+            raise missing_parameter(name, what)
 
 
 def add_batch_routes(app: FastAPI, svc: Service) -> None:
@@ -36,12 +66,15 @@ def add_batch_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
         body = await json_object(request, max_bytes=_MAX_CREATE_BODY_BYTES)
-        unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
-        if unknown:
-            raise APIError(400, f"unknown field '{unknown[0]}'", param=unknown[0])
-        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+        check_batch_fields(body)
+        file_id, endpoint = body["input_file_id"], body["endpoint"]
         if not isinstance(file_id, str) or not file_id:
-            raise APIError(400, "'input_file_id' must be a file id", param="input_file_id")
+            raise APIError(
+                400,
+                f"'input_file_id' must be a file id (a string), got {json.dumps(file_id)}",
+                param="input_file_id",
+                code="invalid_input_file_id",
+            )
         if endpoint not in SUPPORTED_URLS:
             raise APIError(
                 400,
@@ -60,6 +93,7 @@ def add_batch_routes(app: FastAPI, svc: Service) -> None:
                 f"file {file_id!r} has purpose {file_row['purpose']!r}; a batch input needs "
                 'purpose "batch"',
                 param="input_file_id",
+                code="invalid_input_file_id",
             )
         row = await run_in_threadpool(
             lambda: store.create_batch(

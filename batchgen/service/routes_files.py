@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchgen.service.errors import APIError, not_found
+from batchgen.service.errors import APIError, missing_parameter, not_found
 from batchgen.service.objects import file_object, list_object
 from batchgen.service.params import query_int
 from batchgen.service.runtime import Service
@@ -28,17 +28,22 @@ def add_file_routes(app: FastAPI, svc: Service) -> None:
         except (APIError, StarletteHTTPException):
             raise  # 413 from GuardMiddleware, 400 from Starlette's multipart parser
         except Exception as err:  # anything else the multipart parser may raise
-            raise APIError(400, f"the body must be multipart/form-data ({err})") from None
+            raise APIError(
+                400, f"the body must be multipart/form-data ({err})", code="invalid_request"
+            ) from None
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if not isinstance(upload, UploadFile):
-                raise APIError(400, "missing the 'file' part", param="file")
+                raise missing_parameter("file", "the batch input, a multipart/form-data file part")
+            if purpose is None:
+                raise missing_parameter("purpose", '"batch"')
             if purpose != "batch":
                 raise APIError(
                     400,
                     f"'purpose' must be \"batch\" (the only purpose BatchGen serves), "
                     f"got {purpose!r}",
                     param="purpose",
+                    code="invalid_purpose",
                 )
             if upload.size is not None and upload.size > svc.config.max_upload_bytes:
                 raise APIError(
@@ -58,7 +63,12 @@ def add_file_routes(app: FastAPI, svc: Service) -> None:
         purpose = request.query_params.get("purpose")
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise APIError(400, f'\'order\' must be "asc" or "desc", got {order!r}', param="order")
+            raise APIError(
+                400,
+                f'\'order\' must be "asc" or "desc", got {order!r}',
+                param="order",
+                code="invalid_order",
+            )
         limit = query_int(request, "limit", 10000, 1, 10000)
         rows, more = store.list_files(
             purpose=purpose, limit=limit, order=order, after=request.query_params.get("after")
