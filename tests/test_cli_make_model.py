@@ -11,7 +11,7 @@ import pytest
 
 from batchgen.entrypoints import cli
 from batchgen.models import make_model as make_model_module
-from batchgen.models.make_model import CHECKPOINT_FILES
+from batchgen.models.make_model import CHECKPOINT_FILES, MADE_BY_FILE
 from batchgen.models.model_config import SUPPORTED_MAKE_ARCHS
 
 
@@ -30,10 +30,17 @@ def test_a_directory_holding_checkpoint_files_is_refused_unless_overwrite(tmp_pa
     argv = ["make-model", "--arch", "llama", "--out", str(out)]
     out.mkdir()  # an existing empty directory is fine
     assert cli.main(argv) == 0
-    assert sorted(os.listdir(out)) == sorted(CHECKPOINT_FILES)  # the list is what it writes
+    # the list is what it writes, and the note that make-model made it
+    assert sorted(os.listdir(out)) == sorted([*CHECKPOINT_FILES, MADE_BY_FILE])
+    assert json.loads((out / MADE_BY_FILE).read_text()) == {
+        "arch": "llama", "seed": 0, "overrides": {}
+    }
+    assert capsys.readouterr().out == f"{out}\n"
+    assert cli.main(argv) == 0  # its own output is replaced: the README's commands run twice
     assert capsys.readouterr().out == f"{out}\n"
 
     # A real checkpoint's files (here: another architecture's) are left as they are.
+    (out / MADE_BY_FILE).unlink()
     (out / "config.json").write_text('{"model_type": "mixtral"}')
     (out / "README.md").write_text("my model")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}

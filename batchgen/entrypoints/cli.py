@@ -76,7 +76,7 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="DIR",
         help="directory to write the checkpoint to (created if missing; refused when it holds "
-        "a file make-model writes, unless --overwrite)",
+        "checkpoint files that make-model did not write, unless --overwrite)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
     parser.add_argument(
@@ -88,13 +88,15 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from batchgen.models.make_model import CHECKPOINT_FILES, make_model
+    from batchgen.models.make_model import CHECKPOINT_FILES, MADE_BY_FILE, make_model
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {args.out!r} is a file; name a directory for the checkpoint")
     present = [name for name in CHECKPOINT_FILES if os.path.lexists(out / name)]
-    if present and not args.overwrite:
+    # An earlier make-model output (random weights) is replaced, so the README's commands run
+    # twice; a checkpoint from elsewhere is not, without --overwrite.
+    if present and not args.overwrite and not (out / MADE_BY_FILE).is_file():
         raise CliError(
             f"--out {args.out!r} already holds {', '.join(present)} (a checkpoint?), which "
             "make-model would replace: name another directory, or pass --overwrite"

@@ -18,6 +18,10 @@ from batchgen.models.model_config import SUPPORTED_MAKE_ARCHS
 from batchgen.models.tokenizer_factory import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, write_tokenizer
 
 # The files `make_model` writes into its directory: `save_pretrained`'s three, the tokenizer's.
+# Written beside the checkpoint: what made it (arch, seed, overrides). A folder holding it is
+# make-model's own output, which `batchgen make-model` replaces without ``--overwrite``.
+MADE_BY_FILE = "batchgen_make_model.json"
+
 CHECKPOINT_FILES: tuple[str, ...] = (
     "config.json",
     "generation_config.json",
@@ -146,7 +150,8 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
     Args:
         arch: one of `SUPPORTED_MAKE_ARCHS`.
         out_dir: created if missing; the `CHECKPOINT_FILES` already there are replaced
-            (`batchgen make-model` refuses that without ``--overwrite``), other files are left.
+            (`batchgen make-model` refuses that without ``--overwrite`` unless the folder
+            holds `MADE_BY_FILE`, i.e. is an earlier make-model output), other files are left.
         seed: torch seed for the weights (same seed, same bytes).
         overrides: HF config fields (e.g. ``num_hidden_layers=2``, ``rope_scaling={...}``).
 
@@ -178,4 +183,6 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Pa
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer(out, vocab_size=min(config.vocab_size, 512))
+    made_by = {"arch": arch, "seed": seed, "overrides": overrides}
+    (out / MADE_BY_FILE).write_text(json.dumps(made_by, indent=2, default=str) + "\n")
     return out
