@@ -231,7 +231,8 @@ def test_resume_with_every_result_present_does_not_load_the_model(tmp_path, monk
     assert out.read_text() == full
     assert capsys.readouterr().err == (
         f"batchgen run: nothing to do: all 4 requests of {src} already have a result in "
-        f"{out} (--resume); the model was not loaded\n"
+        f"{out} (--resume; 2 of them errors: add --retry-failed to run those again); the model "
+        "was not loaded\n"
     )
     # One result missing (the duplicate's, keyed by its line): the engine starts again.
     kept = [r for r in full.splitlines() if (json.loads(r)["error"] or {}).get("line") != 3]

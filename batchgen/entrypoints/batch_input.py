@@ -1,15 +1,15 @@
 """The input side of ``batchgen run``: streaming passes over a batch input file before the
 run (its request count for the progress bar, and the result keys it can have, which decide
-what a snapshot may restore). Lines are parsed and validated by
-`batchgen.entrypoints.batch_lines.parse_batch_line` as the run admits them.
+what a snapshot may restore and which results of a resumed output are another input's). Lines
+are parsed and validated by `batchgen.entrypoints.batch_lines.parse_batch_line` as the run
+admits them.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 
-from batchgen.entrypoints.batch_output import ResumeState, load_resume_state
+from batchgen.entrypoints.batch_output import ResumeState
 from batchgen.entrypoints.openai_protocol import batch_line_custom_id
 
 
@@ -40,30 +40,3 @@ def input_result_keys(path: str | os.PathLike) -> tuple[int, ResumeState]:
             else:
                 keys.done_ids.add(custom_id)
     return count, keys
-
-
-def all_results_present(
-    input_path: str | os.PathLike, output_path: str | os.PathLike
-) -> int | None:
-    """For ``batchgen run --resume``: the number of request lines of ``input_path`` when every
-    one already has its result in ``output_path`` (so the run has nothing to do and need not
-    load the model), else None.
-
-    Uses the keys `run_batch_file` resumes by (`input_result_keys`, `load_resume_state`):
-    a line's custom_id, or its line number and custom_id for a line without a usable custom_id
-    and for a duplicate. None too when the output does not exist or the input is not a regular
-    file (a pipe can be read once only). Like a resumed run, cuts a half-written last output
-    line.
-
-    Raises:
-        BatchFileError: the output is not a batch result file (`load_resume_state`).
-    """
-    if not os.path.exists(output_path) or not stat.S_ISREG(os.stat(input_path).st_mode):
-        return None
-    if os.path.samefile(input_path, output_path):
-        return None  # `run_batch_file` reports it
-    done = load_resume_state(output_path)
-    count, keys = input_result_keys(input_path)
-    if keys.done_ids <= done.done_ids and keys.done_lines <= done.done_lines:
-        return count
-    return None

@@ -4,9 +4,12 @@ that lets a run resume.
 * `ResultWriter`: appends JSONL result lines, flushes them after every engine step, fsyncs at
   most every `FSYNC_INTERVAL_S` and at the end, and passes each line to the snapshot when one
   is used.
-* `ResumeState` / `result_key` / `load_resume_state`: which requests an existing output already
-  answers (by custom_id, or by line number for an error line no custom_id can stand for), and
-  cutting a half-written last line (`truncate_partial_last_line`).
+* `ResumeState` / `result_key` / `scan_results_file` / `load_resume_state`: which requests an
+  existing output already answers (by custom_id, or by line number for an error line no
+  custom_id can stand for), which of those answers are errors (`is_failed_result`, for
+  ``--retry-failed``) and which answer no request of the input, and cutting a half-written
+  last line (`truncate_partial_last_line`). What ``--resume`` and ``--retry-failed`` do with
+  them is in `batchgen.entrypoints.batch_resume`.
 * `sync_with_snapshot`: before a run, make the output and the snapshot hold the same results.
 * `BatchFileError`: the input or output file cannot be used.
 """
@@ -47,10 +50,24 @@ class ResumeState:
             errors (whose custom_id belongs to an earlier line, which may itself not be done
             yet). ``line`` is 1-based; the pair must match the input line (its number and the
             custom_id it names), so a line inserted into the input since is not taken for done.
+        failed: the `result_key` of each done request whose only results are errors
+            (`is_failed_result`); a key that also has a success is not in it.
+        num_results: result lines read (`scan_results_file`).
+        num_failed_lines: error result lines among them (those of ``failed``, and any error
+            line for a key that also has a success).
+        foreign: result lines that answer no request of the input (counted only when
+            `scan_results_file` is given the input's keys).
+        foreign_sample: the first `FOREIGN_SAMPLE` of those, described (`describe_key`), in
+            file order.
     """
 
     done_ids: set[str] = field(default_factory=set)
     done_lines: set[tuple[int, str | None]] = field(default_factory=set)
+    failed: set[tuple[str, Any]] = field(default_factory=set)
+    num_results: int = 0
+    num_failed_lines: int = 0
+    foreign: int = 0
+    foreign_sample: list[str] = field(default_factory=list)
 
     @property
     def done_line_numbers(self) -> set[int]:
@@ -59,18 +76,30 @@ class ResumeState:
         return {line for line, _ in self.done_lines}
 
     def add(self, result: dict[str, Any]) -> None:
+        """Record ``result`` as the answer to its key (a success wins over an error)."""
         key = result_key(result)
         if key is None:
             return
+        known = self.has_key(key)
         kind, value = key
         (self.done_lines if kind == "line" else self.done_ids).add(value)
+        if not is_failed_result(result):
+            self.failed.discard(key)
+        elif not known:  # a key answered by a success before stays answered
+            self.failed.add(key)
 
     def has(self, result: dict[str, Any]) -> bool:
         key = result_key(result)
-        if key is None:
-            return False
+        return key is not None and self.has_key(key)
+
+    def has_key(self, key: tuple[str, Any]) -> bool:
+        """Whether ``key`` (a `result_key`) is done."""
         kind, value = key
         return value in (self.done_lines if kind == "line" else self.done_ids)
+
+
+# How many foreign results a warning or an error names.
+FOREIGN_SAMPLE = 3
 
 
 def result_key(result: dict[str, Any]) -> tuple[str, Any] | None:
@@ -84,6 +113,27 @@ def result_key(result: dict[str, Any]) -> tuple[str, Any] | None:
             return None
         return ("line", (line, custom_id if isinstance(custom_id, str) else None))
     return ("id", custom_id) if isinstance(custom_id, str) else None
+
+
+def describe_key(key: tuple[str, Any]) -> str:
+    """A `result_key` for a message: ``"req-7"`` (JSON-quoted), ``line 4`` or ``"a" (line 4)``."""
+    kind, value = key
+    if kind == "id":
+        return json.dumps(value, ensure_ascii=False)
+    line, custom_id = value
+    return f"line {line}" if custom_id is None else f"{json.dumps(custom_id)} (line {line})"
+
+
+def is_failed_result(result: dict[str, Any]) -> bool:
+    """Whether a result line reports a failure: its ``error`` is not null, or its
+    ``response.status_code`` is an HTTP status outside 2xx (``batchgen run`` writes both for
+    every failed line: 400 and ``error`` set; an OpenAI Batch output file may carry a 4xx/5xx
+    response with ``error`` null)."""
+    if result.get("error") is not None:
+        return True
+    response = result.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    return isinstance(status, int) and not 200 <= status < 300
 
 
 def complete_prefix_size(path: str | os.PathLike) -> int:
@@ -113,11 +163,18 @@ def truncate_partial_last_line(path: str | os.PathLike) -> int:
     return size - keep
 
 
-def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
-    """Read the results already in ``output_path``, then cut a partial last line.
+def scan_results_file(
+    output_path: str | os.PathLike, expected: ResumeState | None = None
+) -> ResumeState:
+    """Read the results in ``output_path`` without changing the file.
 
-    Every complete line is checked before anything is truncated, so pointing ``--resume`` at
-    a file that is not a results file changes nothing in it.
+    Args:
+        output_path: an output of ``batchgen run``; a half-written last line is not read.
+        expected: the keys of the results the input can have (`input_result_keys`); when
+            given, results for none of them are counted in ``foreign``.
+
+    Returns:
+        The results' keys, which of them are errors, and the counts (`ResumeState`).
 
     Raises:
         BatchFileError: a complete line is not a JSON result line, or the file has content but
@@ -134,7 +191,7 @@ def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
     with open(output_path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
-                break  # the partial last line, cut below
+                break  # the partial last line
             if not raw.strip():
                 continue
             try:
@@ -147,6 +204,30 @@ def load_resume_state(output_path: str | os.PathLike) -> ResumeState:
                     "(move the file away to start over)"
                 )
             state.add(result)
+            state.num_results += 1
+            state.num_failed_lines += is_failed_result(result)
+            key = result_key(result)
+            if expected is not None and (key is None or not expected.has_key(key)):
+                state.foreign += 1
+                if len(state.foreign_sample) < FOREIGN_SAMPLE:
+                    state.foreign_sample.append(
+                        "custom_id null" if key is None else describe_key(key)
+                    )
+    return state
+
+
+def load_resume_state(
+    output_path: str | os.PathLike, expected: ResumeState | None = None
+) -> ResumeState:
+    """`scan_results_file`, then cut a partial last line.
+
+    Every complete line is checked before anything is truncated, so pointing ``--resume`` at
+    a file that is not a results file changes nothing in it.
+
+    Raises:
+        BatchFileError: as `scan_results_file`.
+    """
+    state = scan_results_file(output_path, expected)
     truncate_partial_last_line(output_path)
     return state
 
@@ -203,9 +284,10 @@ def sync_with_snapshot(
     held, recorded in ``state``) each snapshot result it lacks, adding it to ``state``; then
     stores in the snapshot each of those ``local_size`` bytes' results the snapshot lacks (a
     run killed between its two writes). Only results for a request of this input (their keys
-    in ``expected``, `input_result_keys`) are copied: a snapshot holding others (another
-    job's) never puts a line in the output for a custom_id the input does not have, nor its
-    text under one it has by chance. Streams both: memory is one segment plus the keys.
+    in ``expected``, `input_result_keys`) are copied, either way: a snapshot holding others
+    (another job's) never puts a line in the output for a custom_id the input does not have,
+    nor its text under one it has by chance, and a resumed output's results for lines deleted
+    from the input are not stored. Streams both: memory is one segment plus the keys.
     Returns the number of results copied from the snapshot and the number ignored.
     """
     stored = ResumeState()
@@ -246,7 +328,8 @@ def sync_with_snapshot(
                 if remaining < 0:
                     break  # past what the output held: the lines just restored
                 result = json.loads(raw) if raw.strip() else None
-                if result is not None and result_key(result) and not stored.has(result):
+                # Only this input's results: the output may hold others (`--resume` warns).
+                if result is not None and expected.has(result) and not stored.has(result):
                     stored.add(result)
                     snapshot.add(raw)
         if snapshot.pending:

@@ -19,8 +19,9 @@ lines; every other line still runs. Any other exception from the engine propagat
 not a bad request.
 
 This module holds the run loop (`run_batch_file`); the output writer and resume bookkeeping are
-in `batchgen.entrypoints.batch_output`, the passes over the input before the run in
-`batchgen.entrypoints.batch_input`, the counts in `batchgen.entrypoints.batch_summary`
+in `batchgen.entrypoints.batch_output`, what ``resume`` and ``retry_failed`` keep of an
+existing output in `batchgen.entrypoints.batch_resume`, the passes over the input before the
+run in `batchgen.entrypoints.batch_input`, the counts in `batchgen.entrypoints.batch_summary`
 (their names are re-exported here).
 """
 
@@ -53,6 +54,7 @@ from batchgen.entrypoints.batch_output import (  # noqa: F401  (re-exported)
     sync_with_snapshot,
     truncate_partial_last_line,
 )
+from batchgen.entrypoints.batch_resume import check_snapshot_for_retry, prepare_resume
 from batchgen.entrypoints.batch_summary import (  # noqa: F401  (re-exported)
     BatchRunSummary,
     note_prefix_cache,
@@ -244,6 +246,7 @@ def run_batch_file(
     output_path: str | os.PathLike,
     *,
     resume: bool = False,
+    retry_failed: bool = False,
     max_in_flight: int = 1024,
     progress: bool = True,
     snapshot: SnapshotWriter | None = None,
@@ -261,7 +264,14 @@ def run_batch_file(
         output_path: JSONL output, written in completion order (not input order); match lines
             by ``custom_id``. Overwritten unless ``resume``.
         resume: keep the results already in ``output_path`` (cutting a half-written last line),
-            skip their input lines and append the rest. Assumes the same input file.
+            skip their input lines and append the rest. Meant for the same input file: an
+            output none of whose results is for a request of the input is refused, one with
+            some such results gets a warning (`batchgen.entrypoints.batch_resume`; not checked
+            for a pipe input).
+        retry_failed: implies ``resume``, and also runs again the lines whose result in the
+            output is an error (`is_failed_result`): their error lines are dropped from the
+            output first, atomically, so it ends with one result per line. Refused with a
+            snapshot that holds error results (`check_snapshot_for_retry`).
         max_in_flight: most requests in the engine at once (each with its ``n`` samples).
         progress: show a tqdm bar on stderr (requests done / total, generated tokens/s).
         snapshot: also store every result line in this snapshot (its store bound to this job
@@ -280,8 +290,9 @@ def run_batch_file(
 
     Raises:
         FileNotFoundError: the input file does not exist.
-        BatchFileError: input and output are the same file, or ``resume`` found an output that
-            is not a batch result file.
+        BatchFileError: input and output are the same file, ``resume`` found an output that
+            is not a batch result file or holds only another input's results, or
+            ``retry_failed`` met a snapshot holding error results.
         ValueError: ``max_in_flight`` < 1.
         SnapshotTakenOverError: another job replaced the snapshot's manifest mid-run.
         SnapshotWriteError: the snapshot could not be written mid-run.
@@ -298,22 +309,28 @@ def run_batch_file(
         raise BatchFileError(f"input {str(input_path)!r} is a directory, not a JSONL file")
     if output_path.exists() and output_path.samefile(input_path):
         raise BatchFileError(f"the output file {str(output_path)!r} is the input file")
-    state = ResumeState()
-    local_size = 0  # bytes of results the output held before this run
-    if resume and output_path.exists():
-        state = load_resume_state(output_path)
-        local_size = os.path.getsize(output_path)
-    # A pipe or FIFO (`-i <(zcat big.jsonl.gz)`) can be read once only: no total then.
-    counted = (progress or snapshot is not None) and input_path.is_file()
+    if snapshot is not None and not input_path.is_file():
+        raise BatchFileError(
+            f"a snapshot needs a regular input file, not {str(input_path)!r} (a pipe)"
+        )
+    resume = resume or retry_failed
+    resuming = resume and output_path.exists()
+    # A pipe or FIFO (`-i <(zcat big.jsonl.gz)`) can be read once only: no total then, and no
+    # check that a resumed output's results are this input's.
     expected = None
-    if snapshot is not None:
-        if not input_path.is_file():
-            raise BatchFileError(
-                f"a snapshot needs a regular input file, not {str(input_path)!r} (a pipe)"
-            )
+    if snapshot is not None or (resuming and input_path.is_file()):
         total, expected = input_result_keys(input_path)
     else:
-        total = count_request_lines(input_path) if counted else None
+        total = count_request_lines(input_path) if progress and input_path.is_file() else None
+    if retry_failed and snapshot is not None:
+        check_snapshot_for_retry(snapshot, expected)  # before the output changes
+    state, dropped = ResumeState(), 0
+    local_size = 0  # bytes of results the output held before this run
+    if resuming:
+        state, dropped = prepare_resume(
+            input_path, output_path, expected, retry_failed=retry_failed
+        )
+        local_size = os.path.getsize(output_path)
     with (
         open(input_path, "rb") as source,
         open(output_path, "ab" if resume else "wb") as sink,
@@ -345,6 +362,7 @@ def run_batch_file(
         note_prefix_cache(summary, engine)
         summary.restored = restored
         summary.ignored = ignored
+        summary.dropped_errors = dropped
     if batch_run.blank.count:
         logger.warning(
             "%s: skipped %s between requests (a batch file holds one request per line)",

@@ -20,6 +20,9 @@ class BatchRunSummary:
         restored: results copied from the snapshot into the output (counted in ``skipped``).
         ignored: results in the snapshot for no request of this input (another job's), left
             out of the output.
+        dropped_errors: error results dropped from the output before the run so that their
+            lines ran again (``retry_failed``); those lines are counted in ``succeeded`` or
+            ``failed``.
         blank_lines: blank lines between request lines, skipped (blank lines after the last
             request line are not counted).
         prompt_tokens / generated_tokens: over the requests that succeeded in this run
@@ -36,6 +39,7 @@ class BatchRunSummary:
     skipped: int = 0
     restored: int = 0
     ignored: int = 0
+    dropped_errors: int = 0
     blank_lines: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -54,6 +58,8 @@ class BatchRunSummary:
             skipped += f", {self.restored} of them restored from the snapshot"
         if self.ignored:
             skipped += f", {self.ignored} snapshot results ignored (no such request in the input)"
+        if self.dropped_errors:
+            skipped += f", {self.dropped_errors} earlier error results dropped and run again"
         blank = ""
         if self.blank_lines:
             noun = "line" if self.blank_lines == 1 else "lines"

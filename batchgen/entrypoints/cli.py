@@ -241,7 +241,10 @@ def _run_command(command: Subcommand, args: argparse.Namespace, process_entry: b
     their handlers back instead."""
     stop = OrderlyStop()
     given_as = GIVEN_AS.set("flag")  # settings over a cluster file are named as flags
-    hint = " (rerun with --resume to continue)" if command.name == "run" else ""
+    # A --retry-failed run stopped before it dropped the error lines (while the model loads)
+    # still has them: --resume alone would not run their lines.
+    flag = "--retry-failed" if getattr(args, "retry_failed", False) else "--resume"
+    hint = f" (rerun with {flag} to continue)" if command.name == "run" else ""
     code = 1  # an exception that escapes below
     try:
         if command.name == "run" and threading.current_thread() is threading.main_thread():

@@ -1,17 +1,19 @@
 """``batchgen run``: its arguments, the snapshot it opens, and the run itself.
 
-`add_arguments` adds ``-i/-o``, ``--resume``, ``--max-in-flight``, ``--no-progress`` and the
-engine flags; `run` checks the paths, opens the ``--snapshot-storage-uri`` snapshot (before any
-model loads, so a mismatched snapshot fails fast), with ``--resume`` stops there when every
-input line already has its result (`all_results_present`: nothing to do, no model loaded),
-starts the engine without the snapshot
-settings (`SNAPSHOT_FIELDS`, which ``run`` acts on itself) and streams the file through
+`add_arguments` adds ``-i/-o``, ``--resume``, ``--retry-failed``, ``--max-in-flight``,
+``--no-progress`` and the engine flags; `run` checks the paths, opens the
+``--snapshot-storage-uri`` snapshot (before any model loads, so a mismatched snapshot fails
+fast), with ``--resume`` refuses another input's output and stops when every input line
+already has its result (`batchgen.entrypoints.batch_resume.check_resume`: nothing to do, no
+model loaded), starts the engine without the snapshot settings (`SNAPSHOT_FIELDS`, which
+``run`` acts on itself) and streams the file through
 `batchgen.entrypoints.batch_runner.run_batch_file`.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -23,7 +25,8 @@ from batchgen.models.default_model import DEFAULT_MODEL_NAME, RANDOM_WEIGHTS_NOT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``batchgen run``'s flags (``-i``, ``-o``, ``--resume``...) and the engine flags."""
+    """Add ``batchgen run``'s flags (``-i``, ``-o``, ``--resume``, ``--retry-failed``...) and
+    the engine flags."""
     parser.add_argument(
         "-i",
         "--input",
@@ -34,7 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the results already in the output file and run only the missing requests",
+        help="keep the results already in the output file and run only the missing requests "
+        "(error results count as done; refused when no result is for a request of the input)",
+    )
+    parser.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="implies --resume, and also runs again the lines whose result is an error: their "
+        "error lines are dropped from the output first (rewritten atomically), so it ends "
+        "with one result per line",
     )
     parser.add_argument(
         "--max-in-flight",
@@ -154,20 +165,43 @@ def _without_snapshot(kwargs: dict) -> dict:
     return out
 
 
-def _nothing_left(args: argparse.Namespace) -> bool:
-    """``--resume`` with a result for every input line: say so (the model is not loaded)."""
-    from batchgen.entrypoints.batch_input import all_results_present
+def _nothing_left(args: argparse.Namespace, snapshot) -> bool:
+    """``--resume``: refuse another input's output and, with ``--retry-failed``, a snapshot
+    holding error results (before the model loads); without a snapshot, when every input line
+    already has its result (a successful one with ``--retry-failed``, which then drops the
+    output's other error results here), say so: the model is not loaded."""
+    from batchgen.entrypoints.batch_input import input_result_keys
     from batchgen.entrypoints.batch_output import BatchFileError
+    from batchgen.entrypoints.batch_resume import (
+        check_resume,
+        check_snapshot_for_retry,
+        drop_failed_results,
+    )
 
     try:
-        count = all_results_present(args.input, args.output)
-    except BatchFileError as err:
+        check = check_resume(args.input, args.output)
+        if args.retry_failed and snapshot is not None:
+            check_snapshot_for_retry(snapshot, input_result_keys(args.input)[1])
+        if check is None or snapshot is not None or not check.nothing_left(args.retry_failed):
+            return False
+        dropped = 0
+        if args.retry_failed and check.error_lines:  # for lines deleted from the input
+            dropped = drop_failed_results(args.output)
+            check = check_resume(args.input, args.output)
+    except (BatchFileError, PermissionError) as err:
         raise CliError(str(err)) from err
-    if count is None:
-        return False
+    if check.warning:
+        logging.getLogger(__name__).warning(check.warning)
+    have, flag = "a result", "--resume"
+    if args.retry_failed:
+        have, flag = "a successful result", "--retry-failed"
+        if dropped:
+            flag += f"; dropped its {dropped} other error results"
+    elif check.failed:
+        flag += f"; {check.failed} of them errors: add --retry-failed to run those again"
     print(
-        f"{PROG} run: nothing to do: all {count} requests of {args.input} already have a "
-        f"result in {args.output} (--resume); the model was not loaded",
+        f"{PROG} run: nothing to do: all {check.requests} requests of {args.input} already have "
+        f"{have} in {args.output} ({flag}); the model was not loaded",
         file=sys.stderr,
     )
     return True
@@ -207,11 +241,12 @@ def run(args: argparse.Namespace) -> int:
 
     _standard_input(args)
     _check_run_paths(args)
+    args.resume = args.resume or args.retry_failed
     kwargs = engine_kwargs(args)
     snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
     if snapshot is None and _no_requests(args):
         return 0
-    if args.resume and snapshot is None and _nothing_left(args):
+    if args.resume and _nothing_left(args, snapshot):
         return 0
     engine = cli_flags.start_engine(_without_snapshot(kwargs))
     try:
@@ -220,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
             args.input,
             args.output,
             resume=args.resume,
+            retry_failed=args.retry_failed,
             max_in_flight=args.max_in_flight or _max_running_seqs(engine),
             progress=not args.no_progress,
             snapshot=snapshot,
