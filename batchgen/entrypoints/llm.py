@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig, ParallelConfig
 from batchgen.config_fields import close_name
+from batchgen.entrypoints.vllm_flags import take_vllm_kwargs
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.weight_update import WeightsLike, update_weights
 from batchgen.entrypoints.openai_protocol import parse_messages
@@ -296,6 +297,7 @@ def _resolve_configs(
     if "tensor_parallel_size" in kwargs:  # vLLM's; 1 is a no-op, others are refused
         kwargs = dict(kwargs)
         check_tensor_parallel_size(kwargs.pop("tensor_parallel_size"))
+    kwargs = take_vllm_kwargs(kwargs)  # trust_remote_code=True, quantization=None, ...
     _check_names(kwargs, engine_fields + parallel_fields)
     cluster, notes = None, []
     if config is not None:

@@ -65,12 +65,24 @@ class VllmFlag:
                 return False
         return value == self.noop
 
-    def refusal(self, value: str | None) -> str:
-        """The error of a refused use (argparse puts ``argument --flag: `` in front)."""
-        given = "" if value is None else f" {value}"
-        only = f" (accepted only as {self.flag} {self.noop})" if isinstance(self.noop, str) else ""
+    def refusal(self, value: str | None, as_kwarg: bool = False) -> str:
+        """The error of a refused use (argparse puts ``argument --flag: `` in front);
+        ``as_kwarg``: written as the `LLM` argument (``quantization='fp8'``)."""
+        if as_kwarg:
+            name = self.kwarg
+            noop = int(self.noop) if isinstance(self.noop, str) and self.noop.isdigit() else self.noop
+            shown, accepted = f"{name}={value!r}", f"{name}={noop!r}"
+        else:
+            shown = self.flag + ("" if value is None else f" {value}")
+            accepted = f"{self.flag} {self.noop}"
+        only = f" (accepted only as {accepted})" if isinstance(self.noop, str) else ""
         tail = f"; {self.instead}" if self.instead else ""
-        return f"vLLM's {self.flag}{given} is not taken by BatchGen: {self.reason}{only}{tail}"
+        return f"vLLM's {shown} is not taken by BatchGen: {self.reason}{only}{tail}"
+
+    @property
+    def kwarg(self) -> str:
+        """Its name as an `LLM` keyword argument (``trust_remote_code``)."""
+        return self.flag.removeprefix("--").replace("-", "_")
 
     def help(self) -> str:
         """The flag's ``--help`` line."""
@@ -199,3 +211,37 @@ def log_accepted(args: argparse.Namespace) -> None:
     """Log one INFO line per vLLM flag of ``args`` accepted as a no-op."""
     for given, reason in getattr(args, ACCEPTED_DEST, []):
         logger.info("%s: vLLM's flag, accepted with no effect: %s", given, reason)
+
+
+def take_vllm_kwargs(kwargs: dict) -> dict:
+    """`VLLM_FLAGS` as `LLM` keyword arguments (vLLM's ``LLM(model, trust_remote_code=True,
+    quantization=None, ...)``): the rest of ``kwargs``, without them. A switch given as False
+    or an argument given as None is vLLM's default and passes silently; a no-op use logs one
+    INFO line, as on the command line.
+
+    Raises:
+        ValueError: a refused use, naming the argument, why and what to do instead.
+    """
+    rest = dict(kwargs)
+    by_name = {entry.kwarg: entry for entry in VLLM_FLAGS if not entry.flag.startswith("--no-")}
+    for name, entry in by_name.items():
+        if name not in rest:
+            continue
+        value = rest.pop(name)
+        negated = [e for e in VLLM_FLAGS if e.kwarg == f"no_{name}"]
+        if value is False and negated:  # enable_chunked_prefill=False: --no-enable-chunked-...
+            (no,) = negated
+            raise ValueError(
+                f"LLM argument: vLLM's {name}=False is not taken by BatchGen: {no.reason}; "
+                f"{no.instead}"
+            )
+        if value is None or value is False:
+            continue
+        if entry.metavar is None and value is not True:
+            raise ValueError(f"LLM argument {name} must be True or False, got {value!r}")
+        if not entry.accepts(None if entry.metavar is None else str(value)):
+            raise ValueError(f"LLM argument: {entry.refusal(value, as_kwarg=True)}")
+        logger.info(
+            "%s=%r: vLLM's argument, accepted with no effect: %s", name, value, entry.reason
+        )
+    return rest
