@@ -147,11 +147,12 @@ class _BatchRun:
             request = parse_batch_line(raw, line)
         except BatchLineError as err:
             if err.custom_id is not None:
-                if err.custom_id in self.resume.done_ids:
-                    self.seen_ids.setdefault(err.custom_id, line)
-                    return self._skip()
+                # A duplicate first, as for a valid line: its result is keyed by its line
+                # number, so its custom_id being done (the first line's) does not answer it.
                 if self._is_duplicate(err.custom_id, line):
                     return
+                if err.custom_id in self.resume.done_ids:
+                    return self._skip()
             return self._fail(error_line_from(err))
         if self._is_duplicate(request.custom_id, line):
             return
