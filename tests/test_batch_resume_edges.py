@@ -48,3 +48,72 @@ def test_resume_after_a_kill_answers_an_invalid_duplicate(tmp_path):
     summary = run(FakeEngine(), src, dst, resume=True)
     assert (summary.skipped, summary.succeeded, summary.failed) == (1, 1, 1)
     assert _keys(dst) == Counter({("a", None): 1, ("b", None): 1, ("a", "duplicate_custom_id"): 1})
+
+
+# ---- rewriting the output: a long name, a directory that cannot be written
+
+
+@pytest.mark.timeout(30)
+def test_retry_failed_rewrites_an_output_whose_name_is_near_the_limit(tmp_path):
+    """``.<name>.retry-failed.tmp`` would pass 255 bytes: a shortened, hashed name is used."""
+    lines = [completion_line("a"), completion_line("b", prompt="FAIL")]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    dst = tmp_path / ("o" * 240 + ".jsonl")
+    run(FakeEngine(), src, dst)
+    write_lines(src, [completion_line("a"), completion_line("b")])
+    summary = run(FakeEngine(), src, dst, retry_failed=True)
+    assert (summary.skipped, summary.succeeded, summary.dropped_errors) == (1, 1, 1)
+    assert _keys(dst) == Counter({("a", None): 1, ("b", None): 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.jsonl", dst.name])
+
+
+def _failed_job(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a", prompt="FAIL")])
+    dst = tmp_path / "out.jsonl"
+    run(FakeEngine(), src, dst)
+    write_lines(src, [completion_line("a")])
+    return src, dst, dst.read_bytes()
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_rename_is_a_batch_file_error_and_changes_nothing(tmp_path, monkeypatch):
+    from batchgen.entrypoints import batch_resume
+    from batchgen.entrypoints.batch_runner import BatchFileError
+
+    src, dst, before = _failed_job(tmp_path)
+
+    def read_only(*args):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(batch_resume.os, "replace", read_only)
+    with pytest.raises(BatchFileError) as err:
+        run(FakeEngine(), src, dst, retry_failed=True)
+    assert str(err.value) == (
+        f"--retry-failed rewrites {dst} into .out.jsonl.retry-failed.tmp beside it and renames "
+        "that over it, which failed: Read-only file system (a directory that is not "
+        "writable?); the output is unchanged. Run with --resume only, or copy the output to a "
+        "writable directory"
+    )
+    assert dst.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+@pytest.mark.timeout(30)
+def test_cli_refuses_an_output_it_cannot_rewrite_before_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    from batchgen.entrypoints import batch_resume, cli, cli_flags
+
+    src, dst, before = _failed_job(tmp_path)
+    started = []
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kw: started.append(kw) or FakeEngine())
+    nowhere = tmp_path / "gone" / ".out.jsonl.retry-failed.tmp"  # its directory is missing
+    monkeypatch.setattr(batch_resume, "retry_temporary", lambda path: nowhere)
+    capsys.readouterr()
+    argv = ["run", "-i", str(src), "-o", str(dst), "--no-progress", "--retry-failed"]
+    assert cli.main(argv) == 2 and started == []
+    assert capsys.readouterr().err.startswith(
+        f"batchgen run: error: --retry-failed rewrites {dst} into .out.jsonl.retry-failed.tmp "
+        "beside it and renames that over it, which failed: No such file or directory"
+    )
+    assert dst.read_bytes() == before

@@ -38,6 +38,7 @@ from batchgen.entrypoints.batch_output import (
     scan_results_file,
     truncate_partial_last_line,
 )
+from batchgen.entrypoints.output_lock import sidecar_path
 from batchgen.entrypoints.snapshot_store import SnapshotWriter
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,36 @@ def _fsync_directory(path: Path) -> None:
             os.close(fd)
 
 
+def _rewrite_error(output_path: str | os.PathLike, tmp: Path, err: OSError) -> BatchFileError:
+    return BatchFileError(
+        f"--retry-failed rewrites {output_path} into {tmp.name} beside it and renames that "
+        f"over it, which failed: {err.strerror or err} (a directory that is not writable?); "
+        "the output is unchanged. Run with --resume only, or copy the output to a writable "
+        "directory"
+    )
+
+
+def retry_temporary(output_path: str | os.PathLike) -> Path:
+    """The temporary `drop_failed_results` writes: ``.<name>.retry-failed.tmp`` beside the
+    file ``output_path`` names (`sidecar_path`: a hash for a name too long for it)."""
+    return sidecar_path(output_path, ".retry-failed.tmp")
+
+
+def check_can_rewrite(output_path: str | os.PathLike) -> None:
+    """Check that `drop_failed_results` can create its temporary (before a model loads).
+
+    Raises:
+        BatchFileError: it cannot; the message says why and what to do.
+    """
+    tmp = retry_temporary(output_path)
+    try:
+        with open(tmp, "wb"):
+            pass
+        os.unlink(tmp)
+    except OSError as err:
+        raise _rewrite_error(output_path, tmp, err) from err
+
+
 def drop_failed_results(output_path: str | os.PathLike) -> int:
     """Rewrite ``output_path`` without its error results (`is_failed_result`), atomically
     (module docstring): every success line is kept, byte for byte and in order; blank lines
@@ -101,8 +132,8 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
 
     Raises:
         BatchFileError: the output is not a regular file (a pipe or a device cannot be
-            rewritten).
-        OSError: the temporary could not be written or renamed (the output is unchanged).
+            rewritten), or the temporary could not be written or renamed (the output is
+            unchanged then).
     """
     path = Path(os.path.realpath(output_path))  # a symlink keeps pointing at the new file
     if not path.is_file():
@@ -110,7 +141,7 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
             f"--retry-failed rewrites the output without its error results, but {output_path} "
             "is not a regular file"
         )
-    tmp = path.with_name(f".{path.name}.retry-failed.tmp")
+    tmp = retry_temporary(path)
     dropped = 0
     try:
         with open(path, "rb") as source, open(tmp, "wb") as target:
@@ -129,9 +160,11 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
                 os.fsync(target.fileno())
         if dropped:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _rewrite_error(output_path, tmp, err) from err
         raise
     if not dropped:
         os.unlink(tmp)

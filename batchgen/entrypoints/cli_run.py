@@ -167,12 +167,14 @@ def _without_snapshot(kwargs: dict) -> dict:
 
 def _nothing_left(args: argparse.Namespace, snapshot) -> bool:
     """``--resume``: refuse another input's output and, with ``--retry-failed``, a snapshot
-    holding error results (before the model loads); without a snapshot, when every input line
-    already has its result (a successful one with ``--retry-failed``, which then drops the
-    output's other error results here), say so: the model is not loaded."""
+    holding error results or an output that cannot be rewritten (`check_can_rewrite`), before
+    the model loads; without a snapshot, when every input line already has its result (a
+    successful one with ``--retry-failed``, which then drops the output's other error results
+    here), say so: the model is not loaded."""
     from batchgen.entrypoints.batch_input import input_result_keys
     from batchgen.entrypoints.batch_output import BatchFileError
     from batchgen.entrypoints.batch_resume import (
+        check_can_rewrite,
         check_resume,
         check_snapshot_for_retry,
         drop_failed_results,
@@ -180,6 +182,8 @@ def _nothing_left(args: argparse.Namespace, snapshot) -> bool:
 
     try:
         check = check_resume(args.input, args.output)
+        if args.retry_failed and check is not None and check.error_lines:
+            check_can_rewrite(args.output)  # before the model loads, not after
         if args.retry_failed and snapshot is not None:
             check_snapshot_for_retry(snapshot, input_result_keys(args.input)[1])
         if check is None or snapshot is not None or not check.nothing_left(args.retry_failed):
