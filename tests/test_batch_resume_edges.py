@@ -4,12 +4,14 @@ every input line must end with exactly one result, and no earlier success may ch
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from test_batch_runner import FakeEngine, Stop, completion_line, read_results, run, write_lines
-
 
 
 def _keys(dst: Path) -> Counter:
@@ -99,9 +101,7 @@ def test_a_failed_rename_is_a_batch_file_error_and_changes_nothing(tmp_path, mon
 
 
 @pytest.mark.timeout(30)
-def test_cli_refuses_an_output_it_cannot_rewrite_before_the_model(
-    tmp_path, monkeypatch, capsys
-):
+def test_cli_refuses_an_output_it_cannot_rewrite_before_the_model(tmp_path, monkeypatch, capsys):
     from batchgen.entrypoints import batch_resume, cli, cli_flags
 
     src, dst, before = _failed_job(tmp_path)
@@ -117,3 +117,99 @@ def test_cli_refuses_an_output_it_cannot_rewrite_before_the_model(
         "beside it and renames that over it, which failed: No such file or directory"
     )
     assert dst.read_bytes() == before
+
+
+# ---- one run at a time per output
+
+
+HOLD = """
+import sys, time
+from batchgen.entrypoints.output_lock import output_lock
+with output_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def holder():
+    """Start a process holding an output's lock; every one started is killed at the end."""
+    procs = []
+
+    def start(path: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout.readline() == "locked\n"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _argv(src: Path, dst: Path, *flags: str) -> list[str]:
+    return ["run", "-i", str(src), "-o", str(dst), "--no-progress", *flags]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags", [(), ("--resume",), ("--retry-failed",)])
+def test_a_second_run_on_a_locked_output_is_refused_and_changes_nothing(
+    tmp_path, monkeypatch, capsys, holder, flags
+):
+    from batchgen.entrypoints import cli, cli_flags
+
+    src, dst, before = _failed_job(tmp_path)
+    with dst.open("ab") as f:
+        f.write(b'{"custom_id": "hal')  # a half-written line: not cut either
+    before = dst.read_bytes()
+    started = []
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kw: started.append(kw) or FakeEngine())
+    proc = holder(dst)
+    capsys.readouterr()
+    assert cli.main(_argv(src, dst, *flags)) == 2 and started == []
+    assert capsys.readouterr().err == (
+        f"batchgen run: error: another batchgen run (pid {proc.pid}) is writing {dst} (it holds "
+        f"{tmp_path / '.out.jsonl.lock'}); wait for it to end, or stop it: two runs on one "
+        "output would write some results twice or lose some\n"
+    )
+    assert dst.read_bytes() == before
+    # Through a symlink to it: the same lock.
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(dst)
+    assert cli.main(_argv(src, link, *flags)) == 2 and started == []
+    # Its holder killed (SIGKILL: the lock file stays), the next run goes on and cleans up.
+    proc.kill()
+    proc.wait(timeout=10)
+    assert (tmp_path / ".out.jsonl.lock").exists()
+    assert cli.main(_argv(src, dst, "--retry-failed")) == 0 and len(started) == 1
+    assert _keys(dst) == Counter({("a", None): 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "link.jsonl", "out.jsonl"]
+
+
+@pytest.mark.timeout(30)
+def test_the_lock_is_taken_again_when_its_file_was_replaced(tmp_path, monkeypatch):
+    """A run that locked a lock file another run removed (at its end) in between locks the
+    file now at that path instead."""
+    from batchgen.entrypoints import output_lock as lock_module
+
+    dst = tmp_path / "out.jsonl"
+    checks = []
+    same_file = lock_module._same_file
+
+    def replaced_once(fd, path):
+        checks.append(path)
+        return len(checks) > 1 and same_file(fd, path)
+
+    monkeypatch.setattr(lock_module, "_same_file", replaced_once)
+    with lock_module.output_lock(dst) as held:
+        assert held == tmp_path / ".out.jsonl.lock" and len(checks) == 2
+        assert held.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(lock_module.OutputLockedError):
+            with lock_module.output_lock(dst):
+                pass
+    assert not held.exists()
+    with lock_module.output_lock(dst):  # free again
+        pass
