@@ -213,3 +213,39 @@ def test_the_lock_is_taken_again_when_its_file_was_replaced(tmp_path, monkeypatc
     assert not held.exists()
     with lock_module.output_lock(dst):  # free again
         pass
+
+
+# ---- symlinks where batchgen keeps its own files
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("target", ["out.jsonl", "elsewhere.jsonl"])
+def test_a_symlink_left_at_the_temporary_path_is_not_written_through(tmp_path, target):
+    """A symlink at ``.out.jsonl.retry-failed.tmp`` (to the output itself, or to any file) was
+    opened for writing and truncated its target: the output lost every result."""
+    src, dst, before = _failed_job(tmp_path)
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_bytes(b"keep me\n")
+    (tmp_path / ".out.jsonl.retry-failed.tmp").symlink_to(target)
+    summary = run(FakeEngine(), src, dst, retry_failed=True)
+    assert (summary.succeeded, summary.dropped_errors) == (1, 1)
+    assert _keys(dst) == Counter({("a", None): 1})
+    assert elsewhere.read_bytes() == b"keep me\n"
+    assert not dst.is_symlink()
+    assert not (tmp_path / ".out.jsonl.retry-failed.tmp").exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_symlink_at_the_lock_path_is_refused_not_followed(tmp_path, monkeypatch, capsys):
+    from batchgen.entrypoints import cli, cli_flags
+
+    src, dst, before = _failed_job(tmp_path)
+    (tmp_path / ".out.jsonl.lock").symlink_to("out.jsonl")
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kw: FakeEngine())
+    capsys.readouterr()
+    assert cli.main(_argv(src, dst, "--retry-failed")) == 2
+    assert capsys.readouterr().err == (
+        f"batchgen run: error: {tmp_path / '.out.jsonl.lock'} (where batchgen run keeps the "
+        f"lock of {dst}) is a symlink; remove it\n"
+    )
+    assert dst.read_bytes() == before

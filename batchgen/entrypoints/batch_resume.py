@@ -11,7 +11,8 @@ input, and what a resumed run keeps of it.
   refused: its segments are written once and never changed, so it would restore them.
 
 **Dropping error results atomically.** The output is rewritten without its error lines into
-``.<name>.retry-failed.tmp`` beside it (fsync'ed, the file's mode kept), which is then renamed
+``.<name>.retry-failed.tmp`` beside it (created anew: whatever that path held is removed, a
+symlink there never followed; fsync'ed, the file's mode kept), which is then renamed
 over it (atomic on POSIX) and the directory fsync'ed; only then does the run append. A process
 killed before the rename leaves the output as it was (and at most that temporary, which the
 next ``--retry-failed`` overwrites); killed after it, the output holds every success and no
@@ -107,6 +108,19 @@ def retry_temporary(output_path: str | os.PathLike) -> Path:
     return sidecar_path(output_path, ".retry-failed.tmp")
 
 
+def _create_temporary(tmp: Path):
+    """Open a new, empty ``tmp`` for writing. Whatever was at that path is removed first, not
+    written through: a symlink left there (to the output itself, say) is never followed.
+
+    Raises:
+        OSError: it cannot be removed or created.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return open(os.open(tmp, flags, 0o600), "wb")
+
+
 def check_can_rewrite(output_path: str | os.PathLike) -> None:
     """Check that `drop_failed_results` can create its temporary (before a model loads).
 
@@ -115,7 +129,7 @@ def check_can_rewrite(output_path: str | os.PathLike) -> None:
     """
     tmp = retry_temporary(output_path)
     try:
-        with open(tmp, "wb"):
+        with _create_temporary(tmp):
             pass
         os.unlink(tmp)
     except OSError as err:
@@ -144,7 +158,7 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
     tmp = retry_temporary(path)
     dropped = 0
     try:
-        with open(path, "rb") as source, open(tmp, "wb") as target:
+        with open(path, "rb") as source, _create_temporary(tmp) as target:
             for raw in source:
                 if not raw.endswith(b"\n"):
                     break  # half-written by a killed run

@@ -244,14 +244,15 @@ def run(args: argparse.Namespace) -> int:
         CliError: a missing input, an unusable output or snapshot, another run writing the
             output, an engine that cannot start.
     """
-    from batchgen.entrypoints.output_lock import OutputLockedError, output_lock
+    from batchgen.entrypoints.batch_output import BatchFileError
+    from batchgen.entrypoints.output_lock import output_lock
 
     _standard_input(args)
     _check_run_paths(args)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(output_lock(args.output))
-        except OutputLockedError as err:
+        except BatchFileError as err:  # another run holds it, or its path is a symlink
             raise CliError(str(err)) from err
         return _run_locked(args)
 

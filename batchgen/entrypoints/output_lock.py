@@ -30,6 +30,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,13 +103,21 @@ def output_lock(output_path: str | os.PathLike) -> Iterator[Path | None]:
 
     Raises:
         OutputLockedError: another process holds it; nothing is changed.
+        BatchFileError: the lock file's path is a symlink (never followed: the pid written
+            there would land in the file it names).
     """
     lock_path = sidecar_path(output_path, ".lock")
     owned = True  # a lock file of ours, removed at the end
     while True:
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(lock_path, flags, 0o644)
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise BatchFileError(
+                    f"{lock_path} (where batchgen run keeps the lock of {output_path}) is a "
+                    "symlink; remove it"
+                ) from None
             if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             lock_path, owned = Path(os.path.realpath(output_path)), False
@@ -121,6 +130,9 @@ def output_lock(output_path: str | os.PathLike) -> Iterator[Path | None]:
         if _same_file(fd, lock_path):
             break
         os.close(fd)  # removed or replaced since we opened it: lock the file there now
+    # Write the pid only into a file that is nothing else (not a hard link to another file).
+    held = os.fstat(fd)
+    owned = owned and stat.S_ISREG(held.st_mode) and held.st_nlink == 1
     try:
         if owned:
             os.ftruncate(fd, 0)
