@@ -249,3 +249,26 @@ def test_a_symlink_at_the_lock_path_is_refused_not_followed(tmp_path, monkeypatc
         f"lock of {dst}) is a symlink; remove it\n"
     )
     assert dst.read_bytes() == before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flag", ["--resume", "--retry-failed"])
+def test_resuming_into_a_fifo_is_refused_instead_of_waiting_forever(
+    tmp_path, monkeypatch, capsys, flag
+):
+    from batchgen.entrypoints import cli, cli_flags
+    from batchgen.entrypoints.batch_runner import BatchFileError
+
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    started = []
+    monkeypatch.setattr(cli_flags, "start_engine", lambda kw: started.append(kw) or FakeEngine())
+    capsys.readouterr()
+    assert cli.main(_argv(src, fifo, flag)) == 2 and started == []
+    assert capsys.readouterr().err == (
+        f"batchgen run: error: --resume reads the results already in the output, but {fifo} "
+        "is a pipe; name a file for the results, or run without --resume\n"
+    )
+    with pytest.raises(BatchFileError):
+        run(FakeEngine(), src, fifo, resume=True)

@@ -217,6 +217,21 @@ def check_snapshot_for_retry(snapshot: SnapshotWriter, expected: ResumeState) ->
         )
 
 
+def check_resumable_output(output_path: str | os.PathLike) -> None:
+    """Refuse to resume into a pipe or socket: its results cannot be read back (opening a FIFO
+    to read them would wait for a writer forever).
+
+    Raises:
+        BatchFileError: ``output_path`` is a FIFO or a socket.
+    """
+    mode = os.stat(output_path).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise BatchFileError(
+            f"--resume reads the results already in the output, but {output_path} is a pipe; "
+            "name a file for the results, or run without --resume"
+        )
+
+
 def prepare_resume(
     input_path: Path,
     output_path: Path,
@@ -240,9 +255,11 @@ def prepare_resume(
         (the results kept, the number of error lines dropped).
 
     Raises:
-        BatchFileError: not a result file (`scan_results_file`), another input's output, or
-            errors to drop from an output that is not a regular file.
+        BatchFileError: a pipe (`check_resumable_output`), not a result file
+            (`scan_results_file`), another input's output, or errors to drop from an output
+            that is not a regular file.
     """
+    check_resumable_output(output_path)
     state = scan_results_file(output_path, expected)
     if expected is not None:
         check_not_foreign(state, input_path, output_path)
@@ -293,10 +310,13 @@ def check_resume(
     pipe can be read once only). Like a resumed run, cuts a half-written last output line.
 
     Raises:
-        BatchFileError: the output is not a batch result file, or is another input's
-            (`check_not_foreign`).
+        BatchFileError: the output is a pipe (`check_resumable_output`), not a batch result
+            file, or another input's (`check_not_foreign`).
     """
-    if not os.path.exists(output_path) or not stat.S_ISREG(os.stat(input_path).st_mode):
+    if not os.path.exists(output_path):
+        return None
+    check_resumable_output(output_path)
+    if not stat.S_ISREG(os.stat(input_path).st_mode):
         return None
     if os.path.samefile(input_path, output_path):
         return None  # `run_batch_file` reports it
