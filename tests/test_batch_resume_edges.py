@@ -272,3 +272,46 @@ def test_resuming_into_a_fifo_is_refused_instead_of_waiting_forever(
     )
     with pytest.raises(BatchFileError):
         run(FakeEngine(), src, fifo, resume=True)
+
+
+# ---- a duplicate's error line, and the input edited since
+
+
+def _dup_error(custom_id: str, line: int, first_line: int) -> bytes:
+    from batchgen.entrypoints.openai_protocol import duplicate_custom_id_line
+
+    return (json.dumps(duplicate_custom_id_line(custom_id, line, first_line)) + "\n").encode()
+
+
+@pytest.mark.timeout(30)
+def test_a_stale_duplicate_error_does_not_answer_the_first_use_of_its_custom_id(tmp_path):
+    """Killed while line 1 ("a") ran, after line 2's duplicate error was written; line 1 then
+    edited to "b". Line 2 is now the first "a": the old error keyed (2, "a") is no answer
+    for it, so it must run (it was skipped on every resume, never answered)."""
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("b"), completion_line("a")])
+    dst = tmp_path / "out.jsonl"
+    done = tmp_path / "done.jsonl"
+    run(FakeEngine(), write_lines(tmp_path / "c.jsonl", [completion_line("c")]), done)
+    write_lines(src, [completion_line("b"), completion_line("a"), completion_line("c")])
+    dst.write_bytes(_dup_error("a", 2, 1) + done.read_bytes())
+    summary = run(FakeEngine(), src, dst, resume=True)
+    assert (summary.skipped, summary.succeeded, summary.failed) == (1, 2, 0)
+    assert _keys(dst) == Counter(
+        {("a", "duplicate_custom_id"): 1, ("a", None): 1, ("b", None): 1, ("c", None): 1}
+    )  # the stale error stays (a result for no line now: --resume warns about it)
+
+
+@pytest.mark.timeout(30)
+def test_a_later_duplicate_is_answered_after_a_stale_duplicate_error(tmp_path):
+    """Input [a, a] run (a ok, (2, "a") duplicate); line 1 edited to "b" and a third "a"
+    added: line 2 is the first "a" (answered by the old success), line 3 its duplicate."""
+    lines = [completion_line("a"), completion_line("a")]
+    src, dst = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    run(FakeEngine(), src, dst)
+    write_lines(src, [completion_line("b"), completion_line("a"), completion_line("a")])
+    summary = run(FakeEngine(), src, dst, resume=True)
+    assert (summary.skipped, summary.succeeded, summary.failed) == (1, 1, 1)
+    dups = [r["error"]["line"] for r in read_results(dst) if r["error"]]
+    assert sorted(dups) == [2, 3]  # the stale one (now for no line) and line 3's
+    again = run(FakeEngine(), src, dst, resume=True)
+    assert (again.skipped, again.succeeded, again.failed) == (3, 0, 0)
