@@ -315,3 +315,15 @@ def test_a_later_duplicate_is_answered_after_a_stale_duplicate_error(tmp_path):
     assert sorted(dups) == [2, 3]  # the stale one (now for no line) and line 3's
     again = run(FakeEngine(), src, dst, resume=True)
     assert (again.skipped, again.succeeded, again.failed) == (3, 0, 0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_retry_failed_as_root_keeps_the_outputs_owner(tmp_path):
+    src, dst, before = _failed_job(tmp_path)
+    os.chown(dst, 12345, 23456)
+    dst.chmod(0o640)
+    summary = run(FakeEngine(), src, dst, retry_failed=True)
+    assert (summary.succeeded, summary.dropped_errors) == (1, 1)
+    st = dst.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (12345, 23456, 0o640)

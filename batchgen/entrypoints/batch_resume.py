@@ -12,7 +12,7 @@ input, and what a resumed run keeps of it.
 
 **Dropping error results atomically.** The output is rewritten without its error lines into
 ``.<name>.retry-failed.tmp`` beside it (created anew: whatever that path held is removed, a
-symlink there never followed; fsync'ed, the file's mode kept), which is then renamed
+symlink there never followed; fsync'ed, the file's owner and mode kept), which is then renamed
 over it (atomic on POSIX) and the directory fsync'ed; only then does the run append. A process
 killed before the rename leaves the output as it was (and at most that temporary, which the
 next ``--retry-failed`` overwrites); killed after it, the output holds every success and no
@@ -108,6 +108,17 @@ def retry_temporary(output_path: str | os.PathLike) -> Path:
     return sidecar_path(output_path, ".retry-failed.tmp")
 
 
+def _copy_owner_and_mode(source: int, target: int) -> None:
+    """Give the rewritten output the old file's owner and mode: a ``--retry-failed`` run as
+    root must not leave a user's output owned by root, which that user could then not append
+    to. The owner is kept where the process may set it (root, or the owner keeping a group
+    of theirs); the mode is set after it (chown clears setuid bits)."""
+    old = os.fstat(source)
+    with contextlib.suppress(PermissionError):
+        os.fchown(target, old.st_uid, old.st_gid)
+    os.fchmod(target, stat.S_IMODE(old.st_mode))
+
+
 def _create_temporary(tmp: Path):
     """Open a new, empty ``tmp`` for writing. Whatever was at that path is removed first, not
     written through: a symlink left there (to the output itself, say) is never followed.
@@ -170,7 +181,7 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
                     target.write(raw)
             if dropped:
                 target.flush()
-                os.fchmod(target.fileno(), stat.S_IMODE(os.fstat(source.fileno()).st_mode))
+                _copy_owner_and_mode(source.fileno(), target.fileno())
                 os.fsync(target.fileno())
         if dropped:
             os.replace(tmp, path)
