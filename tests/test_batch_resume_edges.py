@@ -327,3 +327,24 @@ def test_retry_failed_as_root_keeps_the_outputs_owner(tmp_path):
     assert (summary.succeeded, summary.dropped_errors) == (1, 1)
     st = dst.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (12345, 23456, 0o640)
+
+
+@pytest.mark.timeout(30)
+def test_the_foreign_warning_names_a_numeric_custom_id_as_it_is(tmp_path, caplog):
+    import logging
+
+    src = write_lines(tmp_path / "in.jsonl", [completion_line("a")])
+    dst = tmp_path / "out.jsonl"
+    run(FakeEngine(), src, dst)
+    ok = {"id": "x", "response": {"status_code": 200, "body": {}}, "error": None}
+    with dst.open("a") as f:
+        for custom_id in (7, None, ["x"] * 20):
+            f.write(json.dumps({**ok, "custom_id": custom_id}) + "\n")
+    write_lines(src, [completion_line("a"), completion_line("b")])
+    with caplog.at_level(logging.WARNING, logger="batchgen.entrypoints.batch_resume"):
+        run(FakeEngine(), src, dst, resume=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{dst}: 3 of its 4 results are for no request of {src} (custom_ids custom_id 7, "
+        'custom_id null, custom_id ["x", "x", "x", "x", "x", "x", "x", "x"…); they stay in the '
+        "output (lines deleted from the input?)"
+    ]
