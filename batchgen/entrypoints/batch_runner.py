@@ -262,6 +262,9 @@ def run_batch_file(
 ) -> BatchRunSummary:
     """Run every request of an OpenAI Batch input file and write one result line per input line.
 
+    Takes no lock on ``output_path``: ``batchgen run`` holds `output_lock` around this call,
+    and a caller running two of these on one output gets results twice or loses some.
+
     Args:
         engine: an `LLMEngine` (``add_request``, ``apply_chat_template``, ``step``,
             ``has_unfinished_requests``, ``abort_request``, ``tokenizer``, ``model_name``).
