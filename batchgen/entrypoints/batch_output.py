@@ -124,6 +124,13 @@ def describe_key(key: tuple[str, Any]) -> str:
     return f"line {line}" if custom_id is None else f"{json.dumps(custom_id)} (line {line})"
 
 
+def _describe_keyless(result: dict[str, Any]) -> str:
+    """A result no `result_key` stands for, for a message: ``custom_id 7``, ``custom_id
+    null`` (its custom_id as JSON, cut at 40 characters)."""
+    text = json.dumps(result.get("custom_id"), ensure_ascii=False)
+    return f"custom_id {text if len(text) <= 40 else text[:39] + '…'}"
+
+
 def is_failed_result(result: dict[str, Any]) -> bool:
     """Whether a result line reports a failure: its ``error`` is not null, or its
     ``response.status_code`` is an HTTP status outside 2xx (``batchgen run`` writes both for
@@ -211,7 +218,7 @@ def scan_results_file(
                 state.foreign += 1
                 if len(state.foreign_sample) < FOREIGN_SAMPLE:
                     state.foreign_sample.append(
-                        "custom_id null" if key is None else describe_key(key)
+                        _describe_keyless(result) if key is None else describe_key(key)
                     )
     return state
 

@@ -11,7 +11,8 @@ input, and what a resumed run keeps of it.
   refused: its segments are written once and never changed, so it would restore them.
 
 **Dropping error results atomically.** The output is rewritten without its error lines into
-``.<name>.retry-failed.tmp`` beside it (fsync'ed, the file's mode kept), which is then renamed
+``.<name>.retry-failed.tmp`` beside it (created anew: whatever that path held is removed, a
+symlink there never followed; fsync'ed, the file's owner and mode kept), which is then renamed
 over it (atomic on POSIX) and the directory fsync'ed; only then does the run append. A process
 killed before the rename leaves the output as it was (and at most that temporary, which the
 next ``--retry-failed`` overwrites); killed after it, the output holds every success and no
@@ -38,6 +39,7 @@ from batchgen.entrypoints.batch_output import (
     scan_results_file,
     truncate_partial_last_line,
 )
+from batchgen.entrypoints.output_lock import sidecar_path
 from batchgen.entrypoints.snapshot_store import SnapshotWriter
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,60 @@ def _fsync_directory(path: Path) -> None:
             os.close(fd)
 
 
+def _rewrite_error(output_path: str | os.PathLike, tmp: Path, err: OSError) -> BatchFileError:
+    return BatchFileError(
+        f"--retry-failed rewrites {output_path} into {tmp.name} beside it and renames that "
+        f"over it, which failed: {err.strerror or err} (a directory that is not writable?); "
+        "the output is unchanged. Run with --resume only, or copy the output to a writable "
+        "directory"
+    )
+
+
+def retry_temporary(output_path: str | os.PathLike) -> Path:
+    """The temporary `drop_failed_results` writes: ``.<name>.retry-failed.tmp`` beside the
+    file ``output_path`` names (`sidecar_path`: a hash for a name too long for it)."""
+    return sidecar_path(output_path, ".retry-failed.tmp")
+
+
+def _copy_owner_and_mode(source: int, target: int) -> None:
+    """Give the rewritten output the old file's owner and mode: a ``--retry-failed`` run as
+    root must not leave a user's output owned by root, which that user could then not append
+    to. The owner is kept where the process may set it (root, or the owner keeping a group
+    of theirs); the mode is set after it (chown clears setuid bits)."""
+    old = os.fstat(source)
+    with contextlib.suppress(PermissionError):
+        os.fchown(target, old.st_uid, old.st_gid)
+    os.fchmod(target, stat.S_IMODE(old.st_mode))
+
+
+def _create_temporary(tmp: Path):
+    """Open a new, empty ``tmp`` for writing. Whatever was at that path is removed first, not
+    written through: a symlink left there (to the output itself, say) is never followed.
+
+    Raises:
+        OSError: it cannot be removed or created.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return open(os.open(tmp, flags, 0o600), "wb")
+
+
+def check_can_rewrite(output_path: str | os.PathLike) -> None:
+    """Check that `drop_failed_results` can create its temporary (before a model loads).
+
+    Raises:
+        BatchFileError: it cannot; the message says why and what to do.
+    """
+    tmp = retry_temporary(output_path)
+    try:
+        with _create_temporary(tmp):
+            pass
+        os.unlink(tmp)
+    except OSError as err:
+        raise _rewrite_error(output_path, tmp, err) from err
+
+
 def drop_failed_results(output_path: str | os.PathLike) -> int:
     """Rewrite ``output_path`` without its error results (`is_failed_result`), atomically
     (module docstring): every success line is kept, byte for byte and in order; blank lines
@@ -101,8 +157,8 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
 
     Raises:
         BatchFileError: the output is not a regular file (a pipe or a device cannot be
-            rewritten).
-        OSError: the temporary could not be written or renamed (the output is unchanged).
+            rewritten), or the temporary could not be written or renamed (the output is
+            unchanged then).
     """
     path = Path(os.path.realpath(output_path))  # a symlink keeps pointing at the new file
     if not path.is_file():
@@ -110,10 +166,10 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
             f"--retry-failed rewrites the output without its error results, but {output_path} "
             "is not a regular file"
         )
-    tmp = path.with_name(f".{path.name}.retry-failed.tmp")
+    tmp = retry_temporary(path)
     dropped = 0
     try:
-        with open(path, "rb") as source, open(tmp, "wb") as target:
+        with open(path, "rb") as source, _create_temporary(tmp) as target:
             for raw in source:
                 if not raw.endswith(b"\n"):
                     break  # half-written by a killed run
@@ -125,13 +181,15 @@ def drop_failed_results(output_path: str | os.PathLike) -> int:
                     target.write(raw)
             if dropped:
                 target.flush()
-                os.fchmod(target.fileno(), stat.S_IMODE(os.fstat(source.fileno()).st_mode))
+                _copy_owner_and_mode(source.fileno(), target.fileno())
                 os.fsync(target.fileno())
         if dropped:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _rewrite_error(output_path, tmp, err) from err
         raise
     if not dropped:
         os.unlink(tmp)
@@ -170,6 +228,21 @@ def check_snapshot_for_retry(snapshot: SnapshotWriter, expected: ResumeState) ->
         )
 
 
+def check_resumable_output(output_path: str | os.PathLike) -> None:
+    """Refuse to resume into a pipe or socket: its results cannot be read back (opening a FIFO
+    to read them would wait for a writer forever).
+
+    Raises:
+        BatchFileError: ``output_path`` is a FIFO or a socket.
+    """
+    mode = os.stat(output_path).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise BatchFileError(
+            f"--resume reads the results already in the output, but {output_path} is a pipe; "
+            "name a file for the results, or run without --resume"
+        )
+
+
 def prepare_resume(
     input_path: Path,
     output_path: Path,
@@ -193,9 +266,11 @@ def prepare_resume(
         (the results kept, the number of error lines dropped).
 
     Raises:
-        BatchFileError: not a result file (`scan_results_file`), another input's output, or
-            errors to drop from an output that is not a regular file.
+        BatchFileError: a pipe (`check_resumable_output`), not a result file
+            (`scan_results_file`), another input's output, or errors to drop from an output
+            that is not a regular file.
     """
+    check_resumable_output(output_path)
     state = scan_results_file(output_path, expected)
     if expected is not None:
         check_not_foreign(state, input_path, output_path)
@@ -246,10 +321,13 @@ def check_resume(
     pipe can be read once only). Like a resumed run, cuts a half-written last output line.
 
     Raises:
-        BatchFileError: the output is not a batch result file, or is another input's
-            (`check_not_foreign`).
+        BatchFileError: the output is a pipe (`check_resumable_output`), not a batch result
+            file, or another input's (`check_not_foreign`).
     """
-    if not os.path.exists(output_path) or not stat.S_ISREG(os.stat(input_path).st_mode):
+    if not os.path.exists(output_path):
+        return None
+    check_resumable_output(output_path)
+    if not stat.S_ISREG(os.stat(input_path).st_mode):
         return None
     if os.path.samefile(input_path, output_path):
         return None  # `run_batch_file` reports it

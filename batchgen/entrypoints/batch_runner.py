@@ -138,26 +138,34 @@ class _BatchRun:
         if self.blank.skip(line, raw):
             return
         self.summary.total += 1
-        if (
-            line in self.resumed_line_numbers
-            and (line, batch_line_custom_id(raw, line)) in self.resume.done_lines
-        ):  # the same line (number and custom_id) as the error line in the output
+        if line in self.resumed_line_numbers and self._answered_by_line(line, raw):
             return self._skip()
         try:
             request = parse_batch_line(raw, line)
         except BatchLineError as err:
             if err.custom_id is not None:
-                if err.custom_id in self.resume.done_ids:
-                    self.seen_ids.setdefault(err.custom_id, line)
-                    return self._skip()
+                # A duplicate first, as for a valid line: its result is keyed by its line
+                # number, so its custom_id being done (the first line's) does not answer it.
                 if self._is_duplicate(err.custom_id, line):
                     return
+                if err.custom_id in self.resume.done_ids:
+                    return self._skip()
             return self._fail(error_line_from(err))
         if self._is_duplicate(request.custom_id, line):
             return
         if request.custom_id in self.resume.done_ids:
             return self._skip()
         self._submit(request)
+
+    def _answered_by_line(self, line: int, raw: bytes) -> bool:
+        """Whether an error line of the output keyed by this line (`result_key`: its number
+        and custom_id) answers it: a line without a usable custom_id, or a duplicate. A
+        line whose custom_id no earlier line used is no duplicate now (the input was edited
+        since): its answer is a result for its custom_id, not that old error."""
+        custom_id = batch_line_custom_id(raw, line)
+        if (line, custom_id) not in self.resume.done_lines:
+            return False
+        return custom_id is None or custom_id in self.seen_ids
 
     def _is_duplicate(self, custom_id: str, line: int) -> bool:
         """Record ``custom_id``; on its second occurrence write the duplicate error line."""
@@ -253,6 +261,9 @@ def run_batch_file(
     on_complete: Callable[[], None] | None = None,
 ) -> BatchRunSummary:
     """Run every request of an OpenAI Batch input file and write one result line per input line.
+
+    Takes no lock on ``output_path``: ``batchgen run`` holds `output_lock` around this call,
+    and a caller running two of these on one output gets results twice or loses some.
 
     Args:
         engine: an `LLMEngine` (``add_request``, ``apply_chat_template``, ``step``,

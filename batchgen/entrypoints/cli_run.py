@@ -1,7 +1,8 @@
 """``batchgen run``: its arguments, the snapshot it opens, and the run itself.
 
 `add_arguments` adds ``-i/-o``, ``--resume``, ``--retry-failed``, ``--max-in-flight``,
-``--no-progress`` and the engine flags; `run` checks the paths, opens the
+``--no-progress`` and the engine flags; `run` checks the paths, locks the output for the
+whole run (`batchgen.entrypoints.output_lock`: a second run on it is refused), opens the
 ``--snapshot-storage-uri`` snapshot (before any model loads, so a mismatched snapshot fails
 fast), with ``--resume`` refuses another input's output and stops when every input line
 already has its result (`batchgen.entrypoints.batch_resume.check_resume`: nothing to do, no
@@ -13,6 +14,7 @@ model loaded), starts the engine without the snapshot settings (`SNAPSHOT_FIELDS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -167,12 +169,14 @@ def _without_snapshot(kwargs: dict) -> dict:
 
 def _nothing_left(args: argparse.Namespace, snapshot) -> bool:
     """``--resume``: refuse another input's output and, with ``--retry-failed``, a snapshot
-    holding error results (before the model loads); without a snapshot, when every input line
-    already has its result (a successful one with ``--retry-failed``, which then drops the
-    output's other error results here), say so: the model is not loaded."""
+    holding error results or an output that cannot be rewritten (`check_can_rewrite`), before
+    the model loads; without a snapshot, when every input line already has its result (a
+    successful one with ``--retry-failed``, which then drops the output's other error results
+    here), say so: the model is not loaded."""
     from batchgen.entrypoints.batch_input import input_result_keys
     from batchgen.entrypoints.batch_output import BatchFileError
     from batchgen.entrypoints.batch_resume import (
+        check_can_rewrite,
         check_resume,
         check_snapshot_for_retry,
         drop_failed_results,
@@ -180,6 +184,8 @@ def _nothing_left(args: argparse.Namespace, snapshot) -> bool:
 
     try:
         check = check_resume(args.input, args.output)
+        if args.retry_failed and check is not None and check.error_lines:
+            check_can_rewrite(args.output)  # before the model loads, not after
         if args.retry_failed and snapshot is not None:
             check_snapshot_for_retry(snapshot, input_result_keys(args.input)[1])
         if check is None or snapshot is not None or not check.nothing_left(args.retry_failed):
@@ -231,16 +237,32 @@ def run(args: argparse.Namespace) -> int:
     snapshot was taken over or could not be written; the message says where the results are).
     Marks the work done (`cli_signals.work_done`) once every result is written, or once the
     run has failed, before the engine's ranks shut down: a signal after that changes nothing.
+    Holds the output's lock (`output_lock`) from before anything reads or changes the output
+    to the end.
 
     Raises:
-        CliError: a missing input, an unusable output or snapshot, an engine that cannot start.
+        CliError: a missing input, an unusable output or snapshot, another run writing the
+            output, an engine that cannot start.
     """
+    from batchgen.entrypoints.batch_output import BatchFileError
+    from batchgen.entrypoints.output_lock import output_lock
+
+    _standard_input(args)
+    _check_run_paths(args)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(output_lock(args.output))
+        except BatchFileError as err:  # another run holds it, or its path is a symlink
+            raise CliError(str(err)) from err
+        return _run_locked(args)
+
+
+def _run_locked(args: argparse.Namespace) -> int:
+    """`run` once the paths are checked and the output is locked."""
     from batchgen.distributed.frontend import RankFailedError
     from batchgen.entrypoints.batch_runner import BatchFileError, run_batch_file
     from batchgen.entrypoints.snapshot_store import SnapshotTakenOverError, SnapshotWriteError
 
-    _standard_input(args)
-    _check_run_paths(args)
     args.resume = args.resume or args.retry_failed
     kwargs = engine_kwargs(args)
     snapshot = _open_snapshot(args, kwargs)  # a mismatched snapshot fails before the model
