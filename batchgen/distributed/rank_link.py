@@ -117,22 +117,29 @@ class Link:
 
     def set_phase(self, phase: str) -> None:
         """What the rank does now: a heartbeat says it at once (`Heartbeat.phase`), so that
-        the frontend knows this rank reached its group's first collective before any peer
-        can pass it (`RankMessages._loading_laggards`).
+        the frontend knows this rank reached a wait for its group before any peer can pass
+        it (`RankMessages._loading_laggards`).
 
         Raises:
             OSError: the connection to the frontend is gone.
         """
-        self.phase = phase
+        with self._lock:
+            self.phase = phase
+            self._send_heartbeat()
+
+    def _send_heartbeat(self) -> None:
+        """Send a heartbeat of the current phase; called holding the lock, so that no
+        heartbeat of an older phase follows one of a newer (the frontend counts the rank's
+        waits for its group by the changes of phase: `RankHandle.waits`)."""
         counters = self.counters() if self.counters is not None else {}
-        self.send(msg.Heartbeat(self.rank, self.step_id, phase, counters))
+        self.conn.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
 
     def start_heartbeat(self) -> None:
         def beat():
             while not self._stop.wait(msg.HEARTBEAT_S):
                 try:
-                    counters = self.counters() if self.counters is not None else {}
-                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
+                    with self._lock:
+                        self._send_heartbeat()
                 except OSError:
                     return
 

@@ -114,28 +114,32 @@ class RankMessages:
         return timeout
 
     def _loading_laggards(self, now: float) -> list[tuple[RankHandle, str]]:
-        """Ranks that hold up their expert-parallel group's start: still loading (no
-        `WAITING_FOR_PEERS` heard from them) while a peer has waited for them longer than
-        ``max(distributed_timeout_s, STARTING_SILENCE_S, the time that peer took to load)``.
+        """Ranks that hold up their expert-parallel group's start: a peer waits for them (it
+        reports `WAITING_FOR_PEERS` in a wait they have not begun: `RankHandle.waits`) longer
+        than ``max(distributed_timeout_s, STARTING_SILENCE_S, the time that peer took to get
+        there)``. The waits are the rendezvous, the all-to-all's setup and the end of the
+        start (`RankContext.wait_for_peers`).
 
-        A rank that hangs while loading but still heartbeats is not silent; without this its
-        peers would wait in their first collective for the rendezvous's timeout
-        (`groups.INIT_TIMEOUT_S`, 30 minutes). Ranks of a group load about the same weights
-        and KV cache, so one that takes more than twice as long as the first to finish (and
-        more than a minute longer) is named. Returns (rank, why) pairs."""
+        A rank that hangs while starting but still heartbeats is not silent; without this its
+        peers would wait at the rendezvous or in a start-up collective for the rendezvous's
+        timeout (`groups.INIT_TIMEOUT_S`, 30 minutes). Ranks of a group load about the same
+        weights and KV cache, so one that takes more than twice as long as the first to get
+        there (and more than a minute longer) is named. Returns (rank, why) pairs."""
         if self.failure is not None:
             return []
         layout = self._joining.layout
         live = {r.rank: r for r in self.ranks if not r.retired and r.conn is not None}
         out = []
         for rank in live.values():
-            if rank.ready_at is not None or rank.waiting_since is not None:
-                continue
+            if rank.ready_at is not None or rank.phase == msg.WAITING_FOR_PEERS:
+                continue  # started, or blocked in a wait itself: its peers are not ahead
             peers = [
                 live[m]
                 for m in layout.restart_group(rank.rank)
-                if m in live and live[m].phase == msg.WAITING_FOR_PEERS
-                and live[m].waiting_since is not None and live[m].set_up_at is not None
+                if m in live
+                and live[m].phase == msg.WAITING_FOR_PEERS
+                and live[m].waits > rank.waits
+                and live[m].set_up_at is not None
             ]
             if not peers:
                 continue
@@ -143,14 +147,16 @@ class RankMessages:
             took = first.waiting_since - first.set_up_at
             bound = max(self.parallel.distributed_timeout_s, STARTING_SILENCE_S, took)
             lag = now - first.waiting_since
-            if lag > bound:
-                out.append((rank, (
-                    f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s after "
-                    f"rank {first.rank} of its expert-parallel group finished loading in "
-                    f"{took:.0f} s and began waiting for it (a rank may lag the first by "
-                    f"max(distributed_timeout_s, {STARTING_SILENCE_S:.0f} s, the first's "
-                    f"load time) = {bound:.0f} s): stuck while loading"
-                )))
+            if lag <= bound:
+                continue
+            why = (
+                f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s after rank "
+                f"{first.rank} of its expert-parallel group began waiting for it, {took:.0f} s "
+                f"into its start (a rank may lag the first by max(distributed_timeout_s, "
+                f"{STARTING_SILENCE_S:.0f} s, the first's time to get there) = {bound:.0f} s): "
+                "stuck, or too slow, while starting"
+            )
+            out.append((rank, why))
         return out
 
     def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:
