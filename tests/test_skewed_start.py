@@ -10,10 +10,15 @@ Every case carries a timeout; the LLM's ranks are stopped before it returns.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
+from dist_helpers import free_port
 from rank_hooks import slow_rank_start
 from test_partial_recovery import _rank_set
 
@@ -229,3 +234,62 @@ def test_a_rank_that_hangs_while_loading_fails_the_start_naming_it(
         time.sleep(0.5)
     assert not left, f"ranks left running: {left}"
 
+
+@pytest.mark.timeout(240)
+def test_ranks_from_another_machine_leave_once_their_frontend_gives_up(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """Both ranks come from another machine's launcher (``data_parallel_size_local=0``) and
+    rank 1 hangs in its model load. The frontend names rank 1 and gives up, but it cannot
+    kill ranks it did not start: rank 0 waits in the all-to-all's setup (the rendezvous's 30
+    minutes) and rank 1 hangs. Both leave within `FRONTEND_GONE_GRACE_S` of finding their
+    frontend gone, so the launcher ends (exit code 1) instead of holding the machine."""
+    import batchgen.distributed.rank_messages as rank_messages
+    from batchgen.distributed.rank_link import FRONTEND_GONE_GRACE_S
+
+    slow_rank_start(tmp_path, monkeypatch, 3600, rank=1)
+    monkeypatch.setattr(rank_messages, "STARTING_SILENCE_S", 5.0)
+    monkeypatch.setenv("BATCHGEN_DP_AUTHKEY", "test-secret")
+    port = free_port()
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchgen.distributed.launch",
+            "--data-parallel-address",
+            "127.0.0.1",
+            "--data-parallel-rpc-port",
+            str(port),
+            "--data-parallel-size-local",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "ranks.log", "w"),
+        start_new_session=True,  # its own process group: killed whole below, whatever happens
+    )
+    try:
+        with pytest.raises(RankFailedError, match=r"rank 1 .* still loading \d+ s after rank 0"):
+            LLM(
+                str(checkpoint_dir("mixtral")),
+                data_parallel_size=2,
+                data_parallel_size_local=0,
+                data_parallel_address="127.0.0.1",
+                data_parallel_rpc_port=port,
+                enable_expert_parallel=True,
+                distributed_timeout_s=4.0,
+            )
+        gave_up = time.monotonic()
+        try:
+            code = launcher.wait(timeout=FRONTEND_GONE_GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            code = None
+        log = (tmp_path / "ranks.log").read_text()
+        assert code == 1, f"the ranks outlived their frontend:\n{log[-3000:]}"
+        assert time.monotonic() - gave_up < FRONTEND_GONE_GRACE_S + 30
+        assert log.count("the frontend is gone") == 2, log[-3000:]
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.wait(timeout=30)
