@@ -55,7 +55,8 @@ class RankHandle:
     retired: bool = False
     joining: bool = False  # started again after a failure, not ready yet
     ready_at: float | None = None  # when its `Ready` arrived (time.monotonic)
-    set_up_at: float | None = None  # when it was sent `Setup` (it starts loading then)
+    # when it was sent `Setup` (it starts loading then; the same for ranks set up together)
+    set_up_at: float | None = None
     # the waits for its group's ranks it has begun while starting (`WAITING_FOR_PEERS` after
     # another phase: the rendezvous, the all-to-all's setup, the end of its start), and when
     # it began the last one

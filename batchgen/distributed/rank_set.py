@@ -174,8 +174,9 @@ class RankSet(RankMessages, RankFailures):
     def _set_up(self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]) -> None:
         """Start the mailboxes of the ranks that just joined and send them `Setup`."""
         worlds = self._worlds(joined)
+        now = time.monotonic()  # one time for all: ranks set up together are compared
         for r, (rank, _, _) in sorted(joined.items()):
-            rank.last_seen = rank.set_up_at = time.monotonic()
+            rank.last_seen = rank.set_up_at = now
             rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
             init_method, world_ranks = worlds[r]
             rank.mailbox.send(
