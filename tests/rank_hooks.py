@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from pathlib import Path
 
 SLOW_START = textwrap.dedent(
     """
@@ -27,7 +28,8 @@ SLOW_START = textwrap.dedent(
 
             def slow(*args, **kwargs):
                 rank = sys.argv[sys.argv.index("--rank") + 1] if "--rank" in sys.argv else None
-                if not only or rank == only:
+                armed = os.environ.get("BATCHGEN_TEST_SLOW_IF")
+                if (not only or rank == only) and (not armed or os.path.exists(armed)):
                     time.sleep(float(os.environ["BATCHGEN_TEST_SLOW_LOAD_S"]))
                 return fn(*args, **kwargs)
 
@@ -55,17 +57,27 @@ STEPS = ("load", "after_transport", "before_join")
 
 
 def slow_rank_start(
-    tmp_path, monkeypatch, seconds: float, rank: int | None = None, at: str = "load"
+    tmp_path,
+    monkeypatch,
+    seconds: float,
+    rank: int | None = None,
+    at: str = "load",
+    armed: Path | None = None,
 ) -> None:
     """Rank processes started from now on (every one, or only ``rank``) sleep ``seconds``
     before step ``at`` of their start (one of `STEPS`, see the module docstring), heartbeating
-    meanwhile. Undone with ``monkeypatch``.
+    meanwhile; with ``armed``, only while that file exists (create it to slow the ranks started
+    again after a failure, not the first ones). Undone with ``monkeypatch``.
 
     Raises:
         ValueError: ``at`` is not one of `STEPS`.
     """
     if at not in STEPS:
         raise ValueError(f"at must be one of {STEPS}, got {at!r}")
+    if armed is None:
+        monkeypatch.delenv("BATCHGEN_TEST_SLOW_IF", raising=False)
+    else:
+        monkeypatch.setenv("BATCHGEN_TEST_SLOW_IF", str(armed))
     hook = tmp_path / "slow_load_hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SLOW_START)

@@ -222,6 +222,23 @@ def test_a_rank_started_again_is_not_held_against_ranks_ready_before():
     assert rank_set._collect(timeout=0) == []
 
 
+def test_ranks_started_again_that_all_hang_are_named_after_the_last_start():
+    """Every rank of a start hangs while loading (a restart after a failure, the model on a
+    stalled file system): nobody is ahead of them. With an earlier start of every rank to go
+    by (`RankSet.start_took`, here 10 s) they are named once they lag it by the bound; the
+    first start of a job has nothing to go by and waits."""
+    assert _started_together(2, 2, [], waited_s=70.0)._collect(timeout=0) == []
+    rank_set = _started_together(2, 2, [], waited_s=50.0)
+    rank_set.start_took = 10.0
+    assert rank_set._collect(timeout=0) == []
+    rank_set = _started_together(2, 2, [], waited_s=70.0)
+    rank_set.start_took = 10.0
+    pattern = r"rank 0 .* still loading 70 s longer than the job's last start took \(10 s\)"
+    with pytest.raises(RankFailedError, match=pattern) as e:
+        rank_set._collect(timeout=0)
+    assert e.value.ranks == [0, 1] and e.value.recoverable and "= 60 s" in str(e.value)
+
+
 def test_a_rank_one_wait_behind_is_named_though_it_waited_before():
     """The start has several waits for the group (the rendezvous, the all-to-all's setup, the
     end of the start): a rank that waited at an earlier one and now hangs in its load is

@@ -4,7 +4,8 @@ failures are found (a closed connection, `Failed`, a rank silent for ``distribut
 a rank that holds up its group's start: see `rank_set`'s docstring).
 
 It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
-``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and ``_fail_with``.
+``start_took``, ``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and
+``_fail_with``.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class RankMessages:
           setup, the end of the start, `RankContext.wait_for_peers`), or
         - a rank set up with them (the first start, or a restart group started again) has been
           ready: the frontend waits for every rank's `Ready`, so this bounds the start where
-          no collective waits for them (experts replicated, or their whole group hangs).
+          no collective waits for them (experts replicated, or their whole group hangs), or
+        - with none of those (all of them hang) and an earlier start of every rank to go by
+          (ranks started again after a failure), that start's slowest rank: it is taken as
+          ahead from their `Setup` plus its time (`RankSet.start_took`).
 
         A rank that hangs while starting but still heartbeats is not silent; without this its
         peers would wait at the rendezvous or in a start-up collective for the rendezvous's
@@ -158,19 +162,25 @@ class RankMessages:
                 and rank.set_up_at is not None
                 and r.set_up_at == rank.set_up_at
             ]
-            if not ahead:
+            if ahead:
+                first, since, what = min(ahead, key=lambda a: a[1])
+                took = since - first.set_up_at
+                after = f"after rank {first.rank}{what}, {took:.0f} s into its start"
+            elif self.start_took is not None and rank.set_up_at is not None:
+                took = self.start_took
+                since = rank.set_up_at + took
+                after = f"longer than the job's last start took ({took:.0f} s)"
+            else:
                 continue
-            first, since, what = min(ahead, key=lambda a: a[1])
-            took = since - first.set_up_at
             bound = max(self.parallel.distributed_timeout_s, STARTING_SILENCE_S, took)
             lag = now - since
             if lag <= bound:
                 continue
             why = (
-                f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s after rank "
-                f"{first.rank}{what}, {took:.0f} s into its start (a rank may lag the "
-                f"first by max(distributed_timeout_s, {STARTING_SILENCE_S:.0f} s, the first's "
-                f"time to get there) = {bound:.0f} s): stuck, or too slow, while starting"
+                f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s {after} (a "
+                f"rank may lag the first by max(distributed_timeout_s, "
+                f"{STARTING_SILENCE_S:.0f} s, the first's time to get there) = {bound:.0f} s): "
+                "stuck, or too slow, while starting"
             )
             out.append((rank, why))
         return out
