@@ -69,10 +69,13 @@ class FrontendRecovery:
         """A new `RankSet`. A recoverable failure while it starts (a rank killed before
         connecting or while loading the model, or never connecting) is one more failure:
         `ElasticRecovery.begin` counts a restart for it and the ranks start again, or it raises.
-        A set that failed to start has stopped its processes itself (`RankSet.__init__`)."""
+        A set that failed to start has stopped its processes itself (`RankSet.__init__`).
+        After the first, a start is bounded by the last one's time (`RankSet.start_took`)."""
+        earlier = self.__dict__.get("rank_set")  # none at the first start
+        took = earlier.start_took if earlier is not None else None
         while True:
             try:
-                return RankSet(self.config, self.parallel)
+                return RankSet(self.config, self.parallel, took)
             except RankFailedError as failure:
                 self.recovery.begin(failure, [], 0, len(self.requests))
 

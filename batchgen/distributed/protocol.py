@@ -26,9 +26,11 @@ from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 HEARTBEAT_S = 1.0
-# A loading rank's `Heartbeat.phase` once it has loaded and waits for the other ranks of its
-# expert-parallel group (their first collective), so that the frontend can tell the rank
-# that holds them up (`RankMessages._loading_laggards`).
+# A starting rank's `Heartbeat.phase` while it waits for the other ranks of its
+# expert-parallel group: at the rendezvous, the all-to-all's setup and the end of its start
+# (`RankContext.wait_for_peers`), so that the frontend can tell the rank that holds them up
+# (`RankMessages._loading_laggards`). Each wait begins with a heartbeat of this phase after
+# one of another (`RankHandle.waits` counts them).
 WAITING_FOR_PEERS = "waiting for peers"
 
 

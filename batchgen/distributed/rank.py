@@ -22,8 +22,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from batchgen.config import ParallelConfig
 from batchgen.distributed.all_to_all import AllToAllDispatcher, CommStats
@@ -38,6 +40,8 @@ from batchgen.models.decoder import CausalLM
 from batchgen.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A folder: each rank writes the (enter, exit) times of its collectives there when it stops
 # (``a2a_trace_rank<R>.json``; `benchmarks/a2a_trace.py` splits them into compute, waiting for
@@ -66,8 +70,8 @@ class RankContext:
     """One rank's coordinates and settings: its `ProcessGroups`, the job's `ParallelConfig`
     and the device it computes on (``cuda:<local rank>`` on GPUs). ``set_phase`` (optional)
     tells the frontend, through the heartbeat, what the rank is doing while it loads: it is
-    `WAITING_FOR_PEERS` while this rank has loaded and waits for the ranks of its
-    expert-parallel group (`RankMessages` names a peer that lags too long)."""
+    `WAITING_FOR_PEERS` while this rank waits for the ranks of its expert-parallel group
+    (`wait_for_peers`; `RankMessages` names a peer that lags too long)."""
 
     groups: ProcessGroups
     parallel: ParallelConfig
@@ -77,6 +81,27 @@ class RankContext:
     @property
     def expert_parallel(self) -> bool:
         return self.groups.layout.expert_parallel
+
+    def wait_for_peers(self, collective: Callable[[], T]) -> T:
+        """Run ``collective``, a start-up collective that returns once every rank of the
+        expert-parallel group has reached it, reporting `WAITING_FOR_PEERS` meanwhile (and
+        ``loading`` after); returns what it returns."""
+        if self.set_phase is not None:
+            self.set_phase(WAITING_FOR_PEERS)
+        out = collective()
+        if self.set_phase is not None:
+            self.set_phase("loading")
+        return out
+
+    def wait_for_group(self) -> None:
+        """Return once every rank of the expert-parallel group has finished its start (a
+        barrier on the data-path group, whose timeout is the rendezvous's), so that the
+        group's first control exchange, whose timeout is ``distributed_timeout_s``, never
+        waits for a rank still starting: a rank's work after the all-to-all's setup (its
+        executor, CUDA graphs, the weight updates of a rank started again) may take longer
+        than that on one rank, or hang there. A no-op when experts are replicated."""
+        if self.groups.ep_group is not None:
+            self.wait_for_peers(lambda: dist.barrier(group=self.groups.ep_group))
 
     def placement(self, cfg: ModelConfig) -> ExpertPlacement | None:
         if not self.expert_parallel or not cfg.num_local_experts:
@@ -107,16 +132,14 @@ class RankContext:
         if kind == "deepep":
             dispatcher = DeepEPDispatcher(self.groups.ep_group, placement, cfg.hidden_size, stats)
         else:
-            if self.set_phase is not None:
-                self.set_phase(WAITING_FOR_PEERS)  # its first collective waits for every peer
-            transport = make_transport(
-                self.groups.ep_group,
-                device,
-                self.parallel.distributed_timeout_s,
-                setup_group=self.groups.control,
+            transport = self.wait_for_peers(  # its first collective waits for every peer
+                lambda: make_transport(
+                    self.groups.ep_group,
+                    device,
+                    self.parallel.distributed_timeout_s,
+                    setup_group=self.groups.control,
+                )
             )
-            if self.set_phase is not None:
-                self.set_phase("loading")
             dispatcher = AllToAllDispatcher(self.groups.ep_group, placement, stats, transport)
             dispatcher.pad_rows = pad_dispatch_rows(cfg.num_experts_per_tok, placement.ep_size)
         logger.info("rank %d: expert-parallel dispatcher %s (%s)", self.groups.rank, kind, why)

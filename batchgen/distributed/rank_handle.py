@@ -55,8 +55,12 @@ class RankHandle:
     retired: bool = False
     joining: bool = False  # started again after a failure, not ready yet
     ready_at: float | None = None  # when its `Ready` arrived (time.monotonic)
-    set_up_at: float | None = None  # when it was sent `Setup` (it starts loading then)
-    # when it first reported `WAITING_FOR_PEERS` (loaded, waiting for its group's ranks)
+    # when it was sent `Setup` (it starts loading then; the same for ranks set up together)
+    set_up_at: float | None = None
+    # the waits for its group's ranks it has begun while starting (`WAITING_FOR_PEERS` after
+    # another phase: the rendezvous, the all-to-all's setup, the end of its start), and when
+    # it began the last one
+    waits: int = 0
     waiting_since: float | None = None
 
     def note(self, message: object) -> None:
@@ -65,10 +69,10 @@ class RankHandle:
         if isinstance(message, msg.Ready):
             self.ready_at = self.last_seen
         elif isinstance(message, msg.Heartbeat):
+            if message.phase == msg.WAITING_FOR_PEERS and self.phase != msg.WAITING_FOR_PEERS:
+                self.waits, self.waiting_since = self.waits + 1, self.last_seen
             self.step_id, self.phase = message.step_id, message.phase
             self.counters = message.counters
-            if message.phase == msg.WAITING_FOR_PEERS and self.waiting_since is None:
-                self.waiting_since = self.last_seen
 
 
 def where(rank: RankHandle) -> str:

@@ -19,6 +19,9 @@ logger = logging.getLogger("batchgen.distributed.worker")  # the rank's log line
 
 CONNECT_TIMEOUT_S = 300.0
 CONNECT_LOG_S = 10.0
+# A rank whose frontend is gone and that has not left this long after finding it gone (its
+# heartbeat could not be sent) ends its process (`Link`).
+FRONTEND_GONE_GRACE_S = 10.0
 
 
 @dataclass
@@ -102,7 +105,15 @@ class RankStartError(RuntimeError):
 
 
 class Link:
-    """The rank's connection: sends from the loop and the heartbeat thread, under a lock."""
+    """The rank's connection: sends from the loop and the heartbeat thread, under a lock.
+
+    The rank's loop finds its frontend gone at its next read and leaves; a rank blocked
+    meanwhile never would: one waiting in a start-up collective for a peer that hangs (for
+    the rendezvous's 30 minutes), or hanging itself. The frontend kills the ranks it started,
+    not those of another machine or of torchrun, so the heartbeat thread, once a heartbeat
+    cannot be sent, ends the process if the rank has not stopped (`stop`) within
+    `FRONTEND_GONE_GRACE_S`.
+    """
 
     def __init__(self, conn: Connection, rank: int) -> None:
         self.conn, self.rank = conn, rank
@@ -117,26 +128,48 @@ class Link:
 
     def set_phase(self, phase: str) -> None:
         """What the rank does now: a heartbeat says it at once (`Heartbeat.phase`), so that
-        the frontend knows this rank reached its group's first collective before any peer
-        can pass it (`RankMessages._loading_laggards`).
+        the frontend knows this rank reached a wait for its group before any peer can pass
+        it (`RankMessages._loading_laggards`).
 
         Raises:
             OSError: the connection to the frontend is gone.
         """
-        self.phase = phase
+        with self._lock:
+            self.phase = phase
+            self._send_heartbeat()
+
+    def _send_heartbeat(self) -> None:
+        """Send a heartbeat of the current phase; called holding the lock, so that no
+        heartbeat of an older phase follows one of a newer (the frontend counts the rank's
+        waits for its group by the changes of phase: `RankHandle.waits`)."""
         counters = self.counters() if self.counters is not None else {}
-        self.send(msg.Heartbeat(self.rank, self.step_id, phase, counters))
+        self.conn.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
 
     def start_heartbeat(self) -> None:
         def beat():
             while not self._stop.wait(msg.HEARTBEAT_S):
                 try:
-                    counters = self.counters() if self.counters is not None else {}
-                    self.send(msg.Heartbeat(self.rank, self.step_id, self.phase, counters))
+                    with self._lock:
+                        self._send_heartbeat()
                 except OSError:
+                    self._leave_unless_stopped()
                     return
 
         threading.Thread(target=beat, name="batchgen-heartbeat", daemon=True).start()
+
+    def _leave_unless_stopped(self) -> None:
+        """The frontend is gone: give the rank `FRONTEND_GONE_GRACE_S` to stop by itself,
+        then end the process (exit code 1; see the class docstring)."""
+        if self._stop.wait(FRONTEND_GONE_GRACE_S):
+            return
+        logger.error(
+            "rank %d: the frontend is gone and this rank is still %s %.0f s later (blocked); "
+            "exiting",
+            self.rank,
+            self.phase,
+            FRONTEND_GONE_GRACE_S,
+        )
+        os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()

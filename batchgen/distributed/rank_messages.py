@@ -4,7 +4,8 @@ failures are found (a closed connection, `Failed`, a rank silent for ``distribut
 a rank that holds up its group's start: see `rank_set`'s docstring).
 
 It uses `RankSet`'s ``ranks``, ``parallel``, ``failure``, ``_inbox``, ``_held``, ``_joining``,
-``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and ``_fail_with``.
+``start_took``, ``_take_joining`` and ``_joined_again``, and `RankFailures`' ``_fail`` and
+``_fail_with``.
 """
 
 from __future__ import annotations
@@ -114,43 +115,74 @@ class RankMessages:
         return timeout
 
     def _loading_laggards(self, now: float) -> list[tuple[RankHandle, str]]:
-        """Ranks that hold up their expert-parallel group's start: still loading (no
-        `WAITING_FOR_PEERS` heard from them) while a peer has waited for them longer than
-        ``max(distributed_timeout_s, STARTING_SILENCE_S, the time that peer took to load)``.
+        """Ranks that hold up the start: not ready yet while a rank ahead of them has been
+        ahead for longer than ``max(distributed_timeout_s, STARTING_SILENCE_S, the time it
+        took to get there)``. A rank is ahead when
 
-        A rank that hangs while loading but still heartbeats is not silent; without this its
-        peers would wait in their first collective for the rendezvous's timeout
-        (`groups.INIT_TIMEOUT_S`, 30 minutes). Ranks of a group load about the same weights
-        and KV cache, so one that takes more than twice as long as the first to finish (and
-        more than a minute longer) is named. Returns (rank, why) pairs."""
+        - a peer of their expert-parallel group waits for them (it reports `WAITING_FOR_PEERS`
+          in a wait they have not begun, `RankHandle.waits`: the rendezvous, the all-to-all's
+          setup, the end of the start, `RankContext.wait_for_peers`), or
+        - a rank set up with them (the first start, or a restart group started again) has been
+          ready: the frontend waits for every rank's `Ready`, so this bounds the start where
+          no collective waits for them (experts replicated, or their whole group hangs), or
+        - with none of those (all of them hang) and an earlier start of every rank to go by
+          (ranks started again after a failure), that start's slowest rank: it is taken as
+          ahead from their `Setup` plus its time (`RankSet.start_took`).
+
+        A rank that hangs while starting but still heartbeats is not silent; without this its
+        peers would wait at the rendezvous or in a start-up collective for the rendezvous's
+        timeout (`groups.INIT_TIMEOUT_S`, 30 minutes), and the frontend for ever. Ranks load
+        about the same weights and KV cache, so one that takes more than twice as long as
+        the first to get there (and more than a minute longer) is named. Returns (rank, why)
+        pairs."""
         if self.failure is not None:
             return []
         layout = self._joining.layout
         live = {r.rank: r for r in self.ranks if not r.retired and r.conn is not None}
         out = []
         for rank in live.values():
-            if rank.ready_at is not None or rank.waiting_since is not None:
-                continue
-            peers = [
-                live[m]
+            if rank.ready_at is not None or rank.phase == msg.WAITING_FOR_PEERS:
+                continue  # started, or blocked in a wait itself: its peers are not ahead
+            ahead = [  # (a rank ahead, since when, what it did then)
+                (
+                    live[m],
+                    live[m].waiting_since,
+                    " of its expert-parallel group began waiting for it",
+                )
                 for m in layout.restart_group(rank.rank)
-                if m in live and live[m].phase == msg.WAITING_FOR_PEERS
-                and live[m].waiting_since is not None and live[m].set_up_at is not None
+                if m in live
+                and live[m].phase == msg.WAITING_FOR_PEERS
+                and live[m].waits > rank.waits
+                and live[m].set_up_at is not None
             ]
-            if not peers:
+            ahead += [
+                (r, r.ready_at, " was ready")
+                for r in live.values()
+                if r.ready_at is not None
+                and rank.set_up_at is not None
+                and r.set_up_at == rank.set_up_at
+            ]
+            if ahead:
+                first, since, what = min(ahead, key=lambda a: a[1])
+                took = since - first.set_up_at
+                after = f"after rank {first.rank}{what}, {took:.0f} s into its start"
+            elif self.start_took is not None and rank.set_up_at is not None:
+                took = self.start_took
+                since = rank.set_up_at + took
+                after = f"longer than the job's last start took ({took:.0f} s)"
+            else:
                 continue
-            first = min(peers, key=lambda p: p.waiting_since)
-            took = first.waiting_since - first.set_up_at
             bound = max(self.parallel.distributed_timeout_s, STARTING_SILENCE_S, took)
-            lag = now - first.waiting_since
-            if lag > bound:
-                out.append((rank, (
-                    f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s after "
-                    f"rank {first.rank} of its expert-parallel group finished loading in "
-                    f"{took:.0f} s and began waiting for it (a rank may lag the first by "
-                    f"max(distributed_timeout_s, {STARTING_SILENCE_S:.0f} s, the first's "
-                    f"load time) = {bound:.0f} s): stuck while loading"
-                )))
+            lag = now - since
+            if lag <= bound:
+                continue
+            why = (
+                f"rank {rank.rank} ({where(rank)}) still {rank.phase} {lag:.0f} s {after} (a "
+                f"rank may lag the first by max(distributed_timeout_s, "
+                f"{STARTING_SILENCE_S:.0f} s, the first's time to get there) = {bound:.0f} s): "
+                "stuck, or too slow, while starting"
+            )
+            out.append((rank, why))
         return out
 
     def _sort(self, rank: RankHandle, message, broken: list, failed: list, got: list) -> None:

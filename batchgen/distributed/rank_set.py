@@ -10,7 +10,10 @@ way messages come in, and it is where failures are found:
 - a rank that sends `Failed` reports its own error (often a peer's death seen from a
   collective), so the dead and the stuck are named before it;
 - a rank silent for ``distributed_timeout_s`` (it heartbeats every `HEARTBEAT_S`, even
-  mid-step) is reported stuck, with the step and phase it was last seen in.
+  mid-step) is reported stuck, with the step and phase it was last seen in;
+- a rank still starting (heartbeating) that holds up the start, as its group's ranks wait for
+  it or the ranks set up with it are ready, is reported stuck, or too slow, while starting
+  (`RankMessages._loading_laggards`).
 
 Every failure raises `RankFailedError` and stops the remaining ranks, or, for elastic recovery,
 only the restart groups of the ranks at fault (`replace` starts them again, and `receive` takes
@@ -50,15 +53,25 @@ MIN_CONNECT_TIMEOUT_S = STARTING_SILENCE_S
 
 
 class RankSet(RankMessages, RankFailures):
-    """Start ``parallel.data_parallel_size`` ranks and hand them ``config``.
+    """Start ``parallel.data_parallel_size`` ranks and hand them ``config``. ``start_took``:
+    seconds an earlier start of the same job took (when every rank starts again after a
+    failure), the bound of this start when all its ranks hang (`start_took` below).
 
     Raises:
         ValueError: ranks expected from elsewhere without ``$BATCHGEN_DP_AUTHKEY``.
         RankFailedError: a rank failed or did not connect while starting.
     """
 
-    def __init__(self, config: EngineConfig, parallel: ParallelConfig) -> None:
+    # Seconds the last start of every rank took (its slowest rank, from `Setup` to `Ready`):
+    # how long ranks started again may take, when none started with them is ahead
+    # (`RankMessages._loading_laggards`).
+    start_took: float | None = None
+
+    def __init__(
+        self, config: EngineConfig, parallel: ParallelConfig, start_took: float | None = None
+    ) -> None:
         self.config, self.parallel = config, parallel
+        self.start_took = start_took
         self.ranks: list[RankHandle] = []
         self._inbox: queue.Queue = queue.Queue()  # (RankHandle, message or CLOSED)
         self._held: list[tuple[RankHandle, object]] = []  # for the next `receive`
@@ -159,7 +172,9 @@ class RankSet(RankMessages, RankFailures):
         self.ranks.extend(handle for handle, _, _ in joined.values())
         self.ranks.sort(key=lambda r: r.rank)
         self._set_up(joined)
-        return self._wait_ready(self.ranks)
+        ready = self._wait_ready(self.ranks)
+        self.start_took = max(r.ready_at - r.set_up_at for r in self.ranks)
+        return ready
 
     def _connect_timeout(self) -> float:
         return max(self.parallel.distributed_timeout_s, MIN_CONNECT_TIMEOUT_S)
@@ -174,8 +189,9 @@ class RankSet(RankMessages, RankFailures):
     def _set_up(self, joined: dict[int, tuple[RankHandle, msg.Hello, str]]) -> None:
         """Start the mailboxes of the ranks that just joined and send them `Setup`."""
         worlds = self._worlds(joined)
+        now = time.monotonic()  # one time for all: ranks set up together are compared
         for r, (rank, _, _) in sorted(joined.items()):
-            rank.last_seen = rank.set_up_at = time.monotonic()
+            rank.last_seen = rank.set_up_at = now
             rank.mailbox = Mailbox(rank, rank.conn, self._inbox, rank.note)
             init_method, world_ranks = worlds[r]
             rank.mailbox.send(

@@ -130,7 +130,9 @@ class RankLoop:
             index = launch.local_rank if launch.cuda_device is None else launch.cuda_device
             device = torch.device("cuda", index)
         layout = resolve_layout(setup.parallel)
-        link.phase = "joining"
+        # The rendezvous waits for every rank of the world: a rank that hangs before it (a
+        # device that does not initialise) is named by the frontend, as one that hangs later.
+        link.set_phase(msg.WAITING_FOR_PEERS)
         groups = init_process_groups(
             launch.rank,
             layout,
@@ -139,10 +141,9 @@ class RankLoop:
             setup.parallel.distributed_timeout_s,
             setup.world_ranks,
         )
-        link.phase = "loading"
-        self.engine = LLMEngine(
-            setup.engine, RankContext(groups, setup.parallel, device, link.set_phase)
-        )
+        link.set_phase("loading")
+        context = RankContext(groups, setup.parallel, device, link.set_phase)
+        self.engine = LLMEngine(setup.engine, context)
         for update in setup.weight_updates:  # a rank started again runs the current weights
             apply_update(self.engine, update)
         # Ranks step together only when the model has collectives (sharded experts).
@@ -151,6 +152,8 @@ class RankLoop:
             if groups.control is not None and self.engine.expert_parallel is not None
             else None
         )
+        if self.control is not None:
+            context.wait_for_group()  # the first control exchange must not wait for a peer
         self.shutdown = False
         self.rebalance_interval = setup.parallel.straggler_rebalance_interval_steps
         ep = self.engine.expert_parallel
