@@ -232,5 +232,7 @@ def test_llm_accepts_vllms_tensor_parallel_size_1_and_refuses_others():
             "enable_expert_parallel=True (data-parallel attention, the experts sharded over "
             "the ranks: docs/distributed.md)"
         )
-    with pytest.raises(ValueError, match=r"unknown LLM arguments \['pipeline_parallel_size'\]"):
+    # vLLM's pipeline_parallel_size: 1 is a no-op too, others are refused with the reason
+    _resolve_configs(None, None, {"pipeline_parallel_size": 1})
+    with pytest.raises(ValueError, match=r"vLLM's pipeline_parallel_size=2 is not taken by Batch"):
         LLM(pipeline_parallel_size=2)
