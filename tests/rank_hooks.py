@@ -94,3 +94,23 @@ def slow_rank_start(
 def slow_model_load(tmp_path, monkeypatch, seconds: float, rank: int | None = None) -> None:
     """`slow_rank_start` at the model load."""
     slow_rank_start(tmp_path, monkeypatch, seconds, rank, "load")
+
+
+def assert_no_ranks_left(before: set[int], wait_s: float = 30.0) -> None:
+    """Wait up to ``wait_s`` for every child process of this test started since ``before``
+    (pids) to end; fail naming those still running (zombies count as ended)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"ranks left running: {left}"

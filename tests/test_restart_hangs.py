@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from rank_hooks import slow_rank_start
+from rank_hooks import assert_no_ranks_left, slow_rank_start
 from test_distributed_faults import _drain, _greedy
 
 import batchgen.distributed.rank_messages as rank_messages
@@ -65,14 +65,4 @@ def test_a_restart_whose_ranks_all_hang_ends_within_the_budget(
         assert time.monotonic() - killed < 2 * took + 60
     finally:
         llm.shutdown()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        left = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        if not left:
-            break
-        time.sleep(0.5)
-    assert not left, f"ranks left running: {left}"
+    assert_no_ranks_left(before)

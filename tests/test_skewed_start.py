@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 from dist_helpers import free_port
-from rank_hooks import slow_rank_start
+from rank_hooks import assert_no_ranks_left, slow_rank_start
 from test_partial_recovery import _rank_set
 
 from batchgen import LLM, SamplingParams
@@ -295,17 +295,7 @@ def test_a_rank_that_hangs_while_loading_fails_the_start_naming_it(
         )
     assert time.monotonic() - started < 120
     assert caught.value.ranks == [1] and caught.value.recoverable
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        left = [
-            p
-            for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        ]
-        if not left:
-            break
-        time.sleep(0.5)
-    assert not left, f"ranks left running: {left}"
+    assert_no_ranks_left(before)
 
 
 @pytest.mark.timeout(240)
